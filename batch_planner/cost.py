@@ -1,0 +1,149 @@
+"""The cost model, plan statistics and the static-CP comparison estimate (docs/cost-model.md).
+
+A deliberately simple model: it ranks plans, it does not predict wall-clock time to the millisecond.
+For a sample of real length L, padded length P, on a CP group of size c, one rank of the group pays
+
+    token term      seconds_per_token * P / c
+    attention term  seconds_per_attention_token_pair * L^2 / c
+    CP comm term    cp_seconds_per_token * P * (c - 1) / c          (c > 1 only)
+    CP fixed term   cp_seconds_per_micro_batch                       (c > 1 only)
+
+The fixed CP term is paid once per forward pass over the group: once per sample under hybrid CP
+(each sample of a group is its own pass), once per micro-batch under the packing schedulers. A
+micro-batch lasts as long as its slowest rank (ranks meet at a barrier); a step is the sum of its
+micro-batches. The lower bound is the total CP1 work spread evenly over all DPxCP ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Iterable, Sequence
+
+from batch_planner.padding import padded_length
+from batch_planner.plan import CpGroup, MicroBatch, PlanStatistics
+from batch_planner.request import CapacityBound, CpLayout, PlanRequest
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Coefficients in seconds. Defaults: see docs/cost-model.md for where they come from."""
+
+    seconds_per_token: float = 1.0e-7
+    seconds_per_attention_token_pair: float = 9.0e-12
+    cp_seconds_per_micro_batch: float = 3.75e-3
+    cp_seconds_per_token: float = 1.0e-8
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not value >= 0.0 or value == float("inf"):
+                raise ValueError(f"cost model coefficient {f.name} must be a finite number >= 0, got {value!r}")
+
+    def sample_rank_seconds(self, length: int, cp_size: int, tp: int, layout: CpLayout) -> float:
+        """One rank's share of one sample, without the fixed per-pass CP term."""
+        padded = padded_length(length, cp_size, tp, layout)
+        seconds = (
+            self.seconds_per_token * padded / cp_size
+            + self.seconds_per_attention_token_pair * float(length) * length / cp_size
+        )
+        if cp_size > 1:
+            seconds += self.cp_seconds_per_token * padded * (cp_size - 1) / cp_size
+        return seconds
+
+    def group_seconds(
+        self, lengths: Sequence[int], cp_size: int, tp: int, layout: CpLayout, packed: bool
+    ) -> float:
+        seconds = sum(self.sample_rank_seconds(length, cp_size, tp, layout) for length in lengths)
+        if cp_size > 1:
+            passes = 1 if packed else len(lengths)
+            seconds += self.cp_seconds_per_micro_batch * passes
+        return seconds
+
+    def single_rank_work(self, lengths: Iterable[int]) -> float:
+        return sum(
+            self.seconds_per_token * length + self.seconds_per_attention_token_pair * float(length) * length
+            for length in lengths
+        )
+
+
+def step_cost(
+    micro_batches: Sequence[MicroBatch], request: PlanRequest, model: CostModel, packed: bool
+) -> float:
+    lengths = request.sequence_lengths
+    total = 0.0
+    for micro_batch in micro_batches:
+        total += max(
+            (
+                model.group_seconds(
+                    [lengths[i] for i in group.sample_ids],
+                    group.size,
+                    request.tensor_parallel_size,
+                    request.cp_layout,
+                    packed,
+                )
+                for group in micro_batch.cp_groups
+            ),
+            default=0.0,
+        )
+    return total
+
+
+def static_cp_step_cost(request: PlanRequest, model: CostModel) -> float:
+    """The same batch under static CP at the job's CP size: a comparison estimate, not a plan.
+
+    Every sample is split over the static CP group; samples are packed in their original order up
+    to the per-replica budget (max_seqlen_per_dp_cp_rank * CP); pack k runs on DP replica k % DP,
+    and a micro-batch is one pack per replica.
+    """
+    cp = request.context_parallel_size
+    budget = request.max_seqlen_per_dp_cp_rank * cp
+    packs: list[list[int]] = []
+    current: list[int] = []
+    current_tokens = 0
+    for length in request.sequence_lengths:
+        if current and current_tokens + length > budget:
+            packs.append(current)
+            current, current_tokens = [], 0
+        current.append(length)
+        current_tokens += length
+    if current:
+        packs.append(current)
+    dp = request.data_parallel_size
+    total = 0.0
+    for start in range(0, len(packs), dp):
+        total += max(
+            model.group_seconds(pack, cp, request.tensor_parallel_size, request.cp_layout, packed=True)
+            for pack in packs[start : start + dp]
+        )
+    return total
+
+
+def plan_statistics(
+    micro_batches: Sequence[MicroBatch],
+    request: PlanRequest,
+    capacity_bound: CapacityBound,
+    model: CostModel,
+) -> PlanStatistics:
+    groups: list[CpGroup] = [g for mb in micro_batches for g in mb.cp_groups]
+    real = sum(g.real_tokens for g in groups)
+    padded = sum(g.padded_tokens for g in groups)
+    mix: dict[int, list[int]] = {}
+    for group in groups:
+        entry = mix.setdefault(group.size, [0, 0])
+        entry[0] += len(group.sample_ids)
+        entry[1] += group.real_tokens
+    predicted = step_cost(micro_batches, request, model, packed=capacity_bound is CapacityBound.PER_RANK_SUM)
+    lower_bound = model.single_rank_work(request.sequence_lengths) / request.dp_cp_size
+    static = static_cp_step_cost(request, model)
+    return PlanStatistics(
+        real_tokens=real,
+        padded_tokens=padded,
+        padding_ratio=(padded - real) / padded if padded else 0.0,
+        micro_batch_count=len(micro_batches),
+        cp_size_mix=tuple((size, n, tokens) for size, (n, tokens) in sorted(mix.items())),
+        predicted_step_cost=predicted,
+        lower_bound_cost=lower_bound,
+        balance_efficiency=lower_bound / predicted if predicted > 0 else 1.0,
+        static_cp_step_cost=static,
+        predicted_speedup_over_static_cp=static / predicted if predicted > 0 else 1.0,
+    )

@@ -1,0 +1,175 @@
+"""Plan and CP-group types, and the plan invariants checked before a plan leaves the planner."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from batch_planner.errors import InvariantViolationError
+from batch_planner.padding import padded_length
+from batch_planner.request import CapacityBound, CpLayout, PlanRequest, SchedulerKind
+
+
+@dataclass(frozen=True)
+class CpGroup:
+    """Ranks [first_rank, first_rank + size) run `sample_ids`, each split `size` ways."""
+
+    first_rank: int
+    size: int
+    sample_ids: tuple[int, ...]
+    real_tokens: int
+    padded_tokens: int
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.size)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    cp_groups: tuple[CpGroup, ...]
+
+    def group_of_rank(self, rank: int) -> CpGroup:
+        for group in self.cp_groups:
+            if group.first_rank <= rank < group.first_rank + group.size:
+                return group
+        raise KeyError(f"rank {rank} is in no CP group of this micro-batch")
+
+
+@dataclass(frozen=True)
+class PlanStatistics:
+    real_tokens: int
+    padded_tokens: int
+    padding_ratio: float
+    micro_batch_count: int
+    cp_size_mix: tuple[tuple[int, int, int], ...]  # (cp_size, samples, real_tokens), by cp_size
+    predicted_step_cost: float
+    lower_bound_cost: float
+    balance_efficiency: float
+    static_cp_step_cost: float
+    predicted_speedup_over_static_cp: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    plan_id: str
+    scheduler: SchedulerKind
+    scheduler_class: str
+    megatron_core_version: str
+    dp_cp_size: int
+    tensor_parallel_size: int
+    cp_layout: CpLayout
+    capacity_bound: CapacityBound
+    micro_batches: tuple[MicroBatch, ...]
+    statistics: PlanStatistics | None = field(default=None, compare=False)
+
+    def sample_cp_sizes(self) -> dict[int, int]:
+        """Sample id -> the local CP size it runs with."""
+        return {
+            sample_id: group.size
+            for micro_batch in self.micro_batches
+            for group in micro_batch.cp_groups
+            for sample_id in group.sample_ids
+        }
+
+
+def groups_from_rank_assignment(
+    rank_sample_ids: list[list[int]],
+    sequence_lengths: tuple[int, ...],
+    tensor_parallel_size: int,
+    cp_layout: CpLayout,
+) -> tuple[CpGroup, ...]:
+    """Turns one micro-batch of `sample_id_groups[mb][rank] -> ids` into CP groups.
+
+    Ranks that hold an identical id list form one CP group (design: output of the schedulers).
+    Only adjacent equal lists are merged; a non-contiguous group shows up as two groups with the
+    same samples, which the invariant check then reports.
+    """
+    groups: list[CpGroup] = []
+    rank = 0
+    while rank < len(rank_sample_ids):
+        ids = tuple(int(i) for i in rank_sample_ids[rank])
+        end = rank + 1
+        while end < len(rank_sample_ids) and tuple(rank_sample_ids[end]) == ids:
+            end += 1
+        size = end - rank
+        real = sum(sequence_lengths[i] for i in ids if 0 <= i < len(sequence_lengths))
+        padded = sum(
+            padded_length(sequence_lengths[i], size, tensor_parallel_size, cp_layout)
+            for i in ids
+            if 0 <= i < len(sequence_lengths)
+        )
+        groups.append(CpGroup(rank, size, ids, real, padded))
+        rank = end
+    return tuple(groups)
+
+
+def check_plan_invariants(
+    plan: Plan, request: PlanRequest, valid_cp_sizes: frozenset[int]
+) -> None:
+    """Raises InvariantViolationError naming the first invariant (design: 1-4) the plan breaks."""
+    num_samples = request.num_samples
+    seen: Counter[int] = Counter()
+    for mb_index, micro_batch in enumerate(plan.micro_batches):
+        covered = 0
+        for group in micro_batch.cp_groups:
+            where = f"micro-batch {mb_index}, CP group at rank {group.first_rank}"
+            # Invariant 2: every rank in exactly one group, no idle rank.
+            if group.first_rank != covered:
+                raise InvariantViolationError(
+                    "2", f"{where}: expected a group starting at rank {covered}"
+                )
+            if not group.sample_ids:
+                raise InvariantViolationError(
+                    "2", f"{where}: ranks {group.first_rank}..{group.first_rank + group.size - 1} are idle"
+                )
+            covered += group.size
+            # Invariant 3: aligned, buildable group size.
+            if group.size not in valid_cp_sizes:
+                raise InvariantViolationError(
+                    "3",
+                    f"{where}: size {group.size} has no Megatron-Core process group "
+                    f"(buildable sizes: {sorted(valid_cp_sizes)})",
+                )
+            if group.first_rank % group.size != 0:
+                raise InvariantViolationError(
+                    "3", f"{where}: first rank is not a multiple of the group size {group.size}"
+                )
+            for sample_id in group.sample_ids:
+                if not 0 <= sample_id < num_samples:
+                    raise InvariantViolationError(
+                        "1", f"{where}: sample id {sample_id} is not in the request (0..{num_samples - 1})"
+                    )
+                seen[sample_id] += 1
+            # Invariant 4: capacity, in the reading that matches execution.
+            shards = [
+                padded_length(request.sequence_lengths[i], group.size, request.tensor_parallel_size, request.cp_layout)
+                // group.size
+                for i in group.sample_ids
+            ]
+            limit = request.max_seqlen_per_dp_cp_rank
+            packed = plan.capacity_bound is CapacityBound.PER_RANK_SUM
+            load = sum(shards) if packed else max(shards)
+            slack = _padding_unit(group.size, request) * (len(shards) if packed else 1)
+            if load > limit + slack:
+                raise InvariantViolationError(
+                    "4",
+                    f"{where}: {load} tokens per rank ({plan.capacity_bound.value} bound) exceed "
+                    f"max_seqlen_per_dp_cp_rank={limit}",
+                )
+        if covered != plan.dp_cp_size:
+            raise InvariantViolationError(
+                "2", f"micro-batch {mb_index}: groups cover ranks 0..{covered - 1}, plan has {plan.dp_cp_size}"
+            )
+    duplicated = sorted(i for i, n in seen.items() if n > 1)
+    if duplicated:
+        raise InvariantViolationError("1", f"sample ids {duplicated[:10]} appear more than once")
+    missing = sorted(set(range(num_samples)) - set(seen))
+    if missing:
+        raise InvariantViolationError("1", f"sample ids {missing[:10]} are in no CP group ({len(missing)} missing)")
+
+
+def _padding_unit(cp_size: int, request: PlanRequest) -> int:
+    # The schedulers budget in real tokens; THD/CP padding adds less than one alignment unit to
+    # each shard. Allow exactly that, no more ("about L/c tokens after padding").
+    return request.tensor_parallel_size * (2 if request.cp_layout is CpLayout.ZIGZAG and cp_size > 1 else 1)

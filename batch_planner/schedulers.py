@@ -1,0 +1,202 @@
+"""Discovery of, and a thin adapter over, Megatron-Core's schedulers.
+
+We never re-implement the scheduling algorithm: this module imports Megatron-Core's classes,
+calls them, and turns their output `sample_id_groups[micro_batch][dp_cp_rank] -> [sample ids]`
+into CP groups. Everything a scheduler cannot take is rejected earlier, in validation.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+from batch_planner.errors import SchedulerFailedError, SchedulerUnavailableError
+from batch_planner.request import CapacityBound, PlanRequest, SchedulerKind
+
+log = logging.getLogger(__name__)
+
+RankAssignment = list[list[list[int]]]  # [micro_batch][dp_cp_rank] -> sample ids
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    kind: SchedulerKind
+    module: str
+    class_name: str
+    capacity_bound: CapacityBound
+    needs: str  # which Megatron-Core provides it, for the FAILED_PRECONDITION message
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.module}.{self.class_name}"
+
+
+SCHEDULER_SPECS: dict[SchedulerKind, SchedulerSpec] = {
+    SchedulerKind.HYBRID_CP: SchedulerSpec(
+        SchedulerKind.HYBRID_CP,
+        "megatron.core.pipeline_parallel.hybrid_cp_schedule",
+        "BalancedCPScheduler",
+        CapacityBound.PER_SAMPLE,
+        "megatron-core >= 0.15 (PyPI releases, e.g. 0.19.2)",
+    ),
+    SchedulerKind.DYNAMIC_CP: SchedulerSpec(
+        SchedulerKind.DYNAMIC_CP,
+        "megatron.core.datasets.data_schedule",
+        "DefaultDynamicCPScheduler",
+        CapacityBound.PER_RANK_SUM,
+        "a Megatron-Core built from the Megatron-LM dev branch (PR #5154); no PyPI release has it yet",
+    ),
+    SchedulerKind.STATIC_PACKING: SchedulerSpec(
+        SchedulerKind.STATIC_PACKING,
+        "megatron.core.datasets.data_schedule",
+        "DpBalancedScheduler",
+        CapacityBound.PER_RANK_SUM,
+        "a Megatron-Core built from the Megatron-LM dev branch; 0.19.x releases lack it",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class SchedulerAvailability:
+    spec: SchedulerSpec
+    available: bool
+    reason: str  # empty when available
+
+
+def _quiet_import(module: str):
+    # Megatron-Core warns at import about optional accelerators (Transformer Engine, Apex) that a
+    # CPU planner never uses; keep the planner's log for things an operator must act on.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return importlib.import_module(module)
+
+
+@lru_cache(maxsize=1)
+def megatron_core_version() -> str:
+    try:
+        return _quiet_import("megatron.core.package_info").__version__
+    except Exception as exc:  # noqa: BLE001 - report, never crash, when Megatron-Core is broken
+        return f"unavailable ({type(exc).__name__}: {exc})"
+
+
+@lru_cache(maxsize=None)
+def _load_class(kind: SchedulerKind):
+    spec = SCHEDULER_SPECS[kind]
+    module = _quiet_import(spec.module)
+    return getattr(module, spec.class_name)
+
+
+@lru_cache(maxsize=1)
+def discover_schedulers() -> dict[SchedulerKind, SchedulerAvailability]:
+    """Which of Megatron-Core's schedulers the installed release provides."""
+    found: dict[SchedulerKind, SchedulerAvailability] = {}
+    version = megatron_core_version()
+    for kind, spec in SCHEDULER_SPECS.items():
+        try:
+            _load_class(kind)
+            found[kind] = SchedulerAvailability(spec, True, "")
+        except Exception as exc:  # noqa: BLE001 - ImportError, AttributeError or a broken install
+            reason = (
+                f"{spec.qualified_name} is not in the installed Megatron-Core {version} "
+                f"({type(exc).__name__}); it needs {spec.needs}"
+            )
+            found[kind] = SchedulerAvailability(spec, False, reason)
+    return found
+
+
+def require_scheduler(kind: SchedulerKind) -> SchedulerSpec:
+    availability = discover_schedulers()[kind]
+    if not availability.available:
+        raise SchedulerUnavailableError(f"scheduler {kind.value!r} is unavailable: {availability.reason}", field="scheduler")
+    return availability.spec
+
+
+def valid_cp_sizes(kind: SchedulerKind, dp_cp_size: int, context_parallel_size: int, min_cp_size: int | None) -> frozenset[int]:
+    """CP group sizes Megatron-Core's parallel_state can build a process group for.
+
+    Hybrid CP (0.19): powers of two 2..dp_cp/2 plus the whole DPxCP group, and 1 (no group).
+    Dynamic CP (dev): powers of two from min_cp_size up to the whole group.
+    Static packing: exactly the job's CP size.
+    """
+    if kind is SchedulerKind.STATIC_PACKING:
+        return frozenset({context_parallel_size})
+    powers = {2**i for i in range(int(math.log2(dp_cp_size)) + 1)} | {dp_cp_size}
+    if kind is SchedulerKind.DYNAMIC_CP and min_cp_size:
+        powers = {p for p in powers if p >= min_cp_size}
+    return frozenset(powers)
+
+
+class _DpCpGroupSize:
+    """What BalancedCPScheduler reads from its `dp_cp_group` argument: only `.size()`.
+
+    The planner plans for a job whose ranks live elsewhere, so no process group of that size
+    exists here; the scheduler's constructor only asks the group for its size.
+    """
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def _run_hybrid_cp(cls, request: PlanRequest, seqlens: list[tuple[int, int]]) -> RankAssignment:
+    scheduler = cls(request.max_seqlen_per_dp_cp_rank, _DpCpGroupSize(request.dp_cp_size))
+    _, sample_id_groups = scheduler.get_groups_and_subsamples(seqlens, None)
+    return sample_id_groups
+
+
+def _run_dynamic_cp(cls, request: PlanRequest, seqlens: list[tuple[int, int]]) -> RankAssignment:
+    scheduler = cls(
+        request.max_seqlen_per_dp_cp_rank,
+        request.context_parallel_size,
+        request.data_parallel_size,
+        request.micro_batch_group_size,
+        min_cp_size=request.min_cp_size or 1,
+    )
+    return scheduler.get_groups_and_subsamples(seqlens)
+
+
+def _run_static_packing(cls, request: PlanRequest, seqlens: list[tuple[int, int]]) -> RankAssignment:
+    scheduler = cls(
+        request.max_seqlen_per_dp_cp_rank,
+        request.context_parallel_size,
+        request.data_parallel_size,
+        request.micro_batch_group_size,
+        max_num_seqs=request.max_seqs_per_micro_batch,
+    )
+    groups = scheduler.get_groups_and_subsamples(seqlens)
+    # DpBalancedScheduler returns positions in the list it was given, not the ids in it.
+    return [[[seqlens[pos][0] for pos in rank_ids] for rank_ids in mb] for mb in groups]
+
+
+_RUNNERS: dict[SchedulerKind, Callable[..., RankAssignment]] = {
+    SchedulerKind.HYBRID_CP: _run_hybrid_cp,
+    SchedulerKind.DYNAMIC_CP: _run_dynamic_cp,
+    SchedulerKind.STATIC_PACKING: _run_static_packing,
+}
+
+
+def run_scheduler(request: PlanRequest) -> RankAssignment:
+    """Calls Megatron-Core's scheduler on a validated request.
+
+    Any upstream exception becomes a SchedulerFailedError naming the scheduler and the error,
+    never a stack trace to the caller (the server logs the trace).
+    """
+    spec = require_scheduler(request.scheduler)
+    cls = _load_class(request.scheduler)
+    seqlens = [(sample_id, int(length)) for sample_id, length in enumerate(request.sequence_lengths)]
+    try:
+        return _RUNNERS[request.scheduler](cls, request, seqlens)
+    except Exception as exc:  # noqa: BLE001 - translate every upstream failure
+        log.exception("Megatron-Core %s failed on a validated request", spec.class_name)
+        raise SchedulerFailedError(
+            f"Megatron-Core {spec.class_name} ({megatron_core_version()}) failed on this batch: "
+            f"{type(exc).__name__}: {exc or '(no message)'}",
+            field="scheduler",
+        ) from exc

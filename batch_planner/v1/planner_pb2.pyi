@@ -1,0 +1,203 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Scheduler(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SCHEDULER_UNSPECIFIED: _ClassVar[Scheduler]
+    SCHEDULER_HYBRID_CP: _ClassVar[Scheduler]
+    SCHEDULER_DYNAMIC_CP: _ClassVar[Scheduler]
+    SCHEDULER_STATIC_PACKING: _ClassVar[Scheduler]
+
+class CpLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CP_LAYOUT_UNSPECIFIED: _ClassVar[CpLayout]
+    CP_LAYOUT_ZIGZAG: _ClassVar[CpLayout]
+    CP_LAYOUT_CONTIGUOUS: _ClassVar[CpLayout]
+
+class CapacityBound(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CAPACITY_BOUND_UNSPECIFIED: _ClassVar[CapacityBound]
+    CAPACITY_BOUND_PER_SAMPLE: _ClassVar[CapacityBound]
+    CAPACITY_BOUND_PER_RANK_SUM: _ClassVar[CapacityBound]
+SCHEDULER_UNSPECIFIED: Scheduler
+SCHEDULER_HYBRID_CP: Scheduler
+SCHEDULER_DYNAMIC_CP: Scheduler
+SCHEDULER_STATIC_PACKING: Scheduler
+CP_LAYOUT_UNSPECIFIED: CpLayout
+CP_LAYOUT_ZIGZAG: CpLayout
+CP_LAYOUT_CONTIGUOUS: CpLayout
+CAPACITY_BOUND_UNSPECIFIED: CapacityBound
+CAPACITY_BOUND_PER_SAMPLE: CapacityBound
+CAPACITY_BOUND_PER_RANK_SUM: CapacityBound
+
+class ParallelLayout(_message.Message):
+    __slots__ = ("data_parallel_size", "context_parallel_size", "tensor_parallel_size")
+    DATA_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    data_parallel_size: int
+    context_parallel_size: int
+    tensor_parallel_size: int
+    def __init__(self, data_parallel_size: _Optional[int] = ..., context_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+
+class PlanRequest(_message.Message):
+    __slots__ = ("sequence_lengths", "layout", "max_seqlen_per_dp_cp_rank", "scheduler", "cp_layout", "min_cp_size", "max_seqs_per_micro_batch", "micro_batch_group_size", "job")
+    SEQUENCE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQLEN_PER_DP_CP_RANK_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    CP_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MIN_CP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQS_PER_MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    sequence_lengths: _containers.RepeatedScalarFieldContainer[int]
+    layout: ParallelLayout
+    max_seqlen_per_dp_cp_rank: int
+    scheduler: Scheduler
+    cp_layout: CpLayout
+    min_cp_size: int
+    max_seqs_per_micro_batch: int
+    micro_batch_group_size: int
+    job: str
+    def __init__(self, sequence_lengths: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., max_seqlen_per_dp_cp_rank: _Optional[int] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., min_cp_size: _Optional[int] = ..., max_seqs_per_micro_batch: _Optional[int] = ..., micro_batch_group_size: _Optional[int] = ..., job: _Optional[str] = ...) -> None: ...
+
+class CpGroup(_message.Message):
+    __slots__ = ("first_rank", "size", "sample_ids", "real_tokens", "padded_tokens")
+    FIRST_RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    REAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PADDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    first_rank: int
+    size: int
+    sample_ids: _containers.RepeatedScalarFieldContainer[int]
+    real_tokens: int
+    padded_tokens: int
+    def __init__(self, first_rank: _Optional[int] = ..., size: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., real_tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ...) -> None: ...
+
+class MicroBatch(_message.Message):
+    __slots__ = ("cp_groups",)
+    CP_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    cp_groups: _containers.RepeatedCompositeFieldContainer[CpGroup]
+    def __init__(self, cp_groups: _Optional[_Iterable[_Union[CpGroup, _Mapping]]] = ...) -> None: ...
+
+class CpSizeCount(_message.Message):
+    __slots__ = ("cp_size", "samples", "real_tokens")
+    CP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cp_size: int
+    samples: int
+    real_tokens: int
+    def __init__(self, cp_size: _Optional[int] = ..., samples: _Optional[int] = ..., real_tokens: _Optional[int] = ...) -> None: ...
+
+class PlanStatistics(_message.Message):
+    __slots__ = ("real_tokens", "padded_tokens", "padding_ratio", "micro_batch_count", "cp_size_mix", "predicted_step_cost", "lower_bound_cost", "balance_efficiency", "static_cp_step_cost", "predicted_speedup_over_static_cp")
+    REAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PADDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PADDING_RATIO_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CP_SIZE_MIX_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STEP_COST_FIELD_NUMBER: _ClassVar[int]
+    LOWER_BOUND_COST_FIELD_NUMBER: _ClassVar[int]
+    BALANCE_EFFICIENCY_FIELD_NUMBER: _ClassVar[int]
+    STATIC_CP_STEP_COST_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_SPEEDUP_OVER_STATIC_CP_FIELD_NUMBER: _ClassVar[int]
+    real_tokens: int
+    padded_tokens: int
+    padding_ratio: float
+    micro_batch_count: int
+    cp_size_mix: _containers.RepeatedCompositeFieldContainer[CpSizeCount]
+    predicted_step_cost: float
+    lower_bound_cost: float
+    balance_efficiency: float
+    static_cp_step_cost: float
+    predicted_speedup_over_static_cp: float
+    def __init__(self, real_tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., padding_ratio: _Optional[float] = ..., micro_batch_count: _Optional[int] = ..., cp_size_mix: _Optional[_Iterable[_Union[CpSizeCount, _Mapping]]] = ..., predicted_step_cost: _Optional[float] = ..., lower_bound_cost: _Optional[float] = ..., balance_efficiency: _Optional[float] = ..., static_cp_step_cost: _Optional[float] = ..., predicted_speedup_over_static_cp: _Optional[float] = ...) -> None: ...
+
+class PlanResponse(_message.Message):
+    __slots__ = ("plan_id", "scheduler", "scheduler_class", "megatron_core_version", "micro_batches", "statistics", "capacity_bound", "dp_cp_size", "cp_layout", "tensor_parallel_size")
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_CLASS_FIELD_NUMBER: _ClassVar[int]
+    MEGATRON_CORE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    STATISTICS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BOUND_FIELD_NUMBER: _ClassVar[int]
+    DP_CP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CP_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    scheduler: Scheduler
+    scheduler_class: str
+    megatron_core_version: str
+    micro_batches: _containers.RepeatedCompositeFieldContainer[MicroBatch]
+    statistics: PlanStatistics
+    capacity_bound: CapacityBound
+    dp_cp_size: int
+    cp_layout: CpLayout
+    tensor_parallel_size: int
+    def __init__(self, plan_id: _Optional[str] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., scheduler_class: _Optional[str] = ..., megatron_core_version: _Optional[str] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., statistics: _Optional[_Union[PlanStatistics, _Mapping]] = ..., capacity_bound: _Optional[_Union[CapacityBound, str]] = ..., dp_cp_size: _Optional[int] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+
+class GetCapabilitiesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SchedulerInfo(_message.Message):
+    __slots__ = ("scheduler", "available", "megatron_core_class", "unavailable_reason")
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    MEGATRON_CORE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_REASON_FIELD_NUMBER: _ClassVar[int]
+    scheduler: Scheduler
+    available: bool
+    megatron_core_class: str
+    unavailable_reason: str
+    def __init__(self, scheduler: _Optional[_Union[Scheduler, str]] = ..., available: _Optional[bool] = ..., megatron_core_class: _Optional[str] = ..., unavailable_reason: _Optional[str] = ...) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_samples_per_request", "max_dp_cp_size", "max_sequence_length", "max_receive_message_bytes", "max_tensor_parallel_size")
+    MAX_SAMPLES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_DP_CP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_RECEIVE_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    max_samples_per_request: int
+    max_dp_cp_size: int
+    max_sequence_length: int
+    max_receive_message_bytes: int
+    max_tensor_parallel_size: int
+    def __init__(self, max_samples_per_request: _Optional[int] = ..., max_dp_cp_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_receive_message_bytes: _Optional[int] = ..., max_tensor_parallel_size: _Optional[int] = ...) -> None: ...
+
+class CostModelCoefficients(_message.Message):
+    __slots__ = ("seconds_per_token", "seconds_per_attention_token_pair", "cp_seconds_per_micro_batch", "cp_seconds_per_token")
+    SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_ATTENTION_TOKEN_PAIR_FIELD_NUMBER: _ClassVar[int]
+    CP_SECONDS_PER_MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    CP_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    seconds_per_token: float
+    seconds_per_attention_token_pair: float
+    cp_seconds_per_micro_batch: float
+    cp_seconds_per_token: float
+    def __init__(self, seconds_per_token: _Optional[float] = ..., seconds_per_attention_token_pair: _Optional[float] = ..., cp_seconds_per_micro_batch: _Optional[float] = ..., cp_seconds_per_token: _Optional[float] = ...) -> None: ...
+
+class Capabilities(_message.Message):
+    __slots__ = ("server_version", "megatron_core_version", "schedulers", "limits", "cost_model")
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEGATRON_CORE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULERS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    COST_MODEL_FIELD_NUMBER: _ClassVar[int]
+    server_version: str
+    megatron_core_version: str
+    schedulers: _containers.RepeatedCompositeFieldContainer[SchedulerInfo]
+    limits: Limits
+    cost_model: CostModelCoefficients
+    def __init__(self, server_version: _Optional[str] = ..., megatron_core_version: _Optional[str] = ..., schedulers: _Optional[_Iterable[_Union[SchedulerInfo, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., cost_model: _Optional[_Union[CostModelCoefficients, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,142 @@
+"""The one place that accepts or rejects a planning request.
+
+Every unsupported combination, every input that crashes or misleads Megatron-Core's schedulers
+(design: "What Megatron-Core does with bad or unusual input"), is rejected here, before any
+scheduler runs, with a message that names the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from batch_planner.errors import InvalidRequestError
+from batch_planner.request import PlanRequest, SchedulerKind
+from batch_planner.schedulers import require_scheduler
+
+JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one server accepts; configurable (planner-server --help)."""
+
+    max_samples_per_request: int = 16384
+    max_dp_cp_size: int = 1024
+    max_sequence_length: int = 4 * 1024 * 1024
+    max_tensor_parallel_size: int = 64
+    max_micro_batch_group_size: int = 64
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _reject(field: str, message: str) -> None:
+    raise InvalidRequestError(f"{field}: {message}", field=field)
+
+
+def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
+    """Raises InvalidRequestError (or SchedulerUnavailableError) for a request we must not plan."""
+    lengths = request.sequence_lengths
+    if not lengths:
+        _reject("sequence_lengths", "the batch is empty; send at least one sample length")
+    if len(lengths) > limits.max_samples_per_request:
+        _reject(
+            "sequence_lengths",
+            f"{len(lengths)} samples exceed this server's limit of {limits.max_samples_per_request} "
+            "per request; split the batch or raise --max-samples-per-request",
+        )
+    for name, value, upper in (
+        ("layout.data_parallel_size", request.data_parallel_size, limits.max_dp_cp_size),
+        ("layout.context_parallel_size", request.context_parallel_size, limits.max_dp_cp_size),
+        ("layout.tensor_parallel_size", request.tensor_parallel_size, limits.max_tensor_parallel_size),
+        ("max_seqlen_per_dp_cp_rank", request.max_seqlen_per_dp_cp_rank, limits.max_sequence_length),
+    ):
+        if not 1 <= value <= upper:
+            _reject(name, f"got {value}; allowed 1..{upper}")
+    dp_cp = request.dp_cp_size
+    if dp_cp > limits.max_dp_cp_size:
+        _reject(
+            "layout",
+            f"DPxCP = {request.data_parallel_size}x{request.context_parallel_size} = {dp_cp} ranks "
+            f"exceeds this server's limit of {limits.max_dp_cp_size}",
+        )
+    zero = next((i for i, length in enumerate(lengths) if length < 1), None)
+    if zero is not None:
+        _reject("sequence_lengths", f"sample {zero} has length {lengths[zero]}; every sample needs >= 1 token")
+    longest_id = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest_id] > limits.max_sequence_length:
+        _reject(
+            "sequence_lengths",
+            f"sample {longest_id} has length {lengths[longest_id]}; this server allows at most "
+            f"{limits.max_sequence_length} tokens per sample",
+        )
+    if request.job and not JOB_NAME_PATTERN.match(request.job):
+        _reject("job", f"{request.job[:80]!r} is not a job name: use 1-63 characters of [A-Za-z0-9_.-]")
+
+    kind = request.scheduler
+    if not isinstance(kind, SchedulerKind):
+        _reject("scheduler", f"{kind!r} is unknown; allowed: {', '.join(k.value for k in SchedulerKind)}")
+    _reject_unsupported_options(request, limits)
+    require_scheduler(kind)
+
+    if kind in (SchedulerKind.HYBRID_CP, SchedulerKind.DYNAMIC_CP):
+        # Odd sizes, 1, and even non-powers of two (10, 20, ...) crash or mislead the schedulers
+        # (IndexError while filling empty ranks) and have no matching Megatron-Core CP groups.
+        if dp_cp < 2 or not _is_power_of_two(dp_cp):
+            _reject(
+                "layout",
+                f"{kind.value} needs DPxCP to be a power of two >= 2; got "
+                f"{request.data_parallel_size}x{request.context_parallel_size} = {dp_cp}",
+            )
+        capacity, capacity_name = request.max_seqlen_per_dp_cp_rank * dp_cp, "max_seqlen_per_dp_cp_rank x DPxCP"
+    else:
+        capacity = request.max_seqlen_per_dp_cp_rank * request.context_parallel_size
+        capacity_name = "max_seqlen_per_dp_cp_rank x CP"
+        replicas_needed = request.data_parallel_size * (request.micro_batch_group_size or 1)
+        if len(lengths) < replicas_needed:
+            _reject(
+                "sequence_lengths",
+                f"static_packing needs at least DP x micro_batch_group_size = {replicas_needed} "
+                f"samples; got {len(lengths)}",
+            )
+    if lengths[longest_id] > capacity:
+        _reject(
+            "sequence_lengths",
+            f"sample {longest_id} has length {lengths[longest_id]}, more than {capacity_name} = "
+            f"{capacity} tokens that {kind.value} can hold; raise max_seqlen_per_dp_cp_rank "
+            "or drop the sample",
+        )
+
+
+def _reject_unsupported_options(request: PlanRequest, limits: RequestLimits) -> None:
+    kind = request.scheduler
+    if request.min_cp_size is not None:
+        if kind is not SchedulerKind.DYNAMIC_CP:
+            _reject("min_cp_size", f"only dynamic_cp takes a minimum CP size; leave it unset for {kind.value}")
+        if not _is_power_of_two(request.min_cp_size) or request.min_cp_size > request.dp_cp_size:
+            _reject(
+                "min_cp_size",
+                f"got {request.min_cp_size}; allowed: a power of two from 1 to DPxCP = {request.dp_cp_size}",
+            )
+    if request.max_seqs_per_micro_batch is not None:
+        if kind is not SchedulerKind.STATIC_PACKING:
+            _reject(
+                "max_seqs_per_micro_batch",
+                f"only static_packing caps sequences per micro-batch; leave it unset for {kind.value}",
+            )
+        if request.max_seqs_per_micro_batch < 1:
+            _reject("max_seqs_per_micro_batch", f"got {request.max_seqs_per_micro_batch}; allowed: >= 1")
+    if request.micro_batch_group_size is not None:
+        if kind is SchedulerKind.HYBRID_CP:
+            _reject(
+                "micro_batch_group_size",
+                "hybrid_cp in Megatron-Core does not support virtual pipeline parallelism; "
+                "use dynamic_cp or static_packing, or leave it unset",
+            )
+        if not 1 <= request.micro_batch_group_size <= limits.max_micro_batch_group_size:
+            _reject(
+                "micro_batch_group_size",
+                f"got {request.micro_batch_group_size}; allowed 1..{limits.max_micro_batch_group_size}",
+            )

@@ -1,0 +1,108 @@
+"""Server settings: one typed dataclass, filled from flags, environment variables or defaults.
+
+Every setting has a flag `--name-with-dashes` and an environment variable `PLANNER_NAME`; a flag
+beats the environment, the environment beats the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+
+from batch_planner.cost import CostModel
+from batch_planner.validation import RequestLimits
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "[::]"
+    port: int = 50051
+    metrics_port: int = 9400
+    workers: int = 0  # planning processes; 0 = one per available core
+    max_queued_requests: int = 64  # beyond workers; more in flight gets RESOURCE_EXHAUSTED
+    max_receive_message_bytes: int = 4 * 1024 * 1024
+    drain_seconds: float = 20.0
+    default_deadline_seconds: float = 60.0  # for callers that set no deadline
+    max_job_labels: int = 64
+    log_level: str = "INFO"
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""  # set to require client certificates (mutual TLS)
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    cost_model: CostModel = field(default_factory=CostModel)
+
+    @property
+    def worker_count(self) -> int:
+        if self.workers > 0:
+            return self.workers
+        return max(1, len(os.sched_getaffinity(0)))
+
+
+_HELP = {
+    "host": "address to listen on",
+    "port": "gRPC port (0 picks a free port)",
+    "metrics_port": "Prometheus /metrics HTTP port (0 picks a free port, -1 disables)",
+    "workers": "planning worker processes (0 = one per available core)",
+    "max_queued_requests": "requests that may wait for a worker before new ones get RESOURCE_EXHAUSTED",
+    "max_receive_message_bytes": "largest request message accepted, in bytes",
+    "drain_seconds": "on SIGTERM, how long in-flight requests may run before the server exits",
+    "default_deadline_seconds": "deadline applied to requests that carry none",
+    "max_job_labels": "distinct job label values in metrics before new jobs count as job=\"other\"",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "tls_cert_file": "PEM server certificate chain; with --tls-key-file enables TLS",
+    "tls_key_file": "PEM server private key",
+    "tls_client_ca_file": "PEM CA bundle; when set, clients must present a certificate it signed (mTLS)",
+    "max_samples_per_request": "largest batch (samples) one request may carry",
+    "max_dp_cp_size": "largest DPxCP rank count a request may ask for",
+    "max_sequence_length": "longest sample (tokens) a request may carry",
+    "max_tensor_parallel_size": "largest tensor-parallel size a request may ask for",
+    "max_micro_batch_group_size": "largest virtual-pipeline micro-batch group size",
+    "seconds_per_token": "cost model: seconds per (padded) token per rank",
+    "seconds_per_attention_token_pair": "cost model: seconds per L^2 attention unit per rank",
+    "cp_seconds_per_micro_batch": "cost model: fixed seconds per forward pass over a CP group > 1",
+    "cp_seconds_per_token": "cost model: CP communication seconds per token",
+}
+
+
+def _env_name(name: str) -> str:
+    return "PLANNER_" + name.upper()
+
+
+def _add(parser: argparse.ArgumentParser, name: str, default) -> None:
+    env = os.environ.get(_env_name(name))
+    kind = type(default)
+    try:
+        value = kind(env) if env is not None else default
+    except ValueError:
+        parser.error(f"environment variable {_env_name(name)}={env!r} is not a valid {kind.__name__}")
+    parser.add_argument(
+        "--" + name.replace("_", "-"),
+        dest=name,
+        type=kind,
+        default=value,
+        help=f"{_HELP.get(name, name)} (env {_env_name(name)}; default {default!r})",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="planner-server",
+        description="Batch planner: Megatron-Core's context-parallel schedulers behind gRPC.",
+    )
+    defaults = ServerConfig()
+    for f in fields(ServerConfig):
+        if f.name in ("limits", "cost_model"):
+            continue
+        _add(parser, f.name, getattr(defaults, f.name))
+    for nested in (defaults.limits, defaults.cost_model):
+        for f in fields(nested):
+            _add(parser, f.name, getattr(nested, f.name))
+    return parser
+
+
+def config_from_args(argv: list[str] | None = None) -> ServerConfig:
+    args = vars(build_parser().parse_args(argv))
+    limits = RequestLimits(**{f.name: args.pop(f.name) for f in fields(RequestLimits)})
+    cost_model = CostModel(**{f.name: args.pop(f.name) for f in fields(CostModel)})
+    return ServerConfig(limits=limits, cost_model=cost_model, **args)

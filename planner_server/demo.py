@@ -1,0 +1,100 @@
+"""`planner-demo`: plan a realistic long-tail batch on a running planner and print the plan."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from batch_planner.convert import plan_from_proto, request_to_proto
+from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
+from batch_planner.plan import Plan
+from batch_planner.request import CpLayout, PlanRequest, SchedulerKind
+from batch_planner.v1 import planner_pb2 as pb
+from batch_planner.v1 import planner_pb2_grpc
+
+
+def render_plan(plan: Plan, request: PlanRequest, max_rows: int = 12) -> str:
+    lines = []
+    s = plan.statistics
+    lines.append(
+        f"plan {plan.plan_id}  scheduler={plan.scheduler.value} ({plan.scheduler_class}, Megatron-Core "
+        f"{plan.megatron_core_version})  capacity bound={plan.capacity_bound.value}"
+    )
+    lines.append(
+        f"{request.num_samples} samples, DP={request.data_parallel_size} CP={request.context_parallel_size} "
+        f"TP={request.tensor_parallel_size} ({plan.dp_cp_size} DPxCP ranks), "
+        f"max_seqlen_per_dp_cp_rank={request.max_seqlen_per_dp_cp_rank}"
+    )
+    lines.append("")
+    lines.append(f"{'mb':>3} {'ranks':>9} {'cp':>3} {'samples':>8} {'lengths (first few)':<34} {'real':>9} {'padded':>9}")
+    rows = 0
+    for index, micro_batch in enumerate(plan.micro_batches):
+        for group in micro_batch.cp_groups:
+            if rows >= max_rows:
+                break
+            lens = [request.sequence_lengths[i] for i in group.sample_ids]
+            shown = ",".join(str(x) for x in lens[:5]) + (",..." if len(lens) > 5 else "")
+            ranks = f"{group.first_rank}-{group.first_rank + group.size - 1}"
+            lines.append(
+                f"{index:>3} {ranks:>9} {group.size:>3} {len(lens):>8} {shown:<34} {group.real_tokens:>9} {group.padded_tokens:>9}"
+            )
+            rows += 1
+    total_groups = sum(len(mb.cp_groups) for mb in plan.micro_batches)
+    if total_groups > rows:
+        lines.append(f"... {total_groups - rows} more CP groups")
+    lines.append("")
+    mix = ", ".join(f"CP{size}: {n} samples ({tokens} tokens)" for size, n, tokens in s.cp_size_mix)
+    lines.append(f"micro-batches: {s.micro_batch_count}   CP-size mix: {mix}")
+    lines.append(
+        f"tokens: {s.real_tokens} real, {s.padded_tokens} padded, padding ratio {s.padding_ratio:.4%}"
+    )
+    lines.append(
+        f"predicted step cost {s.predicted_step_cost * 1e3:.2f} ms (lower bound {s.lower_bound_cost * 1e3:.2f} ms, "
+        f"balance efficiency {s.balance_efficiency:.1%}); static CP{request.context_parallel_size} "
+        f"{s.static_cp_step_cost * 1e3:.2f} ms -> predicted speedup {s.predicted_speedup_over_static_cp:.2f}x"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="planner-demo", description=__doc__)
+    parser.add_argument("--endpoint", default="localhost:50051")
+    parser.add_argument("--distribution", default="long_tail_16k", choices=sorted(DISTRIBUTIONS))
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--dp", type=int, default=8)
+    parser.add_argument("--cp", type=int, default=4)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--max-seqlen-per-rank", type=int, default=8192)
+    parser.add_argument("--scheduler", default="hybrid_cp", choices=[k.value for k in SchedulerKind])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=30.0)
+    args = parser.parse_args(argv)
+    request = PlanRequest(
+        sequence_lengths=tuple(sample_lengths(args.distribution, args.samples, args.seed)),
+        data_parallel_size=args.dp,
+        context_parallel_size=args.cp,
+        tensor_parallel_size=args.tp,
+        max_seqlen_per_dp_cp_rank=args.max_seqlen_per_rank,
+        scheduler=SchedulerKind(args.scheduler),
+        cp_layout=CpLayout.ZIGZAG,
+        job="demo",
+    )
+    with grpc.insecure_channel(args.endpoint) as channel:
+        stub = planner_pb2_grpc.BatchPlannerStub(channel)
+        try:
+            caps = stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=args.timeout, wait_for_ready=True)
+            response = stub.Plan(request_to_proto(request), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"planner at {args.endpoint} answered {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    available = [pb.Scheduler.Name(s.scheduler) for s in caps.schedulers if s.available]
+    print(f"planner {args.endpoint}: Megatron-Core {caps.megatron_core_version}, schedulers {', '.join(available)}")
+    print(f"batch: {args.samples} samples from {args.distribution!r} (seed {args.seed})\n")
+    print(render_plan(plan_from_proto(response), request))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

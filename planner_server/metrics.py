@@ -1,0 +1,106 @@
+"""The planner's Prometheus metrics (served on their own HTTP port).
+
+Labels stay bounded: scheduler (3 values), code (gRPC status names), job (bounded by
+--max-job-labels; later jobs are counted under job="other").
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+RATIO_BUCKETS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
+EFFICIENCY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0)
+SPEEDUP_BUCKETS = (0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)
+
+OTHER_JOB = "other"
+NO_JOB = "unnamed"
+
+
+class PlannerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None, max_job_labels: int = 64):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.max_job_labels = max_job_labels
+        self._jobs: set[str] = set()
+        self._jobs_lock = threading.Lock()
+        self.requests = Counter(
+            "batch_planner_requests_total", "Plan requests answered, by scheduler and gRPC status code.",
+            ["scheduler", "code", "job"], registry=r,
+        )
+        self.plan_latency = Histogram(
+            "batch_planner_plan_latency_seconds", "Time from receiving a Plan request to answering it.",
+            ["scheduler"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.scheduler_latency = Histogram(
+            "batch_planner_scheduler_seconds", "Time spent inside Megatron-Core's scheduler for one plan.",
+            ["scheduler"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.planned_tokens = Counter(
+            "batch_planner_planned_tokens_total", "Real (unpadded) tokens in the plans served.",
+            ["scheduler", "job"], registry=r,
+        )
+        self.padding_tokens = Counter(
+            "batch_planner_padding_tokens_total", "Padding tokens the plans served add (padded minus real).",
+            ["scheduler", "job"], registry=r,
+        )
+        self.planned_samples = Counter(
+            "batch_planner_planned_samples_total", "Samples in the plans served, by the CP size they got.",
+            ["scheduler", "cp_size"], registry=r,
+        )
+        self.micro_batches = Counter(
+            "batch_planner_micro_batches_total", "Micro-batches in the plans served.", ["scheduler"], registry=r,
+        )
+        self.padding_ratio = Histogram(
+            "batch_planner_padding_ratio", "Padding tokens / padded tokens, per plan.",
+            ["scheduler"], buckets=RATIO_BUCKETS, registry=r,
+        )
+        self.balance_efficiency = Histogram(
+            "batch_planner_balance_efficiency_ratio", "Lower bound / predicted step cost, per plan.",
+            ["scheduler"], buckets=EFFICIENCY_BUCKETS, registry=r,
+        )
+        self.speedup = Histogram(
+            "batch_planner_predicted_speedup_over_static_cp_ratio",
+            "Predicted step cost under static CP / predicted step cost of the plan, per plan.",
+            ["scheduler"], buckets=SPEEDUP_BUCKETS, registry=r,
+        )
+        self.last_speedup = Gauge(
+            "batch_planner_last_predicted_speedup_over_static_cp_ratio",
+            "Predicted speedup over static CP of the latest plan, per job.", ["scheduler", "job"], registry=r,
+        )
+        self.invariant_violations = Counter(
+            "batch_planner_invariant_violations_total",
+            "Plans withheld because Megatron-Core's output broke a plan invariant.",
+            ["scheduler", "invariant"], registry=r,
+        )
+        self.in_flight = Gauge(
+            "batch_planner_in_flight_requests", "Plan requests being planned or queued now.", registry=r,
+        )
+        self.queue_rejections = Counter(
+            "batch_planner_overload_rejections_total",
+            "Plan requests refused with RESOURCE_EXHAUSTED because the planning queue was full.", registry=r,
+        )
+        self.worker_restarts = Counter(
+            "batch_planner_worker_restarts_total", "Planning worker processes replaced after dying.", registry=r,
+        )
+        self.scheduler_available = Gauge(
+            "batch_planner_scheduler_available", "1 if the installed Megatron-Core provides the scheduler.",
+            ["scheduler"], registry=r,
+        )
+        self.build_info = Info(
+            "batch_planner", "Server version, Megatron-Core version and available schedulers.", registry=r,
+        )
+
+    def job_label(self, job: str) -> str:
+        """Bounds the job label's cardinality: the first max_job_labels names, then 'other'."""
+        if not job:
+            return NO_JOB
+        with self._jobs_lock:
+            if job in self._jobs:
+                return job
+            if len(self._jobs) < self.max_job_labels:
+                self._jobs.add(job)
+                return job
+        return OTHER_JOB

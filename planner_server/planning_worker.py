@@ -1,0 +1,106 @@
+"""What runs inside a planning worker process: bytes in, bytes out, never an exception.
+
+Megatron-Core's schedulers are pure Python and hold the GIL, so the server plans in separate
+processes. A worker parses the request itself and returns the serialized response, so the gRPC
+process only moves bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from batch_planner.convert import plan_to_proto, request_from_proto, scheduler_label
+from batch_planner.cost import CostModel
+from batch_planner.errors import ErrorCode, InvariantViolationError, PlanningError
+from batch_planner.planner import plan_batch
+from batch_planner.v1 import planner_pb2 as pb
+from batch_planner.validation import RequestLimits
+
+log = logging.getLogger(__name__)
+
+DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+OK = "OK"
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    code: str  # "OK" or a grpc.StatusCode name
+    response: bytes = b""  # serialized PlanResponse when OK
+    message: str = ""
+    scheduler: str = "unknown"
+    job: str = ""
+    invariant: str = ""
+    scheduler_seconds: float = 0.0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    padding_ratio: float = 0.0
+    balance_efficiency: float = 0.0
+    speedup: float = 0.0
+    micro_batches: int = 0
+    cp_size_samples: tuple[tuple[int, int], ...] = ()
+
+
+def plan_request_bytes(
+    request_bytes: bytes, deadline: float, limits: RequestLimits, cost_model: CostModel
+) -> WorkerResult:
+    """Plans one serialized PlanRequest; `deadline` is wall-clock seconds since the epoch."""
+    if time.time() >= deadline:
+        return WorkerResult(DEADLINE_EXCEEDED, message="the request's deadline passed while it waited for a worker")
+    message = pb.PlanRequest()
+    try:
+        message.ParseFromString(request_bytes)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        return WorkerResult(ErrorCode.INVALID_ARGUMENT.value, message=f"request: not a valid PlanRequest message ({exc})")
+    label = scheduler_label(message.scheduler)
+    job = message.job
+    try:
+        request = request_from_proto(message)
+        started = time.perf_counter()
+        plan = plan_batch(request, limits, cost_model)
+        elapsed = time.perf_counter() - started
+    except InvariantViolationError as exc:
+        log.error("withheld a plan: %s", exc)
+        return WorkerResult(exc.code.value, message=str(exc), scheduler=label, job=job, invariant=exc.invariant)
+    except PlanningError as exc:
+        return WorkerResult(exc.code.value, message=str(exc), scheduler=label, job=job)
+    except Exception as exc:  # noqa: BLE001 - a bug of ours must not take the worker down
+        log.exception("unexpected planning failure")
+        return WorkerResult(
+            ErrorCode.INTERNAL.value, message=f"planner bug: {type(exc).__name__}: {exc}", scheduler=label, job=job
+        )
+    stats = plan.statistics
+    samples: dict[int, int] = {}
+    for size, count, _ in stats.cp_size_mix:
+        samples[size] = samples.get(size, 0) + count
+    return WorkerResult(
+        OK,
+        response=plan_to_proto(plan).SerializeToString(deterministic=True),
+        scheduler=label,
+        job=job,
+        scheduler_seconds=elapsed,
+        real_tokens=stats.real_tokens,
+        padded_tokens=stats.padded_tokens,
+        padding_ratio=stats.padding_ratio,
+        balance_efficiency=stats.balance_efficiency,
+        speedup=stats.predicted_speedup_over_static_cp,
+        micro_batches=stats.micro_batch_count,
+        cp_size_samples=tuple(sorted(samples.items())),
+    )
+
+
+def warm_up() -> None:
+    """Imports Megatron-Core and plans one small batch, so the first real request is not slow."""
+    from batch_planner.request import PlanRequest
+    from batch_planner.schedulers import discover_schedulers
+
+    discover_schedulers()
+    plan_batch(PlanRequest((4096, 2048, 1024, 512, 512, 256, 128, 64), 4, 2, 4096))
+
+
+def worker_initializer(log_level: str) -> None:
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [worker] %(name)s: %(message)s")
+    warm_up()

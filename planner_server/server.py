@@ -1,0 +1,159 @@
+"""The planner server: gRPC (Plan, GetCapabilities, health, reflection), worker pool, metrics.
+
+Life cycle: health NOT_SERVING while workers import Megatron-Core and plan a warm-up batch, then
+SERVING. On SIGTERM/SIGINT: health NOT_SERVING, new RPCs refused, in-flight ones get up to
+`drain_seconds` to finish, then the workers stop and the process exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from batch_planner.schedulers import discover_schedulers, megatron_core_version
+from batch_planner.v1 import planner_pb2 as pb
+from planner_server import __version__
+from planner_server.config import ServerConfig
+from planner_server.metrics import PlannerMetrics
+from planner_server.servicer import SERVICE_NAME, PlannerServicer
+from planner_server.worker_pool import PlanningPool
+
+log = logging.getLogger(__name__)
+
+
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    if not (config.tls_cert_file or config.tls_key_file):
+        if config.tls_client_ca_file:
+            raise ValueError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+        return None
+    if not (config.tls_cert_file and config.tls_key_file):
+        raise ValueError("TLS needs both --tls-cert-file and --tls-key-file")
+    key = Path(config.tls_key_file).read_bytes()
+    cert = Path(config.tls_cert_file).read_bytes()
+    client_ca = Path(config.tls_client_ca_file).read_bytes() if config.tls_client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+class PlannerServer:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.metrics = PlannerMetrics(max_job_labels=config.max_job_labels)
+        self.health = health.HealthServicer()
+        self.pool: PlanningPool | None = None
+        self.grpc_server: grpc.Server | None = None
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        config = self.config
+        workers = config.worker_count
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.pool = PlanningPool(
+            workers,
+            config.max_queued_requests,
+            config.limits,
+            config.cost_model,
+            config.log_level,
+            on_restart=self.metrics.worker_restarts.inc,
+        )
+        # Handler threads only wait on workers; enough for every request the pool admits plus the
+        # ones it refuses at once, health checks and capability calls.
+        self.grpc_server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self.pool.capacity + 16, thread_name_prefix="grpc"),
+            options=[
+                ("grpc.max_receive_message_length", config.max_receive_message_bytes),
+                ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                ("grpc.so_reuseport", 0),
+            ],
+            maximum_concurrent_rpcs=self.pool.capacity + 64,
+        )
+        servicer = PlannerServicer(config, self.pool, self.metrics)
+        self.grpc_server.add_generic_rpc_handlers((servicer.generic_handler(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server
+        )
+        address = f"{config.host}:{config.port}"
+        credentials = server_credentials(config)
+        if credentials is None:
+            self.port = self.grpc_server.add_insecure_port(address)
+        else:
+            self.port = self.grpc_server.add_secure_port(address, credentials)
+        if self.port == 0:
+            raise RuntimeError(f"could not listen on {address}")
+        self.grpc_server.start()
+        self._start_metrics()
+        log.info(
+            "listening on %s (%s), %d planning workers, warming up Megatron-Core %s",
+            self.port, "TLS" if credentials else "plaintext", workers, megatron_core_version(),
+        )
+        self.pool.warm_up()
+        available = [k.value for k, a in discover_schedulers().items() if a.available]
+        for kind, availability in discover_schedulers().items():
+            self.metrics.scheduler_available.labels(kind.value).set(1 if availability.available else 0)
+            if not availability.available:
+                log.info("scheduler %s unavailable: %s", kind.value, availability.reason)
+        self.metrics.build_info.info(
+            {
+                "version": __version__,
+                "megatron_core_version": megatron_core_version(),
+                "schedulers": ",".join(available),
+            }
+        )
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "SERVING on port %s (metrics port %s); schedulers available: %s",
+            self.port, self.metrics_port, ", ".join(available) or "none",
+        )
+
+    def _start_metrics(self) -> None:
+        if self.config.metrics_port < 0:
+            return
+        server, _ = start_http_server(self.config.metrics_port, addr="::" if ":" in self.config.host else "0.0.0.0",
+                                      registry=self.metrics.registry)
+        self.metrics_port = server.server_port
+
+    def _set_health(self, status) -> None:
+        self.health.set("", status)
+        self.health.set(SERVICE_NAME, status)
+
+    def stop(self, grace: float | None = None) -> None:
+        """Drains: refuse new RPCs, let in-flight ones finish within the grace period, stop workers."""
+        if self._stopped.is_set():
+            return
+        grace = self.config.drain_seconds if grace is None else grace
+        log.info("draining: NOT_SERVING, in-flight requests get up to %.1f s", grace)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.grpc_server is not None:
+            self.grpc_server.stop(grace).wait()
+        if self.pool is not None:
+            self.pool.shutdown()
+        self._stopped.set()
+        log.info("stopped")
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+
+def serve(config: ServerConfig) -> None:
+    server = PlannerServer(config)
+
+    def on_signal(signum, _frame):
+        log.info("received %s", signal.Signals(signum).name)
+        threading.Thread(target=server.stop, name="drain", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.start()
+    server.wait()

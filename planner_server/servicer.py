@@ -1,0 +1,117 @@
+"""The thin gRPC servicer: moves bytes to a planning worker and maps results to status codes.
+
+Plan is registered without a request deserializer and response serializer: the worker parses the
+request and serializes the response, so this process spends no GIL time on large messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from batch_planner.convert import SCHEDULER_TO_PROTO, cost_model_to_proto
+from batch_planner.schedulers import discover_schedulers, megatron_core_version
+from batch_planner.v1 import planner_pb2 as pb
+from planner_server import __version__
+from planner_server.config import ServerConfig
+from planner_server.metrics import PlannerMetrics
+from planner_server.planning_worker import DEADLINE_EXCEEDED, OK, WorkerResult
+from planner_server.worker_pool import PlanningPool, PoolOverloaded
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BatchPlanner"].full_name
+
+
+class PlannerServicer:
+    def __init__(self, config: ServerConfig, pool: PlanningPool, metrics: PlannerMetrics):
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics
+
+    def plan(self, request_bytes: bytes, context: grpc.ServicerContext) -> bytes:
+        started = time.perf_counter()
+        remaining = context.time_remaining()
+        if remaining is None or remaining > 1e8:
+            remaining = self.config.default_deadline_seconds
+        self.metrics.in_flight.inc()
+        try:
+            try:
+                result = self.pool.plan(request_bytes, time.time() + remaining, timeout=remaining)
+            except PoolOverloaded as exc:
+                self.metrics.queue_rejections.inc()
+                result = WorkerResult("RESOURCE_EXHAUSTED", message=f"planner overloaded: {exc}; retry with backoff")
+            except TimeoutError:
+                result = WorkerResult(DEADLINE_EXCEEDED, message=f"planning took longer than the deadline ({remaining:.3f} s)")
+            except Exception as exc:  # noqa: BLE001 - never crash the handler thread
+                log.exception("planning pool failure")
+                result = WorkerResult("INTERNAL", message=f"planner failure: {type(exc).__name__}: {exc}")
+        finally:
+            self.metrics.in_flight.dec()
+        self._record(result, time.perf_counter() - started)
+        if result.code != OK:
+            context.abort(getattr(grpc.StatusCode, result.code), result.message)
+        return result.response
+
+    def _record(self, result: WorkerResult, seconds: float) -> None:
+        m = self.metrics
+        job = m.job_label(result.job)
+        scheduler = result.scheduler
+        m.requests.labels(scheduler, result.code, job).inc()
+        m.plan_latency.labels(scheduler).observe(seconds)
+        if result.invariant:
+            m.invariant_violations.labels(scheduler, result.invariant).inc()
+        if result.code != OK:
+            return
+        m.scheduler_latency.labels(scheduler).observe(result.scheduler_seconds)
+        m.planned_tokens.labels(scheduler, job).inc(result.real_tokens)
+        m.padding_tokens.labels(scheduler, job).inc(result.padded_tokens - result.real_tokens)
+        m.micro_batches.labels(scheduler).inc(result.micro_batches)
+        for cp_size, samples in result.cp_size_samples:
+            m.planned_samples.labels(scheduler, str(cp_size)).inc(samples)
+        m.padding_ratio.labels(scheduler).observe(result.padding_ratio)
+        m.balance_efficiency.labels(scheduler).observe(result.balance_efficiency)
+        m.speedup.labels(scheduler).observe(result.speedup)
+        m.last_speedup.labels(scheduler, job).set(result.speedup)
+
+    def get_capabilities(self, request: pb.GetCapabilitiesRequest, context) -> pb.Capabilities:
+        return capabilities(self.config)
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                "Plan": grpc.unary_unary_rpc_method_handler(self.plan),
+                "GetCapabilities": grpc.unary_unary_rpc_method_handler(
+                    self.get_capabilities,
+                    request_deserializer=pb.GetCapabilitiesRequest.FromString,
+                    response_serializer=pb.Capabilities.SerializeToString,
+                ),
+            },
+        )
+
+
+def capabilities(config: ServerConfig) -> pb.Capabilities:
+    limits = config.limits
+    result = pb.Capabilities(
+        server_version=__version__,
+        megatron_core_version=megatron_core_version(),
+        limits=pb.Limits(
+            max_samples_per_request=limits.max_samples_per_request,
+            max_dp_cp_size=limits.max_dp_cp_size,
+            max_sequence_length=limits.max_sequence_length,
+            max_receive_message_bytes=config.max_receive_message_bytes,
+            max_tensor_parallel_size=limits.max_tensor_parallel_size,
+        ),
+        cost_model=cost_model_to_proto(config.cost_model),
+    )
+    for kind, availability in discover_schedulers().items():
+        result.schedulers.add(
+            scheduler=SCHEDULER_TO_PROTO[kind],
+            available=availability.available,
+            megatron_core_class=availability.spec.qualified_name,
+            unavailable_reason=availability.reason,
+        )
+    return result

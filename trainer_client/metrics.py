@@ -1,0 +1,50 @@
+"""The trainer client's Prometheus metrics: served on a port or registered into the trainer's own
+registry. Labels: job (one per trainer process), source (service | fallback), reason (bounded)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class TrainerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None, job: str = ""):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.job = job or "unnamed"
+        self.plan_wait = Histogram(
+            "batch_planner_client_plan_wait_seconds",
+            "Time the training loop actually waited for a step's plan (near zero when planned ahead).",
+            ["job"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.rpc_latency = Histogram(
+            "batch_planner_client_rpc_latency_seconds", "Plan RPC latency seen by the client, per attempt.",
+            ["job"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.plans = Counter(
+            "batch_planner_client_plans_total", "Plans obtained, by source (service or fallback).",
+            ["job", "source"], registry=r,
+        )
+        self.fallbacks = Counter(
+            "batch_planner_client_fallbacks_total",
+            "Steps planned in-process because the planner was unreachable, too slow or failing.",
+            ["job", "reason"], registry=r,
+        )
+        self.tokens = Counter(
+            "batch_planner_client_tokens_total", "Real tokens processed by this rank.", ["job"], registry=r,
+        )
+        self.padding_tokens = Counter(
+            "batch_planner_client_padding_tokens_total", "Padding tokens processed by this rank.", ["job"], registry=r,
+        )
+        self.tokens_per_second = Gauge(
+            "batch_planner_client_tokens_per_second", "Real tokens per second of the last step (this rank).",
+            ["job"], registry=r,
+        )
+        self.step_time = Histogram(
+            "batch_planner_client_step_seconds", "Training step time.", ["job"], buckets=STEP_BUCKETS, registry=r,
+        )
+        self.micro_batches = Gauge(
+            "batch_planner_client_micro_batches", "Micro-batches in the current step's plan.", ["job"], registry=r,
+        )
