@@ -1,0 +1,85 @@
+"""Starts a real planner server as a subprocess on loopback, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+READY = re.compile(r"SERVING on port (\d+) \(metrics port (\S+)\)")
+
+
+@dataclass
+class PlannerProcess:
+    proc: subprocess.Popen
+    port: int
+    metrics_port: int | None
+    log_lines: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.log_lines)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def planner_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def start_planner(*args: str, workers: int = 2, port: int = 0, timeout: float = 180.0) -> PlannerProcess:
+    """Starts `python -m planner_server` and waits until it reports SERVING."""
+    cmd = [sys.executable, "-m", "planner_server", "--host", "127.0.0.1", "--port", str(port),
+           "--metrics-port", "0", "--workers", str(workers), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=planner_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+    found: dict[str, str] = {}
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            match = READY.search(line)
+            if match and not ready.is_set():
+                found["port"], found["metrics"] = match.group(1), match.group(2)
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not ready.wait(0.2):
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("planner did not become SERVING in time:\n" + "\n".join(lines[-30:]))
+    if "port" not in found:
+        proc.wait(10)
+        raise RuntimeError(f"planner exited with {proc.returncode}:\n" + "\n".join(lines[-30:]))
+    metrics = found["metrics"]
+    return PlannerProcess(proc, int(found["port"]), None if metrics == "None" else int(metrics), lines)
