@@ -1,0 +1,127 @@
+"""Scaling: plans per second with concurrent clients, server with 1 planning worker vs 2.
+
+    python -m bench.scaling --out docs/bench
+
+Two real servers run side by side (`--workers 1` and `--workers 2`; nothing is pinned) and
+take turns: in each window, `clients` threads of this process send Plan requests back to back
+(no client-side decoding) to one server for `window` seconds; windows alternate between the
+servers, so both see the same background load. The ratio of each pair of adjacent windows is one
+sample of the scaling. Bar (issue 5): 2 workers / 1 worker >= 1.8x.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from batch_planner.convert import request_to_proto
+from bench.common import (
+    BatchSize,
+    Spread,
+    argument_parser,
+    make_request,
+    markdown_table,
+    planner_server,
+    planner_stub,
+    pyplot,
+    save_figure,
+    verdict,
+    write_report,
+)
+
+DISTRIBUTION, SIZE, SMOKE_SIZE = "lognormal_32k", BatchSize(1024, 64), BatchSize(64, 8)
+CLIENTS, WINDOWS, WINDOW_S = 4, 4, 5.0
+
+
+def plans_per_second(stub, requests, clients: int, seconds: float) -> float:
+    counts = [0] * clients
+    end = time.perf_counter() + seconds
+
+    def client(index: int) -> None:
+        i = index
+        while time.perf_counter() < end:
+            stub.Plan(requests[i % len(requests)], timeout=300)
+            counts[index] += 1
+            i += clients
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.perf_counter() - started)
+
+
+@dataclass(frozen=True)
+class Result:
+    one: list[float]
+    two: list[float]
+
+    @property
+    def ratios(self) -> list[float]:
+        return [b / a for a, b in zip(self.one, self.two)]
+
+
+def measure(address_1: str, address_2: str, size: BatchSize, clients: int, windows: int, seconds: float) -> Result:
+    requests = [request_to_proto(make_request(DISTRIBUTION, size, seed=s)) for s in range(16)]
+    ch1, stub1 = planner_stub(address_1)
+    ch2, stub2 = planner_stub(address_2)
+    with ch1, ch2:
+        for stub in (stub1, stub2):  # warm every worker
+            plans_per_second(stub, requests, clients, min(seconds, 1.0))
+        one, two = [], []
+        for w in range(windows):
+            order = [(stub1, one), (stub2, two)] if w % 2 == 0 else [(stub2, two), (stub1, one)]
+            for stub, sink in order:
+                sink.append(plans_per_second(stub, requests, clients, seconds))
+    return Result(one, two)
+
+
+def plot(result: Result, path: Path, size: BatchSize) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for values, label in ((result.one, "--workers 1"), (result.two, "--workers 2")):
+        ax.plot(range(1, len(values) + 1), values, marker="o", label=label)
+    ax.set_xlabel("window (alternating, same background load)")
+    ax.set_ylabel("plans per second")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Scaling: {size.label}, {DISTRIBUTION}; ratio p50 {Spread.of(result.ratios).p50:.2f}x")
+    ax.legend()
+    save_figure(fig, path)
+
+
+def run(out: Path, smoke: bool = False, address_1: str | None = None, address_2: str | None = None) -> Path:
+    size = SMOKE_SIZE if smoke else SIZE
+    clients, windows, seconds = (2, 1, 0.5) if smoke else (CLIENTS, WINDOWS, WINDOW_S)
+    with planner_server(address_1, workers=1) as a1, planner_server(address_2, workers=2) as a2:
+        result = measure(a1, a2, size, clients, windows, seconds)
+    one, two, ratio = Spread.of(result.one), Spread.of(result.two), Spread.of(result.ratios)
+    suffix = "_smoke" if smoke else ""
+    table = markdown_table(
+        ["batch", "clients", "windows x seconds", "--workers 1 plans/s p50 (min..max)",
+         "--workers 2 plans/s p50 (min..max)", "ratio p50 (min..max)", "bar", "verdict"],
+        [[size.label, clients, f"{windows} x {seconds:g}", one.fmt(), two.fmt(), ratio.fmt() + "x",
+          ">= 1.8x", verdict(ratio.p50 >= 1.8)]],
+    )
+    plot(result, out / f"scaling{suffix}.png", size)
+    return write_report(
+        out, f"scaling{suffix}", "Scaling with planning workers",
+        (__doc__ or "").split("\n\n", 2)[2].strip()
+        + f"\n\nBatch: {size.label} ranks, `{DISTRIBUTION}`, hybrid CP, 16 different seeds in turn.",
+        [("Results", table + f"\n\n![scaling](scaling{suffix}.png)")],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argument_parser(__doc__.splitlines()[0])
+    parser.add_argument("--address-1", help="a running planner with --workers 1 (else one is started)")
+    parser.add_argument("--address-2", help="a running planner with --workers 2 (else one is started)")
+    args = parser.parse_args(argv)
+    print(run(args.out, args.smoke, args.address_1, args.address_2).read_text())
+
+
+if __name__ == "__main__":
+    main()

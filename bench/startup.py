@@ -1,0 +1,120 @@
+"""Start-up: time from process start to health SERVING, and memory per planning worker.
+
+    python -m bench.startup --out docs/bench
+
+Starts `python -m planner_server --workers N` (tests.planner_process) several times, N = 1 and 2
+in turn, and times from `Popen` to the `SERVING on port` log line, which the server prints after
+the health service says SERVING (checked here with a gRPC health Check). The server warms every
+worker (imports Megatron-Core, plans once) before it reports SERVING. Memory per process from
+/proc: RSS, and PSS (RSS with shared pages divided among the processes sharing them: workers fork
+from a forkserver that has Megatron-Core imported, so much of their RSS is shared).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.common import Spread, argument_parser, markdown_table, pyplot, save_figure, write_report
+
+RUNS = 3
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _memory_mib(pid: int) -> tuple[float, float]:
+    """(RSS, PSS) in MiB."""
+    values = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("Rss", "Pss"):
+            values[key] = int(rest.split()[0]) / 1024
+    return values["Rss"], values["Pss"]
+
+
+@dataclass(frozen=True)
+class Startup:
+    workers: int
+    seconds: float
+    server: tuple[float, float]
+    worker_memory: list[tuple[float, float]]
+
+
+def start_once(workers: int) -> Startup:
+    from tests.planner_process import start_planner
+
+    started = time.perf_counter()
+    server = start_planner(workers=workers)
+    seconds = time.perf_counter() - started
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+        if status != health_pb2.HealthCheckResponse.SERVING:
+            raise RuntimeError(f"server logged SERVING but health says {status}")
+        # Workers are children of the forkserver, itself a child of the server; the server's
+        # other child is multiprocessing's resource tracker, which has no children.
+        worker_pids = [w for child in _children(server.proc.pid) for w in _children(child)]
+        memory = [_memory_mib(pid) for pid in worker_pids]
+        return Startup(workers, seconds, _memory_mib(server.proc.pid), memory)
+    finally:
+        server.stop()
+
+
+def run(out: Path, smoke: bool = False) -> Path:
+    plan = [1] if smoke else [w for _ in range(RUNS) for w in (1, 2)]
+    results = [start_once(w) for w in plan]
+    rows = []
+    for workers in sorted({r.workers for r in results}):
+        mine = [r for r in results if r.workers == workers]
+        seconds = Spread.of([r.seconds for r in mine])
+        rss = Spread.of([m[0] for r in mine for m in r.worker_memory])
+        pss = Spread.of([m[1] for r in mine for m in r.worker_memory])
+        server_rss = Spread.of([r.server[0] for r in mine])
+        counts = sorted({len(r.worker_memory) for r in mine})
+        rows.append([workers, len(mine), seconds.fmt(digits=1), ", ".join(map(str, counts)),
+                     rss.fmt(digits=0), pss.fmt(digits=0), server_rss.fmt(digits=0)])
+    table = markdown_table(
+        ["--workers", "runs", "start to SERVING s p50 (min..max)", "worker processes found",
+         "RSS per worker MiB p50 (min..max)", "PSS per worker MiB p50 (min..max)",
+         "gRPC process RSS MiB p50 (min..max)"],
+        rows,
+    )
+    suffix = "_smoke" if smoke else ""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for workers in sorted({r.workers for r in results}):
+        ax.plot([r.seconds for r in results if r.workers == workers], marker="o", label=f"--workers {workers}")
+    ax.set_xlabel("start-up run")
+    ax.set_ylabel("seconds to SERVING")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    save_figure(fig, out / f"startup{suffix}.png")
+    return write_report(
+        out, f"startup{suffix}", "Start-up time and memory",
+        (__doc__ or "").split("\n\n", 2)[2].strip(),
+        [("Results", table + f"\n\n![start-up](startup{suffix}.png)")],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = argument_parser(__doc__.splitlines()[0]).parse_args(argv)
+    print(run(args.out, args.smoke).read_text())
+
+
+if __name__ == "__main__":
+    main()
