@@ -8,6 +8,7 @@ import contextlib
 import datetime
 import os
 import platform
+import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +100,7 @@ def machine_note() -> str:
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines = ["| " + " | ".join(h.replace("|", "\\|") for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for row in rows:
         cells = [str(c).replace("|", "\\|").replace("\n", " ") for c in row]
         if len(cells) != len(header):
@@ -114,8 +115,8 @@ def parse_markdown_tables(text: str) -> list[list[list[str]]]:
     current: list[list[str]] = []
     for line in text.splitlines() + [""]:
         if line.startswith("|"):
-            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-            if not all(set(c) <= {"-", ":"} and c for c in cells):
+            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
+            if not all(c and set(c) <= {"-", ":"} for c in cells):
                 current.append(cells)
         elif current:
             tables.append(current)

@@ -43,7 +43,7 @@ from bench.common import (
 )
 
 DISTRIBUTION = "lognormal_32k"  # the mix with CP groups of several sizes
-RUNS = {64: 300, 256: 80, 1024: 20, 4096: 3}
+RUNS = {64: 200, 256: 50, 1024: 15, 4096: 3}
 RPC_TIMEOUT_S = 300.0
 
 

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.common import Spread, argument_parser, markdown_table, pyplot, save_figure, write_report
 
-RUNS = 3
+RUNS = 2
 
 
 def _children(pid: int) -> list[int]:
