@@ -23,7 +23,7 @@ from planner_server.planning_worker import WorkerResult, plan_request_bytes, wor
 
 log = logging.getLogger(__name__)
 
-_PRELOAD = ["batch_planner.planner", "planner_server.planning_worker"]
+_PRELOAD = ["planner_server.worker_preload"]
 
 
 class PoolOverloaded(Exception):
