@@ -8,6 +8,8 @@ into CP groups. Everything a scheduler cannot take is rejected earlier, in valid
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import os
 import logging
 import math
 import warnings
@@ -69,6 +71,8 @@ class SchedulerAvailability:
 
 
 def _quiet_import(module: str):
+    # Without this, megatron.core.package_info runs `git rev-parse` in its own folder at import.
+    os.environ.setdefault("NO_VCS_VERSION", "1")
     # Megatron-Core warns at import about optional accelerators (Transformer Engine, Apex) that a
     # CPU planner never uses; keep the planner's log for things an operator must act on.
     with warnings.catch_warnings():
@@ -78,7 +82,14 @@ def _quiet_import(module: str):
 
 @lru_cache(maxsize=1)
 def megatron_core_version() -> str:
+    """The installed distribution's version. Not package_info.__version__: that one appends the
+    short hash of whatever git repository the process runs in, which would change plan ids."""
     try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        os.environ.setdefault("NO_VCS_VERSION", "1")
         return _quiet_import("megatron.core.package_info").__version__
     except Exception as exc:  # noqa: BLE001 - report, never crash, when Megatron-Core is broken
         return f"unavailable ({type(exc).__name__}: {exc})"

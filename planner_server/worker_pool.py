@@ -23,7 +23,7 @@ from planner_server.planning_worker import WorkerResult, plan_request_bytes, wor
 
 log = logging.getLogger(__name__)
 
-_PRELOAD = ["batch_planner.planner", "planner_server.planning_worker"]
+_PRELOAD = ["planner_server.worker_preload"]
 
 
 class PoolOverloaded(Exception):
@@ -87,7 +87,11 @@ class PlanningPool:
                 executor, generation = self._executor, self._generation
                 try:
                     future = executor.submit(plan_request_bytes, request_bytes, deadline, self.limits, self.cost_model)
-                    return future.result(timeout=timeout)
+                    try:
+                        return future.result(timeout=timeout)
+                    except TimeoutError:
+                        future.cancel()  # still queued: never start it; running: it finishes unseen
+                        raise
                 except BrokenProcessPool:
                     log.warning("a planning worker died; replacing the pool (attempt %d)", attempt + 1)
                     self._replace(generation)

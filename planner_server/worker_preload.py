@@ -1,0 +1,7 @@
+"""Imported once by the workers' forkserver, so that every planning worker (and every replacement
+of a dead one) starts with Megatron-Core already imported instead of paying ~10 s each."""
+
+from batch_planner.schedulers import discover_schedulers
+from planner_server import planning_worker  # noqa: F401 - the worker entry points
+
+discover_schedulers()

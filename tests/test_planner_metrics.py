@@ -1,0 +1,92 @@
+"""The planner's /metrics: valid Prometheus exposition, promtool-clean, and counters that move by
+exactly what known requests should add."""
+
+from __future__ import annotations
+
+import subprocess
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from batch_planner.convert import plan_from_proto, request_to_proto
+from batch_planner.distributions import sample_lengths
+from batch_planner.request import PlanRequest
+from tests.planner_process import start_planner
+from batch_planner.v1 import planner_pb2_grpc
+from tests.tools import require_tool
+
+
+@pytest.fixture(scope="module")
+def fresh_planner():
+    """A planner of its own, so that no other test's requests move its counters."""
+    server = start_planner(workers=1)
+    yield server
+    server.stop()
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def sample_value(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def test_counters_move_by_known_amounts(fresh_planner):
+    before = scrape(fresh_planner.metrics_url)
+    lengths = tuple(sample_lengths("long_tail_16k", 128, seed=9))
+    request = PlanRequest(lengths, 8, 2, 4096, tensor_parallel_size=2, job="metrics-test")
+    with grpc.insecure_channel(fresh_planner.address) as channel:
+        stub = planner_pb2_grpc.BatchPlannerStub(channel)
+        plans = [plan_from_proto(stub.Plan(request_to_proto(request), timeout=60)) for _ in range(3)]
+        bad = request_to_proto(request)
+        bad.sequence_lengths[0] = 0
+        with pytest.raises(grpc.RpcError):
+            stub.Plan(bad, timeout=30)
+    after = scrape(fresh_planner.metrics_url)
+
+    def delta(name, **labels):
+        return sample_value(after, name, **labels) - sample_value(before, name, **labels)
+
+    stats = plans[0].statistics
+    assert delta("batch_planner_requests_total", scheduler="hybrid_cp", code="OK", job="metrics-test") == 3
+    assert delta("batch_planner_requests_total", scheduler="hybrid_cp", code="INVALID_ARGUMENT", job="metrics-test") == 1
+    assert delta("batch_planner_planned_tokens_total", job="metrics-test") == 3 * sum(lengths)
+    assert delta("batch_planner_padding_tokens_total", job="metrics-test") == 3 * (stats.padded_tokens - stats.real_tokens)
+    assert delta("batch_planner_plan_latency_seconds_count", scheduler="hybrid_cp") == 4
+    assert delta("batch_planner_micro_batches_total") == 3 * stats.micro_batch_count
+    for cp_size, samples, _ in stats.cp_size_mix:
+        assert delta("batch_planner_planned_samples_total", cp_size=str(cp_size)) == 3 * samples
+    assert delta("batch_planner_padding_ratio_count") == 3
+    assert delta("batch_planner_balance_efficiency_ratio_count") == 3
+    assert sample_value(after, "batch_planner_last_predicted_speedup_over_static_cp_ratio", job="metrics-test") == (
+        pytest.approx(stats.predicted_speedup_over_static_cp)
+    )
+    assert sample_value(after, "batch_planner_in_flight_requests") == 0
+    assert sample_value(after, "batch_planner_invariant_violations_total") == 0
+    assert sample_value(after, "batch_planner_scheduler_available", scheduler="hybrid_cp") == 1
+    info = [s for f in text_string_to_metric_families(after) for s in f.samples if s.name == "batch_planner_info"]
+    assert info and "hybrid_cp" in info[0].labels["schedulers"] and info[0].labels["megatron_core_version"]
+
+
+def test_exposition_passes_promtool(fresh_planner):
+    promtool = require_tool("promtool")
+    text = scrape(fresh_planner.metrics_url)
+    assert "batch_planner_requests_total" in text
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_job_label_is_bounded():
+    from planner_server.metrics import OTHER_JOB, PlannerMetrics
+
+    metrics = PlannerMetrics(max_job_labels=2)
+    assert [metrics.job_label(j) for j in ("a", "b", "c", "a", "")] == ["a", "b", OTHER_JOB, "a", "unnamed"]

@@ -1,0 +1,90 @@
+"""The real planner server on loopback: plans, determinism across processes, health, reflection."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from batch_planner.convert import plan_from_proto, request_to_proto
+from batch_planner.distributions import sample_lengths
+from batch_planner.plan import check_plan_invariants
+from batch_planner.request import PlanRequest, SchedulerKind
+from batch_planner.schedulers import valid_cp_sizes
+from batch_planner.v1 import planner_pb2 as pb
+from batch_planner.v1 import planner_pb2_grpc
+from tests.planner_process import start_planner
+from tests.test_planner_core import megatron_hybrid_cp, rank_view
+
+
+def long_tail_request(dp: int, cp: int, samples: int, seed: int = 11) -> PlanRequest:
+    return PlanRequest(tuple(sample_lengths("long_tail_16k", samples, seed)), dp, cp, 4096, job="test")
+
+
+@pytest.mark.parametrize("dp,cp,samples", [(4, 2, 64), (32, 2, 1024)])
+def test_served_plan_equals_megatron_core_in_process(stub, dp, cp, samples):
+    request = long_tail_request(dp, cp, samples)
+    response = stub.Plan(request_to_proto(request), timeout=120)
+    plan = plan_from_proto(response)
+    assert rank_view(plan) == megatron_hybrid_cp(list(request.sequence_lengths), dp * cp, 4096)
+    check_plan_invariants(plan, request, valid_cp_sizes(SchedulerKind.HYBRID_CP, dp * cp, cp, None))
+    assert response.scheduler == pb.SCHEDULER_HYBRID_CP
+    assert response.capacity_bound == pb.CAPACITY_BOUND_PER_SAMPLE
+    assert response.megatron_core_version and response.scheduler_class == "BalancedCPScheduler"
+    assert response.statistics.real_tokens == sum(request.sequence_lengths)
+    assert response.statistics.micro_batch_count == len(response.micro_batches)
+
+
+def test_same_plan_across_calls_and_processes(planner, stub):
+    message = request_to_proto(long_tail_request(8, 4, 256, seed=5))
+    first = stub.Plan(message, timeout=60)
+    assert stub.Plan(message, timeout=60) == first
+    other = start_planner(workers=1)
+    try:
+        with grpc.insecure_channel(other.address) as channel:
+            second = planner_pb2_grpc.BatchPlannerStub(channel).Plan(message, timeout=60)
+    finally:
+        assert other.stop() == 0
+    assert second.plan_id == first.plan_id
+    assert second.SerializeToString(deterministic=True) == first.SerializeToString(deterministic=True)
+
+
+def test_capabilities_report_schedulers_and_limits(stub):
+    caps = stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=10)
+    by_kind = {s.scheduler: s for s in caps.schedulers}
+    assert by_kind[pb.SCHEDULER_HYBRID_CP].available
+    assert by_kind[pb.SCHEDULER_HYBRID_CP].megatron_core_class.endswith("BalancedCPScheduler")
+    for kind in (pb.SCHEDULER_DYNAMIC_CP, pb.SCHEDULER_STATIC_PACKING):
+        info = by_kind[kind]
+        assert info.available == (info.unavailable_reason == "")
+        if not info.available:
+            assert "dev branch" in info.unavailable_reason
+    assert caps.limits.max_samples_per_request > 0 and caps.limits.max_receive_message_bytes > 0
+    assert caps.megatron_core_version.startswith("0.")
+    assert caps.cost_model.cp_seconds_per_micro_batch > 0
+
+
+def test_health_serving_and_reflection(planner):
+    with grpc.insecure_channel(planner.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "batch_planner.v1.BatchPlanner"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        names = {s.name for answer in answers for s in answer.list_services_response.service}
+    assert {"batch_planner.v1.BatchPlanner", "grpc.health.v1.Health"} <= names
+
+
+def test_unavailable_scheduler_is_failed_precondition(stub):
+    caps = stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=10)
+    missing = [s for s in caps.schedulers if not s.available]
+    if not missing:
+        pytest.skip("the installed Megatron-Core has every scheduler")
+    message = request_to_proto(long_tail_request(4, 2, 64))
+    message.scheduler = missing[0].scheduler
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Plan(message, timeout=30)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "Megatron-LM dev branch" in err.value.details()
