@@ -262,3 +262,11 @@ def test_default_config_values_match_the_server_defaults():
             continue
         assert value == pytest.approx(flat[name]), name
     assert config_from_args([]).limits == defaults.limits
+
+
+def test_deployment_doc_lists_every_server_setting():
+    doc = (ROOT / "docs" / "deployment.md").read_text()
+    for action in build_parser()._actions:
+        if action.dest == "help" or action.dest in SET_BY_CHART:
+            continue
+        assert f"| `config.{action.dest}` | `PLANNER_{action.dest.upper()}` |" in doc, action.dest
