@@ -185,46 +185,50 @@ def test_prometheus_scrapes_planner_padding_and_throughput(planner: PlannerProce
     assert prom.api("alerts")["alerts"] == []
 
 
-def _train_loop_flags() -> str:
-    if not TRAIN_LOOP.is_file():
-        return ""
-    result = subprocess.run([sys.executable, str(TRAIN_LOOP), "--help"], cwd=ROOT, env=planner_env(),
-                            capture_output=True, text=True, timeout=60)
-    return result.stdout
+def _train_loop_source() -> str:
+    return TRAIN_LOOP.read_text() if TRAIN_LOOP.is_file() else ""
 
 
 def test_prometheus_scrapes_the_example_trainer(planner: PlannerProcess, prometheus_for, tmp_path):
-    """The trainer side, scraped from examples/train_loop.py (branch `client`) when it is there
-    and can serve its metrics on a port."""
-    flags = _train_loop_flags()
-    if not flags:
+    """The trainer side: examples/train_loop.py (one process playing both ranks of a DPxCP group of
+    2) trains a few steps against the planner while Prometheus scrapes it. It counts every rank's
+    real tokens, so the tokens series must equal the lengths of all its batches."""
+    source = _train_loop_source()  # read, not run with --help: that would import torch once more
+    if not source:
         pytest.skip(f"{TRAIN_LOOP.relative_to(ROOT)} is not in this checkout")
-    needed = ("--planner-endpoint", "--metrics-port", "--steps", "--job")
-    if not all(flag in flags for flag in needed):
+    needed = ("--planner-endpoint", "--metrics-port", "--steps", "--batch-size", "--distribution", "--linger-seconds")
+    if not all(f'"{flag}"' in source for flag in needed):
         pytest.skip(f"{TRAIN_LOOP.relative_to(ROOT)} lacks one of the flags {needed} this test drives it with")
-    metrics_port = free_port()
-    steps = 4
-    trainer = subprocess.Popen(
-        [sys.executable, str(TRAIN_LOOP), "--planner-endpoint", planner.address, "--metrics-port", str(metrics_port),
-         "--steps", str(steps), "--job", JOB],
-        cwd=ROOT, env=planner_env(), stdout=(tmp_path / "trainer.log").open("w"), stderr=subprocess.STDOUT,
-    )
+    metrics_port, steps, batch_size, distribution = free_port(), 4, 32, "long_tail_16k"
+    log_path = tmp_path / "trainer.log"
+    with log_path.open("w") as log:
+        trainer = subprocess.Popen(
+            [sys.executable, str(TRAIN_LOOP), "--planner-endpoint", planner.address, "--metrics-port", str(metrics_port),
+             "--steps", str(steps), "--batch-size", str(batch_size), "--distribution", distribution,
+             "--linger-seconds", "60"],
+            cwd=ROOT, env=planner_env(), stdout=log, stderr=subprocess.STDOUT,
+        )
     try:
         prom = prometheus_for({SCRAPE_JOB: f"127.0.0.1:{planner.metrics_port}", "trainers": f"127.0.0.1:{metrics_port}"})
-        sel = f'job="trainers", exported_job="{JOB}"'
-        deadline = time.monotonic() + 40
-        while time.monotonic() < deadline:
+        sel = 'job="trainers"'
+        deadline = time.monotonic() + 90
+        while True:
             plans = prom.query(f"sum(batch_planner_client_plans_total{{{sel}}})")
             if plans and float(plans[0]["value"][1]) >= steps:
                 break
-            assert trainer.poll() in (None, 0), (tmp_path / "trainer.log").read_text()[-3000:]
+            assert trainer.poll() in (None, 0), log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "trainer plans never reached Prometheus:\n" + log_path.read_text()[-3000:]
             time.sleep(0.5)
-        else:
-            raise AssertionError("trainer plans never reached Prometheus:\n" + (tmp_path / "trainer.log").read_text()[-3000:])
-        tokens = prom.query(f"sum(batch_planner_client_tokens_total{{{sel}}})")
-        assert tokens and float(tokens[0]["value"][1]) > 0
-        assert prom.query(f"sum(batch_planner_client_padding_tokens_total{{{sel}}})")
-        assert prom.query(f"sum(batch_planner_client_tokens_per_second{{{sel}}})")
+        expected_tokens = sum(sum(sample_lengths(distribution, batch_size, seed=step)) for step in range(steps))
+        prom.wait_for_value(f"sum(batch_planner_client_tokens_total{{{sel}}})", expected_tokens)
+        padding = prom.query(f"sum(batch_planner_client_padding_tokens_total{{{sel}}})")
+        assert padding and 0 < float(padding[0]["value"][1]) < expected_tokens
+        assert float(prom.query(f"sum(batch_planner_client_tokens_per_second{{{sel}}})")[0]["value"][1]) > 0
+        # The trainer's own `job` label (its training job) is kept as exported_job, as the
+        # dashboard expects.
+        assert {r["metric"].get("exported_job") for r in prom.query(f"batch_planner_client_tokens_total{{{sel}}}")} != {None}
+        # The dashboard's trainer padding-waste query answers for this data.
+        assert prom.query(dashboard_expr("Trainer padding waste").replace(f'exported_job=~"{JOB}"', 'exported_job=~".*"'))
     finally:
         trainer.terminate()
         try:
