@@ -185,20 +185,26 @@ def test_prometheus_scrapes_planner_padding_and_throughput(planner: PlannerProce
     assert prom.api("alerts")["alerts"] == []
 
 
-def _train_loop_source() -> str:
-    return TRAIN_LOOP.read_text() if TRAIN_LOOP.is_file() else ""
+TRAIN_LOOP_FLAGS = ("--planner-endpoint", "--metrics-port", "--steps", "--batch-size", "--distribution", "--linger-seconds")
 
 
+def _train_loop_missing() -> str:
+    """Why the trainer test cannot run, or "". A marker, not a fixture: session fixtures (the
+    planner) would start before a fixture's skip. Reads the file instead of running --help, which
+    would import torch once more."""
+    if not TRAIN_LOOP.is_file():
+        return f"{TRAIN_LOOP.relative_to(ROOT)} is not in this checkout"
+    source = TRAIN_LOOP.read_text()
+    if not all(f'"{flag}"' in source for flag in TRAIN_LOOP_FLAGS):
+        return f"{TRAIN_LOOP.relative_to(ROOT)} lacks one of the flags {TRAIN_LOOP_FLAGS} this test drives it with"
+    return ""
+
+
+@pytest.mark.skipif(bool(_train_loop_missing()), reason=_train_loop_missing() or "-")
 def test_prometheus_scrapes_the_example_trainer(planner: PlannerProcess, prometheus_for, tmp_path):
     """The trainer side: examples/train_loop.py (one process playing both ranks of a DPxCP group of
     2) trains a few steps against the planner while Prometheus scrapes it. It counts every rank's
     real tokens, so the tokens series must equal the lengths of all its batches."""
-    source = _train_loop_source()  # read, not run with --help: that would import torch once more
-    if not source:
-        pytest.skip(f"{TRAIN_LOOP.relative_to(ROOT)} is not in this checkout")
-    needed = ("--planner-endpoint", "--metrics-port", "--steps", "--batch-size", "--distribution", "--linger-seconds")
-    if not all(f'"{flag}"' in source for flag in needed):
-        pytest.skip(f"{TRAIN_LOOP.relative_to(ROOT)} lacks one of the flags {needed} this test drives it with")
     metrics_port, steps, batch_size, distribution = free_port(), 4, 32, "long_tail_16k"
     log_path = tmp_path / "trainer.log"
     with log_path.open("w") as log:
