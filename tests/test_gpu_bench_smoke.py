@@ -21,6 +21,8 @@ import torch
 from bench.gpu.make_plans import batch_entry
 from bench.gpu.plans import BenchPlan, plan_from_json
 
+pytestmark = pytest.mark.slow  # spawns two torch processes (about 10 s of imports each)
+
 LENGTHS = [240, 40, 70, 24, 130, 10, 90, 60]  # 240 and 130 need CP2 at 128 tokens per rank
 MAX_SEQLEN_PER_RANK = 128
 
