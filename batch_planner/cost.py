@@ -26,12 +26,14 @@ from batch_planner.request import CapacityBound, CpLayout, PlanRequest
 
 @dataclass(frozen=True)
 class CostModel:
-    """Coefficients in seconds. Defaults: see docs/cost-model.md for where they come from."""
+    """Coefficients in seconds. Defaults: calibrated on 2x H200 (docs/gpu-benchmark.md): a
+    4-layer, 2048-wide bf16 decoder, forward + backward, CP through PyTorch's ring attention.
+    Absolute seconds scale with the model; the ratios between the terms are what rank plans."""
 
-    seconds_per_token: float = 1.0e-7
-    seconds_per_attention_token_pair: float = 9.0e-12
-    cp_seconds_per_micro_batch: float = 3.75e-3
-    cp_seconds_per_token: float = 1.0e-8
+    seconds_per_token: float = 2.64e-6
+    seconds_per_attention_token_pair: float = 6.8e-11
+    cp_seconds_per_micro_batch: float = 9.9e-3
+    cp_seconds_per_token: float = 1.65e-7
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -1,0 +1,226 @@
+"""Fits the cost model's coefficients to the GPU benchmark's per-micro-batch timings.
+
+    python -m bench.gpu.calibrate --run RESULTS_JSON PLANS_JSON [--run ...] \
+        --json docs/gpu-benchmark-calibration.json --plot docs/img/gpu-benchmark.png
+
+Each row is one rank's busy time in one micro-batch (median over the timed steps), with the cost
+model's features of the CP group it ran: padded tokens per rank, L^2 / c, CP communication tokens
+P (c - 1) / c, and the number of CP > 1 ring-attention sequences. The fit is a non-negative least
+squares over those four terms (batch_planner/cost.py's CostModel fields, in that order).
+
+The fixed CP term is counted per *sequence* on a CP group, also inside a packed pass: PyTorch's
+ring attention has no variable-length (THD) mode, so a packed pass makes one ring call per
+sequence and layer, and that is where the fixed cost lies (measured: ~20 ms per sequence for
+4 layers, forward + backward). Predictions therefore use `step_cost(..., packed=False)` for every
+plan; the planner's own statistic `static_cp_step_cost` (one fixed term per pack, as with
+Megatron-Core + Transformer Engine's THD ring attention) is reported beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from dataclasses import asdict
+
+import numpy as np
+
+from batch_planner.cost import CostModel, static_cp_step_cost, step_cost
+from batch_planner.padding import padded_length
+from batch_planner.request import CpLayout, PlanRequest
+from bench.gpu.plans import BenchPlan, plan_from_json
+
+FEATURES = ("seconds_per_token", "seconds_per_attention_token_pair", "cp_seconds_per_token", "cp_seconds_per_micro_batch")
+
+
+def group_features(lengths: list[int], cp_size: int) -> list[float]:
+    padded = [padded_length(n, cp_size, 1, CpLayout.ZIGZAG) for n in lengths]
+    return [
+        sum(padded) / cp_size,
+        sum(float(n) * n for n in lengths) / cp_size,
+        sum(padded) * (cp_size - 1) / cp_size,
+        float(len(lengths)) if cp_size > 1 else 0.0,
+    ]
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Exact non-negative least squares for a handful of columns: best over all active sets."""
+    best, best_err = np.zeros(a.shape[1]), float(np.sum(b**2))
+    for k in range(1, a.shape[1] + 1):
+        for cols in itertools.combinations(range(a.shape[1]), k):
+            x, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+            if np.all(x >= 0):
+                err = float(np.sum((a[:, cols] @ x - b) ** 2))
+                if err < best_err:
+                    best = np.zeros(a.shape[1])
+                    best[list(cols)] = x
+                    best_err = err
+    return best
+
+
+def load_run(results_path: str, plans_path: str) -> tuple[dict, list[dict]]:
+    with open(results_path) as f:
+        results = json.load(f)
+    with open(plans_path) as f:
+        batches = json.load(f)
+    for batch in batches:
+        batch["key"] = f"{batch['name']} (max {batch['max_seqlen_per_dp_cp_rank'] // 1024}K/rank)"
+        batch["plans"] = [plan_from_json(p) for p in batch["plans"]]
+    return results, batches
+
+
+def micro_batch_rows(results: dict, batches: list[dict]) -> list[dict]:
+    by_name = {b["name"]: b for b in batches}
+    samples: dict[tuple, list[float]] = {}
+    meta: dict[tuple, dict] = {}
+    for run in results["runs"]:
+        batch = by_name[run["batch"]]
+        for mb in run["micro_batches"]:
+            key = (batch["key"], run["plan"], run["rank"], mb["index"])
+            samples.setdefault(key, []).append(mb["busy_seconds"])
+            lengths = [batch["lengths"][i] for i in mb["sample_ids"]]
+            meta[key] = {"features": group_features(lengths, mb["cp_size"]), "cp_size": mb["cp_size"]}
+    return [
+        {"batch": k[0], "plan": k[1], "rank": k[2], "micro_batch": k[3], **meta[k], "seconds": statistics.median(v)}
+        for k, v in samples.items()
+    ]
+
+
+def fit(rows: list[dict]) -> CostModel:
+    a = np.array([r["features"] for r in rows])
+    b = np.array([r["seconds"] for r in rows])
+    # Relative weighting: short and long micro-batches count alike.
+    w = 1.0 / np.maximum(b, 1e-3)
+    x = nnls(a * w[:, None], b * w)
+    return CostModel(**{name: float(v) for name, v in zip(FEATURES, x)})
+
+
+def plan_table(results: dict, batches: list[dict], model: CostModel) -> list[dict]:
+    table = []
+    for batch in batches:
+        tokens = sum(batch["lengths"])
+        rows = {}
+        for plan in batch["plans"]:
+            steps: dict[int, float] = {}
+            for run in results["runs"]:
+                if run["batch"] == batch["name"] and run["plan"] == plan.name:
+                    steps[run["repeat"]] = max(steps.get(run["repeat"], 0.0), run["step_seconds"])
+            times = sorted(steps.values())
+            rows[plan.name] = {
+                "batch": batch["key"],
+                "plan": plan.name,
+                "tokens": tokens,
+                "measured_seconds": statistics.median(times),
+                "min_seconds": times[0],
+                "max_seconds": times[-1],
+                "tokens_per_second": tokens / statistics.median(times),
+                "predicted_seconds": _engine_prediction(plan, model),
+                "micro_batches": len(plan.micro_batches),
+            }
+        static = rows["static_cp2"]
+        planner_static = static_cp_step_cost(
+            PlanRequest(tuple(batch["lengths"]), 1, 2, batch["max_seqlen_per_dp_cp_rank"]), model
+        )
+        for row in rows.values():
+            row["measured_speedup_vs_static_cp2"] = static["measured_seconds"] / row["measured_seconds"]
+            row["predicted_speedup_vs_static_cp2"] = static["predicted_seconds"] / row["predicted_seconds"]
+            row["planner_statistic_speedup_vs_static_cp2"] = planner_static / row["predicted_seconds"]
+            measured_rank = sorted(rows, key=lambda n: rows[n]["measured_seconds"])
+            predicted_rank = sorted(rows, key=lambda n: rows[n]["predicted_seconds"])
+            row["ranking_agrees"] = measured_rank == predicted_rank
+            table.append(row)
+    return table
+
+
+def _engine_prediction(plan: BenchPlan, model: CostModel) -> float:
+    # packed=False: the fixed CP term per sequence (see module doc), for every plan.
+    return step_cost(plan.micro_batches, plan.request(), model, packed=False)
+
+
+def markdown(table: list[dict]) -> str:
+    lines = [
+        "| batch | plan | tokens/s | step ms (median, min-max) | vs static CP2 measured | predicted | error |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in table:
+        error = r["predicted_speedup_vs_static_cp2"] / r["measured_speedup_vs_static_cp2"] - 1
+        lines.append(
+            f"| {r['batch']} | {r['plan']} | {r['tokens_per_second']:,.0f} | {r['measured_seconds'] * 1e3:.0f} "
+            f"({r['min_seconds'] * 1e3:.0f}-{r['max_seconds'] * 1e3:.0f}) | {r['measured_speedup_vs_static_cp2']:.2f}x "
+            f"| {r['predicted_speedup_vs_static_cp2']:.2f}x | {error:+.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(table: list[dict], rows: list[dict], model: CostModel, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [2.2, 1]})
+    batches = list(dict.fromkeys(r["batch"] for r in table))
+    plans = list(dict.fromkeys(r["plan"] for r in table))
+    width = 0.8 / len(plans)
+    for i, plan in enumerate(plans):
+        sel = [next(r for r in table if r["batch"] == b and r["plan"] == plan) for b in batches]
+        xs = np.arange(len(batches)) + i * width
+        tps = np.array([r["tokens_per_second"] for r in sel]) / 1e3
+        low = tps - np.array([r["tokens"] / r["max_seconds"] for r in sel]) / 1e3
+        high = np.array([r["tokens"] / r["min_seconds"] for r in sel]) / 1e3 - tps
+        ax1.bar(xs, tps, width, yerr=[low, high], capsize=2, label=plan)
+        pred = np.array([r["tokens"] / r["predicted_seconds"] for r in sel]) / 1e3
+        ax1.scatter(xs, pred, marker="_", s=200, color="black", zorder=3, label="predicted" if i == 0 else None)
+    ax1.set_xticks(np.arange(len(batches)) + 0.4 - width / 2)
+    ax1.set_xticklabels([b.replace(" (", "\n(") for b in batches], fontsize=7, rotation=30, ha="right")
+    ax1.set_ylabel("thousand tokens / s (2x H200, median of timed steps; bars: min-max)")
+    ax1.set_title("Throughput per plan; black marks: calibrated cost model")
+    ax1.legend(fontsize=8)
+    measured = np.array([r["seconds"] for r in rows]) * 1e3
+    features = np.array([r["features"] for r in rows])
+    coeffs = np.array([getattr(model, n) for n in FEATURES])
+    predicted = features @ coeffs * 1e3
+    for plan in plans:
+        sel = [i for i, r in enumerate(rows) if r["plan"] == plan]
+        ax2.scatter(measured[sel], predicted[sel], s=10, label=plan)
+    top = max(measured.max(), predicted.max()) * 1.05
+    ax2.plot([0, top], [0, top], color="grey", lw=1)
+    ax2.set_xlabel("measured busy ms per rank and micro-batch")
+    ax2.set_ylabel("cost model ms")
+    ax2.set_title("Per-micro-batch fit")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", nargs=2, action="append", required=True, metavar=("RESULTS", "PLANS"))
+    parser.add_argument("--json", help="write coefficients, per-plan table and fit rows here")
+    parser.add_argument("--plot", help="write the PNG here")
+    args = parser.parse_args(argv)
+    runs = [load_run(r, p) for r, p in args.run]
+    rows = [row for results, batches in runs for row in micro_batch_rows(results, batches)]
+    model = fit(rows)
+    table = [row for results, batches in runs for row in plan_table(results, batches, model)]
+    holdout = None
+    if len(runs) > 1:
+        first = fit(micro_batch_rows(*runs[0]))
+        holdout = [row for results, batches in runs[1:] for row in plan_table(results, batches, first)]
+    print("calibrated:", json.dumps(asdict(model)))
+    print(markdown(table))
+    if holdout:
+        print("\nheld out (fit on the first run only):")
+        print(markdown(holdout))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cost_model": asdict(model), "plans": table, "holdout": holdout,
+                       "environment": runs[0][0]["environment"], "config": runs[0][0]["config"],
+                       "checks": runs[0][0]["checks"]}, f, indent=1)
+    if args.plot:
+        plot(table, rows, model, args.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The client against a real planner server: service plans equal in-process plans, fallback plans
+are identical, rejected requests are not retried, and planning ahead hides planning time."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import pytest
+
+from batch_planner.distributions import sample_lengths
+from batch_planner.planner import plan_batch
+from trainer_client import BatchPlannerClient, PlannerClientConfig
+from trainer_client.plan_source import FALLBACK, SERVICE
+from trainer_client.rpc_client import PlanRejectedError
+
+LENGTHS = sample_lengths("long_tail_16k", 64, seed=3)
+
+
+def client_for(endpoint: str, **overrides) -> BatchPlannerClient:
+    values = dict(planner_endpoint=endpoint, tls=False, max_seqlen_per_dp_cp_rank=8192, job="test")
+    values.update(overrides)
+    return BatchPlannerClient(PlannerClientConfig(**values), dp_cp_size=8, rank=0)
+
+
+def metric(client: BatchPlannerClient, name: str, **labels) -> float:
+    return client.metrics.registry.get_sample_value(name, {"job": "test", **labels}) or 0.0
+
+
+def unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_service_plan_equals_the_in_process_plan_and_the_fallback_plan(planner, caplog):
+    client = client_for(planner.address)
+    try:
+        service_plan = client.plan_step(0, LENGTHS)
+        assert client.last_source == SERVICE
+    finally:
+        client.close()
+    local_plan = plan_batch(client.request_for(LENGTHS))
+    assert service_plan == local_plan  # same plan id, same micro-batches and CP groups
+
+    down = client_for(f"127.0.0.1:{unused_port()}", fallback_cooldown_seconds=0.0)
+    caplog.set_level(logging.WARNING, logger="trainer_client")
+    try:
+        plans = [down.plan_step(step, LENGTHS) for step in range(3)]
+    finally:
+        down.close()
+    assert down.last_source == FALLBACK
+    assert {p.plan_id for p in plans} == {service_plan.plan_id} and plans[0] == service_plan
+    assert metric(down, "batch_planner_client_fallbacks_total", reason="unavailable") == 3
+    assert metric(down, "batch_planner_client_plans_total", source="fallback") == 3
+    outage_logs = [r for r in caplog.records if "planning in-process until it answers again" in r.getMessage()]
+    assert len(outage_logs) == 1  # once per outage, not once per step
+
+
+def test_invalid_argument_is_raised_not_retried_and_not_planned_in_process(planner):
+    client = client_for(planner.address, max_attempts=4)
+    try:
+        with pytest.raises(PlanRejectedError, match=r"INVALID_ARGUMENT.*sequence_lengths"):
+            client.plan_step(0, [1000, 0, 2000])
+    finally:
+        client.close()
+    assert metric(client, "batch_planner_client_rpc_latency_seconds_count") == 1  # one attempt
+    assert metric(client, "batch_planner_client_plans_total", source="fallback") == 0
+
+
+def test_planning_one_step_ahead_hides_planning_time_from_a_slow_step(planner):
+    # A request big enough that planning takes visible time: 1,024 samples on 64 ranks.
+    lengths = [sample_lengths("long_tail_16k", 1024, seed=step) for step in range(4)]
+    client = BatchPlannerClient(
+        PlannerClientConfig(planner_endpoint=planner.address, tls=False, max_seqlen_per_dp_cp_rank=16384,
+                            deadline_seconds=30.0, job="test"),
+        dp_cp_size=64, rank=0,
+    )
+    waits = []
+    try:
+        for step in range(4):
+            started = time.perf_counter()
+            client.plan_step(step, lengths[step])
+            waits.append(time.perf_counter() - started)
+            assert client.last_source == SERVICE
+            if step + 1 < 4:
+                client.prefetch(step + 1, lengths[step + 1])
+            # The "training step": longer than planning, so the next plan is ready when asked for.
+            time.sleep(max(0.3, 3 * waits[0]))
+    finally:
+        client.close()
+    unplanned_wait, ahead_waits = waits[0], waits[1:]
+    rpc_count = metric(client, "batch_planner_client_rpc_latency_seconds_count")
+    rpc_mean = metric(client, "batch_planner_client_rpc_latency_seconds_sum") / rpc_count
+    assert rpc_count == 4
+    assert max(ahead_waits) < 0.25 * rpc_mean, (waits, rpc_mean)
+    assert unplanned_wait >= rpc_mean * 0.5
+    assert metric(client, "batch_planner_client_plan_wait_seconds_count") == 4

@@ -1,0 +1,66 @@
+"""The planner image's Dockerfile: lint-clean with hadolint, and the promises docs/deployment.md
+makes about it. (No container engine here: the image itself is not built in CI.)"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+from tests.deploy_tools import ROOT, find_tool, run
+
+DOCKERFILE = ROOT / "Dockerfile"
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", "\n".join(l for l in DOCKERFILE.read_text().splitlines() if not l.lstrip().startswith("#")))
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in text.splitlines() if line.strip()]
+
+
+def test_hadolint_passes():
+    result = run([find_tool("hadolint"), "--failure-threshold", "info", str(DOCKERFILE)])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_flags_a_bad_dockerfile(tmp_path):
+    """The linter is live: an unpinned, root, apt-cache-keeping Dockerfile fails."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN apt-get update && apt-get install -y git\nRUN pip install grpcio\n")
+    result = run([find_tool("hadolint"), str(bad)])
+    assert result.returncode != 0
+    for rule in ("DL3007", "DL3008", "DL3013"):
+        assert rule in result.stdout, result.stdout
+
+
+def test_image_is_multi_stage_pinned_and_runs_as_non_root():
+    steps = instructions()
+    froms = [args for op, args in steps if op == "FROM"]
+    assert len(froms) == 2 and froms[0].endswith("AS build") and froms[1].endswith("AS runtime")
+    (base,) = {args.split("=", 1)[1] for op, args in steps if op == "ARG" and args.startswith("PYTHON_IMAGE=")}
+    assert re.fullmatch(r"python:3\.12\.\d+-slim-bookworm", base), base
+    runtime = steps[max(i for i, (op, _) in enumerate(steps) if op == "FROM"):]
+    users = [args for op, args in runtime if op == "USER"]
+    assert users and users[-1].split(":")[0] not in ("0", "root")
+    assert ("ENTRYPOINT", '["planner-server"]') in runtime
+    exposed = {port for op, args in runtime if op == "EXPOSE" for port in args.split()}
+    assert exposed == {"50051", "9400"}
+
+
+def test_megatron_core_is_a_build_argument_defaulting_to_the_tested_release():
+    args = dict(a.split("=", 1) for op, a in instructions() if op == "ARG" and "=" in a)
+    assert args["MEGATRON_CORE_SPEC"] == "megatron-core==0.19.2"
+    # torch comes from the CPU-only wheel index, before anything that depends on it.
+    assert args["TORCH_INDEX_URL"].endswith("/whl/cpu")
+    text = DOCKERFILE.read_text()
+    assert text.index('--index-url "${TORCH_INDEX_URL}"') < text.index('pip install --no-cache-dir "${MEGATRON_CORE_SPEC}" .')
+
+
+def test_dockerignore_lets_in_what_the_build_copies_and_nothing_else():
+    ignore = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    assert ignore[0] == "*"
+    allowed = {l[1:].rstrip("/") for l in ignore if l.startswith("!")}
+    copied = {src.rstrip("/") for op, args in instructions() if op == "COPY" and "--from" not in args
+              for src in args.split()[:-1]}
+    assert copied == allowed
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert {p.rstrip("*") for p in packages} <= copied

@@ -1,0 +1,90 @@
+"""One rank asks, all ranks agree: share a step's plan over the DPxCP process group.
+
+By default rank 0 of the group has the plan (from the service or its fallback) and broadcasts it
+as serialized PlanResponse bytes. With `who_asks=all_ranks` every rank planned for itself. Either
+way every rank then all-gathers (plan id, digest of its own request) and raises PlanMismatchError
+unless all ranks hold the same plan for the same batch: a rank that trains a different plan than
+its peers would hang the job in its first CP collective.
+
+A planning error on the asking rank is broadcast too, so every rank raises it instead of the
+others waiting forever in the broadcast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from batch_planner.convert import plan_from_proto, plan_to_proto
+from batch_planner.plan import Plan
+from batch_planner.v1 import planner_pb2 as pb
+from trainer_client.config import WhoAsks
+from trainer_client.rpc_client import PlanRejectedError
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks of one DPxCP group hold different plans or different batches."""
+
+
+def is_distributed(group: dist.ProcessGroup | None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def agree_on_plan(
+    own: Plan | PlanRejectedError | None,
+    request_digest: str,
+    group: dist.ProcessGroup | None,
+    who_asks: WhoAsks,
+) -> Plan:
+    """Every rank calls this with its own result (`None` on ranks that did not ask) and gets the
+    group's plan back, or the asking rank's PlanRejectedError."""
+    if not is_distributed(group):
+        return _unwrap(own)
+    if who_asks is WhoAsks.LEADER:
+        holder: list[Any] = [_encode(own) if dist.get_rank(group) == 0 else None]
+        dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        own = _decode(holder[0])
+    mine = (own.plan_id if isinstance(own, Plan) else f"error: {own}", request_digest)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    errors = [(rank, entry[0]) for rank, entry in enumerate(everyone) if entry[0].startswith("error: ")]
+    if errors:
+        if isinstance(own, PlanRejectedError):
+            raise own
+        rank, message = errors[0]
+        raise PlanRejectedError("REMOTE", f"rank {rank} of the DPxCP group could not plan: {message[7:]}")
+    batches = {digest for _, digest in everyone}
+    if len(batches) > 1:
+        raise PlanMismatchError(
+            "ranks of the DPxCP group hold different batches (request digests by rank: "
+            f"{[digest for _, digest in everyone]}); every rank must hold the same global batch"
+        )
+    plan_ids = {plan_id for plan_id, _ in everyone}
+    if len(plan_ids) > 1:
+        raise PlanMismatchError(
+            f"ranks of the DPxCP group received different plans (plan ids by rank: {[p for p, _ in everyone]})"
+        )
+    return _unwrap(own)
+
+
+def _encode(own: Plan | PlanRejectedError | None) -> tuple:
+    if isinstance(own, Plan):
+        return ("plan", plan_to_proto(own).SerializeToString())
+    if isinstance(own, PlanRejectedError):
+        return ("error", own.code, own.server_message)
+    raise RuntimeError("rank 0 of the DPxCP group must plan when who_asks=leader")
+
+
+def _decode(payload: tuple) -> Plan | PlanRejectedError:
+    if payload[0] == "plan":
+        return plan_from_proto(pb.PlanResponse.FromString(payload[1]))
+    return PlanRejectedError(payload[1], payload[2])
+
+
+def _unwrap(own: Plan | PlanRejectedError | None) -> Plan:
+    if isinstance(own, PlanRejectedError):
+        raise own
+    if own is None:
+        raise RuntimeError("no plan: this rank did not plan and there is no group to receive one from")
+    return own

@@ -1,0 +1,185 @@
+"""The facade a trainer imports: plan each step (ahead of time), apply the plan, restore outputs.
+
+    client = BatchPlannerClient(PlannerClientConfig.from_yaml("train.yaml", section="batch_planner"))
+    client.prefetch(0, lengths_of(batches[0]))
+    for step, batch in enumerate(batches):
+        plan = client.plan_step(step, lengths_of(batch))       # waits only if not planned yet
+        if step + 1 < len(batches):
+            client.prefetch(step + 1, lengths_of(batches[step + 1]))
+        for mb in client.micro_batches(plan, batch):
+            ...  # forward/backward with mb.input_ids, mb.packed_seq_params, mb.padding_mask
+        outputs = client.restore_outputs(plan, {sample_id: output, ...})
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import Any, Mapping, Sequence
+
+import torch.distributed as dist
+from prometheus_client import CollectorRegistry, start_http_server
+
+from batch_planner.plan import Plan
+from batch_planner.request import PlanRequest
+from trainer_client.ahead import PlanAhead
+from trainer_client.apply import (
+    CpGroupResolver,
+    GlobalBatch,
+    RankMicroBatch,
+    megatron_cp_group_resolver,
+    micro_batches_for_rank,
+    unbind_batch,
+)
+from trainer_client.broadcast import agree_on_plan, is_distributed
+from trainer_client.config import PlannerClientConfig, WhoAsks
+from trainer_client.metrics import TrainerMetrics
+from trainer_client.outputs import restore_outputs
+from trainer_client.plan_source import PlannerUnavailableError, PlanSource, SourcedPlan
+from trainer_client.rpc_client import PlanRejectedError
+
+log = logging.getLogger(__name__)
+
+
+class BatchPlannerClient:
+    """One per trainer process.
+
+    group: the DPxCP process group the plan covers; by default Megatron-Core's
+    `get_data_parallel_group(with_context_parallel=True)` when parallel_state is initialised, else
+    the default (world) group. Without torch.distributed, pass `dp_cp_size` and `rank` to plan for a
+    layout and apply it as one of its ranks (tests, single-process tools).
+    cp_groups: "megatron" (Megatron-Core's parallel_state groups, the default when initialised),
+    None (no process groups; only ranks), or a callable size -> group.
+    """
+
+    def __init__(
+        self,
+        config: PlannerClientConfig,
+        group: Any = None,
+        *,
+        metrics: TrainerMetrics | None = None,
+        registry: CollectorRegistry | None = None,
+        cp_groups: str | CpGroupResolver | None = "auto",
+        dp_cp_size: int | None = None,
+        rank: int | None = None,
+    ):
+        self.config = config
+        self.metrics = metrics or TrainerMetrics(registry, job=config.job)
+        megatron_ready = _megatron_parallel_state_initialized()
+        if group is None and megatron_ready:
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.group = group
+        if dist.is_available() and dist.is_initialized():
+            self.dp_cp_size = dist.get_world_size(group)
+            self.rank = dist.get_rank(group)
+        else:
+            if dp_cp_size is None:
+                raise ValueError("torch.distributed is not initialised: pass dp_cp_size (and rank) explicitly")
+            self.dp_cp_size, self.rank = dp_cp_size, rank or 0
+        if self.dp_cp_size % config.context_parallel_size:
+            raise ValueError(
+                f"context_parallel_size={config.context_parallel_size} does not divide the DPxCP group "
+                f"of {self.dp_cp_size} ranks"
+            )
+        if cp_groups == "auto":
+            cp_groups = "megatron" if megatron_ready else None
+        self._cp_groups = cp_groups
+        self.source = PlanSource(config, self.metrics)
+        self.ahead = PlanAhead(self.source.plan)
+        self.last_source: str | None = None
+
+    @property
+    def asks(self) -> bool:
+        """Whether this rank calls the planner."""
+        return self.config.who_asks is WhoAsks.ALL_RANKS or self.rank == 0
+
+    def request_for(self, lengths: Sequence[int]) -> PlanRequest:
+        c = self.config
+        return PlanRequest(
+            sequence_lengths=tuple(int(n) for n in lengths),
+            data_parallel_size=self.dp_cp_size // c.context_parallel_size,
+            context_parallel_size=c.context_parallel_size,
+            max_seqlen_per_dp_cp_rank=c.max_seqlen_per_dp_cp_rank,
+            scheduler=c.scheduler,
+            tensor_parallel_size=c.tensor_parallel_size,
+            cp_layout=c.cp_layout,
+            min_cp_size=c.min_cp_size,
+            max_seqs_per_micro_batch=c.max_seqs_per_micro_batch,
+            micro_batch_group_size=c.micro_batch_group_size,
+            job=c.job,
+        )
+
+    def prefetch(self, step: int, lengths: Sequence[int]) -> None:
+        """Start planning `step` in the background (call it while the previous step trains)."""
+        if self.asks:
+            self.ahead.prefetch(step, self.request_for(lengths))
+
+    def plan_step(self, step: int, lengths: Sequence[int]) -> Plan:
+        """The plan for `step`, the same on every rank of the group (a collective: all ranks call it)."""
+        started = time.perf_counter()
+        request = self.request_for(lengths)
+        own: Plan | PlanRejectedError | None = None
+        if self.asks:
+            try:
+                sourced: SourcedPlan
+                sourced, _ = self.ahead.get(step, request)
+                own, self.last_source = sourced.plan, sourced.source
+            except PlanRejectedError as error:
+                own = error
+            except PlannerUnavailableError as error:
+                own = PlanRejectedError("UNAVAILABLE", str(error))
+        plan = agree_on_plan(own, _request_digest(request), self.group, self.config.who_asks)
+        self.metrics.plan_wait.labels(self.metrics.job).observe(time.perf_counter() - started)
+        self.metrics.micro_batches.labels(self.metrics.job).set(len(plan.micro_batches))
+        return plan
+
+    def micro_batches(self, plan: Plan, batch: GlobalBatch | Mapping[str, Any], pad_token_id: int = 0) -> list[RankMicroBatch]:
+        """This rank's execution units of the plan, from the global batch every rank holds."""
+        resolver = self._cp_groups
+        if resolver == "megatron":
+            resolver = megatron_cp_group_resolver(plan, self.group)
+        if not isinstance(batch, GlobalBatch):
+            batch = unbind_batch(batch)
+        return micro_batches_for_rank(plan, batch, self.rank, resolver, pad_token_id)
+
+    def restore_outputs(self, plan: Plan, local_outputs: Mapping[int, Any]) -> list[Any]:
+        """Per-sample outputs of this rank's led samples -> every sample's output, in sample order."""
+        num_samples = sum(len(g.sample_ids) for mb in plan.micro_batches for g in mb.cp_groups)
+        return restore_outputs(local_outputs, num_samples, self.group if is_distributed(self.group) else None)
+
+    def record_step(self, micro_batches: Sequence[RankMicroBatch], seconds: float) -> None:
+        """Counts this rank's real and padding tokens and the step time."""
+        m, job = self.metrics, self.metrics.job
+        real = sum(mb.real_local_tokens for mb in micro_batches)
+        m.tokens.labels(job).inc(real)
+        m.padding_tokens.labels(job).inc(sum(mb.padding_local_tokens for mb in micro_batches))
+        m.step_time.labels(job).observe(seconds)
+        if seconds > 0:
+            m.tokens_per_second.labels(job).set(real / seconds)
+
+    def serve_metrics(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Serves this client's registry on http://addr:port/metrics; returns the bound port."""
+        server, _ = start_http_server(port, addr=addr, registry=self.metrics.registry)
+        return server.server_port
+
+    def close(self) -> None:
+        self.ahead.close()
+        self.source.close()
+
+
+def _request_digest(request: PlanRequest) -> str:
+    fields = (request.sequence_lengths, request.data_parallel_size, request.context_parallel_size,
+              request.tensor_parallel_size, request.max_seqlen_per_dp_cp_rank, request.scheduler.value,
+              request.cp_layout.value, request.min_cp_size)
+    return hashlib.sha256(repr(fields).encode()).hexdigest()[:16]
+
+
+def _megatron_parallel_state_initialized() -> bool:
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        return False
+    return parallel_state.model_parallel_is_initialized()

@@ -1,0 +1,188 @@
+"""The trainer client's settings: one typed dataclass, loadable from a dict or a YAML file.
+
+It drops into a trainer's config file as one section, e.g.
+
+    batch_planner:
+      planner_endpoint: dns:///batch-planner.default.svc.cluster.local:50051
+      max_seqlen_per_dp_cp_rank: 16384
+      deadline_seconds: 2.0
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, asdict, dataclass, fields
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from batch_planner.request import CpLayout, SchedulerKind
+
+
+class WhoAsks(str, Enum):
+    """Which ranks of the DPxCP group call the planner for a step."""
+
+    LEADER = "leader"  # rank 0 asks and broadcasts the plan; the default
+    ALL_RANKS = "all_ranks"  # every rank asks; the plan ids are then compared
+
+
+class ConfigError(ValueError):
+    """A setting with a bad value or an unknown name; the message names the key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class PlannerClientConfig:
+    # Where the planner listens: "host:port", or "dns:///name:port" to balance round-robin over
+    # every address the name resolves to (all replicas behind a headless Kubernetes service).
+    # Empty: never call a service, always plan in-process.
+    planner_endpoint: str = ""
+    # The job's longest per-rank token budget for one micro-batch (Megatron's
+    # max_seqlen_per_dp_cp_rank); required.
+    max_seqlen_per_dp_cp_rank: int = 0
+    scheduler: SchedulerKind = SchedulerKind.HYBRID_CP
+    # The job's static CP size (the baseline the statistics compare against); DPxCP comes from
+    # the process group, DP = DPxCP / CP.
+    context_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    cp_layout: CpLayout = CpLayout.ZIGZAG
+    min_cp_size: int | None = None
+    max_seqs_per_micro_batch: int | None = None
+    micro_batch_group_size: int | None = None
+    job: str = ""
+    who_asks: WhoAsks = WhoAsks.LEADER
+
+    # One RPC attempt may take this long before it counts as failed.
+    deadline_seconds: float = 2.0
+    # Attempts per plan, the first included, on UNAVAILABLE / DEADLINE_EXCEEDED /
+    # RESOURCE_EXHAUSTED / INTERNAL; never on INVALID_ARGUMENT.
+    max_attempts: int = 2
+    initial_backoff_seconds: float = 0.05
+    max_backoff_seconds: float = 1.0
+    backoff_multiplier: float = 2.0
+
+    # Plan in-process with the same Megatron-Core scheduler when the service fails. Off: a
+    # failure raises PlannerUnavailableError.
+    fallback: bool = True
+    # After a failure, plan in-process for this long without calling the service (so steps do not
+    # each wait a full deadline while it is down); then the next step probes the service again.
+    fallback_cooldown_seconds: float = 5.0
+    # How fast the gRPC channel reconnects to a planner that comes back.
+    max_reconnect_backoff_seconds: float = 1.0
+
+    # TLS: on unless tls=False. ca_file: the CA that signed the server (empty: system roots).
+    # cert_file + key_file: this client's certificate for mutual TLS.
+    tls: bool = True
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_server_name_override: str = ""
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> PlannerClientConfig:
+        if not isinstance(values, dict):
+            raise ConfigError(f"batch planner client config must be a mapping, got {type(values).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown key(s) {unknown}; allowed keys: {sorted(known)}")
+        converted = {name: _convert(known[name], value) for name, value in values.items()}
+        return cls(**converted)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, section: str | None = None) -> PlannerClientConfig:
+        """Loads the file, or one top-level `section` of it (e.g. "batch_planner")."""
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if section is not None:
+            if not isinstance(data, dict) or section not in data:
+                raise ConfigError(f"{path}: no top-level section {section!r}")
+            data = data[section] or {}
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (v.value if isinstance(v, Enum) else v) for k, v in asdict(self).items()}
+
+
+_ENUMS = {"scheduler": SchedulerKind, "cp_layout": CpLayout, "who_asks": WhoAsks}
+_OPTIONAL_INTS = ("min_cp_size", "max_seqs_per_micro_batch", "micro_batch_group_size")
+_POSITIVE_INTS = ("max_seqlen_per_dp_cp_rank", "context_parallel_size", "tensor_parallel_size", "max_attempts")
+_POSITIVE_FLOATS = ("deadline_seconds", "backoff_multiplier", "max_reconnect_backoff_seconds")
+_NON_NEGATIVE_FLOATS = ("initial_backoff_seconds", "max_backoff_seconds", "fallback_cooldown_seconds")
+
+
+def _convert(f, value: Any) -> Any:
+    name = f.name
+    if name in _ENUMS:
+        enum = _ENUMS[name]
+        if isinstance(value, enum):
+            return value
+        try:
+            return enum(value)
+        except ValueError:
+            raise ConfigError(
+                f"{name}: {value!r} is not allowed; allowed: {[e.value for e in enum]}"
+            ) from None
+    default = f.default if f.default is not MISSING else None
+    if name in _OPTIONAL_INTS:
+        return None if value is None else _strict(name, value, int)
+    if isinstance(default, bool):
+        return _strict(name, value, bool)
+    if isinstance(default, int):
+        return _strict(name, value, int)
+    if isinstance(default, float):
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        return _strict(name, value, float)
+    return _strict(name, value, str)
+
+
+def _strict(name: str, value: Any, kind: type) -> Any:
+    # bool is an int in Python; "true" in YAML for a count is a mistake worth naming.
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ConfigError(f"{name}: {value!r} is a {type(value).__name__}; expected a {kind.__name__}")
+    return value
+
+
+def _check(c: PlannerClientConfig) -> None:
+    for name in _ENUMS:
+        if not isinstance(getattr(c, name), _ENUMS[name]):
+            object.__setattr__(c, name, _convert(next(f for f in fields(c) if f.name == name), getattr(c, name)))
+    for name in _POSITIVE_INTS:
+        value = getattr(c, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            hint = " (required: the job's per-rank token budget)" if name == "max_seqlen_per_dp_cp_rank" else ""
+            raise ConfigError(f"{name}: {value!r} is not allowed; expected an integer >= 1{hint}")
+    for name in _OPTIONAL_INTS:
+        value = getattr(c, name)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name}: {value!r} is not allowed; expected null or an integer >= 1")
+    for name in _POSITIVE_FLOATS:
+        value = getattr(c, name)
+        if not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{name}: {value!r} is not allowed; expected a number > 0")
+    for name in _NON_NEGATIVE_FLOATS:
+        value = getattr(c, name)
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{name}: {value!r} is not allowed; expected a number >= 0")
+    if c.backoff_multiplier < 1:
+        raise ConfigError(f"backoff_multiplier: {c.backoff_multiplier!r} is not allowed; expected >= 1")
+    endpoint = c.planner_endpoint
+    if endpoint:
+        target = endpoint[len("dns:///"):] if endpoint.startswith("dns:///") else endpoint
+        host, sep, port = target.rpartition(":")
+        if "://" in endpoint and not endpoint.startswith("dns:///"):
+            raise ConfigError(
+                f"planner_endpoint: {endpoint!r} is not allowed; expected 'host:port' or 'dns:///name:port'"
+            )
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"planner_endpoint: {endpoint!r} has no valid port; expected 'host:port' or 'dns:///name:port'"
+            )
+    if bool(c.tls_cert_file) != bool(c.tls_key_file):
+        raise ConfigError("tls_cert_file and tls_key_file: set both (mutual TLS) or neither")
+    if not c.tls and (c.tls_ca_file or c.tls_cert_file or c.tls_server_name_override):
+        raise ConfigError("tls: False (plaintext) but TLS files or a server name override are set; drop them or set tls: true")

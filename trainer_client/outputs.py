@@ -1,0 +1,65 @@
+"""Restore outputs: gather the CP leaders' per-sample outputs and return them in sample order.
+
+Each rank passes {sample_id: output} for the samples it leads (RankMicroBatch.is_cp_leader); an
+output is any picklable object (a tensor of any shape, a scalar, a dict). Every sample must come
+back exactly once; a missing or duplicated id raises OutputRestoreError naming it, on every rank.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from trainer_client.broadcast import is_distributed
+
+
+class OutputRestoreError(RuntimeError):
+    """Some sample's output is missing or came back more than once."""
+
+
+def restore_outputs(
+    local_outputs: Mapping[int, Any], num_samples: int, group: dist.ProcessGroup | None = None
+) -> list[Any]:
+    """All ranks call this; all get the outputs of samples 0..num_samples-1 in order."""
+    items = [(int(sample_id), _to_cpu(output)) for sample_id, output in local_outputs.items()]
+    if is_distributed(group):
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, items, group=group)
+        items = [(sample_id, output, rank) for rank, part in enumerate(gathered) for sample_id, output in part]
+    else:
+        items = [(sample_id, output, 0) for sample_id, output in items]
+    return order_outputs(items, num_samples)
+
+
+def order_outputs(items: list[tuple[int, Any, int]], num_samples: int) -> list[Any]:
+    """(sample_id, output, rank) triples -> outputs in sample order, each sample exactly once."""
+    counts = Counter(sample_id for sample_id, _, _ in items)
+    duplicated = sorted(i for i, n in counts.items() if n > 1)
+    unknown = sorted(i for i in counts if not 0 <= i < num_samples)
+    missing = sorted(set(range(num_samples)) - set(counts))
+    if duplicated or unknown or missing:
+        by_rank = {i: sorted(r for s, _, r in items if s == i) for i in duplicated[:10]}
+        raise OutputRestoreError(
+            "per-sample outputs do not cover the batch exactly once: "
+            + "; ".join(
+                part
+                for part in (
+                    f"missing sample ids {missing[:20]} ({len(missing)} in all)" if missing else "",
+                    f"duplicated sample ids {duplicated[:20]} (reported by ranks {by_rank})" if duplicated else "",
+                    f"unknown sample ids {unknown[:20]} (batch has 0..{num_samples - 1})" if unknown else "",
+                )
+                if part
+            )
+        )
+    ordered: list[Any] = [None] * num_samples
+    for sample_id, output, _ in items:
+        ordered[sample_id] = output
+    return ordered
+
+
+def _to_cpu(output: Any) -> Any:
+    # Pickled over gloo/NCCL object collectives; device tensors would be pickled with their device.
+    return output.detach().cpu() if isinstance(output, torch.Tensor) else output

@@ -1,0 +1,114 @@
+"""Where a step's plan comes from: the service, or in-process planning when the service fails.
+
+Both paths run `batch_planner.planner.plan_batch` with the same Megatron-Core scheduler, so a
+fallback plan is the plan the service would have sent (same plan id, when both run the same
+Megatron-Core release).
+
+While the service is failing, a circuit breaker keeps steps from each waiting a full deadline:
+after a failure the source plans in-process for `fallback_cooldown_seconds`, then lets one step
+probe the service (one attempt); when it answers, the outage is over. An outage is logged once when
+it starts and once when it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from batch_planner.convert import plan_from_proto, request_to_proto
+from batch_planner.errors import PlanningError
+from batch_planner.plan import Plan
+from batch_planner.planner import plan_batch
+from batch_planner.request import PlanRequest
+from trainer_client.config import PlannerClientConfig
+from trainer_client.metrics import TrainerMetrics
+from trainer_client.rpc_client import PlannerRpcClient, PlanRejectedError, ServiceFailedError
+
+log = logging.getLogger(__name__)
+
+SERVICE = "service"
+FALLBACK = "fallback"
+# fallbacks_total{reason}: the lower-cased gRPC status of the failure, "circuit_open" for a step
+# planned in-process during the cool-down, "no_endpoint" when no service is configured.
+CIRCUIT_OPEN = "circuit_open"
+NO_ENDPOINT = "no_endpoint"
+
+
+class PlannerUnavailableError(RuntimeError):
+    """The service failed and fallback is off."""
+
+
+@dataclass(frozen=True)
+class SourcedPlan:
+    plan: Plan
+    source: str  # SERVICE or FALLBACK
+
+
+class PlanSource:
+    def __init__(self, config: PlannerClientConfig, metrics: TrainerMetrics):
+        self.config = config
+        self.metrics = metrics
+        self.rpc = PlannerRpcClient(config, metrics) if config.planner_endpoint else None
+        self._lock = threading.Lock()
+        self._outage_reason: str | None = None
+        self._retry_service_at = 0.0
+
+    @property
+    def in_outage(self) -> bool:
+        return self._outage_reason is not None
+
+    def close(self) -> None:
+        if self.rpc is not None:
+            self.rpc.close()
+
+    def plan(self, request: PlanRequest) -> SourcedPlan:
+        if self.rpc is None:
+            return self._fallback(request, NO_ENDPOINT)
+        with self._lock:
+            probing = self._outage_reason is not None
+            if probing and time.monotonic() < self._retry_service_at:
+                return self._fallback(request, CIRCUIT_OPEN)
+        try:
+            # A probe during an outage gets one attempt: the step is not held up by retries of a
+            # service that just failed.
+            response = self.rpc.plan(request_to_proto(request), max_attempts=1 if probing else None)
+        except ServiceFailedError as failure:
+            self._enter_outage(failure)
+            return self._fallback(request, failure.reason)
+        self._leave_outage()
+        self._count(SERVICE)
+        return SourcedPlan(plan_from_proto(response), SERVICE)
+
+    def _enter_outage(self, failure: ServiceFailedError) -> None:
+        if not self.config.fallback:
+            raise PlannerUnavailableError(f"{failure}; fallback to in-process planning is off") from failure
+        with self._lock:
+            if self._outage_reason is None:
+                log.warning(
+                    "batch planner service at %s failed (%s); planning in-process until it answers again",
+                    self.config.planner_endpoint, failure,
+                )
+            self._outage_reason = failure.reason
+            self._retry_service_at = time.monotonic() + self.config.fallback_cooldown_seconds
+
+    def _leave_outage(self) -> None:
+        with self._lock:
+            if self._outage_reason is not None:
+                log.warning("batch planner service at %s answers again; using it", self.config.planner_endpoint)
+            self._outage_reason = None
+
+    def _fallback(self, request: PlanRequest, reason: str) -> SourcedPlan:
+        if reason != NO_ENDPOINT:
+            self.metrics.fallbacks.labels(self.metrics.job, reason).inc()
+        try:
+            plan = plan_batch(request)
+        except PlanningError as error:
+            # The trainer's own Megatron-Core cannot plan it either: say both sides' reasons.
+            raise PlanRejectedError(error.code.value, error.message) from error
+        self._count(FALLBACK)
+        return SourcedPlan(plan, FALLBACK)
+
+    def _count(self, source: str) -> None:
+        self.metrics.plans.labels(self.metrics.job, source).inc()

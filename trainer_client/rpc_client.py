@@ -1,0 +1,122 @@
+"""The gRPC side of the client: one channel, Plan with a deadline, retries with exponential backoff.
+
+Which failures are retried follows who is at fault: the caller's (INVALID_ARGUMENT) is never
+retried and raises PlanRejectedError; the service's or the network's (UNAVAILABLE,
+DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, INTERNAL, ...) is retried, then reported as
+ServiceFailedError so that the plan source can fall back to in-process planning.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import grpc
+
+from batch_planner.v1 import planner_pb2 as pb
+from batch_planner.v1 import planner_pb2_grpc
+from trainer_client.config import PlannerClientConfig
+from trainer_client.metrics import TrainerMetrics
+
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.ABORTED,
+    }
+)
+
+
+class PlanRejectedError(ValueError):
+    """The planner (or the in-process planner) refused the request itself; retrying cannot help."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"the batch planner rejected the request ({code}): {message}")
+        self.code = code
+        self.server_message = message
+
+
+class ServiceFailedError(RuntimeError):
+    """The service did not produce a plan after all attempts; `reason` is a bounded metric label."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(f"batch planner service failed ({reason}): {message}")
+        self.reason = reason
+
+
+class PlannerRpcClient:
+    def __init__(self, config: PlannerClientConfig, metrics: TrainerMetrics):
+        if not config.planner_endpoint:
+            raise ValueError("planner_endpoint is empty: there is no service to call")
+        self.config = config
+        self.metrics = metrics
+        self._channel = make_channel(config)
+        self._stub = planner_pb2_grpc.BatchPlannerStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def plan(self, request: pb.PlanRequest, max_attempts: int | None = None) -> pb.PlanResponse:
+        """Calls Plan, retrying what may succeed on a second try; raises PlanRejectedError or
+        ServiceFailedError."""
+        c = self.config
+        attempts = max_attempts or c.max_attempts
+        backoff = c.initial_backoff_seconds
+        last: grpc.RpcError | None = None
+        for attempt in range(attempts):
+            started = time.perf_counter()
+            try:
+                return self._stub.Plan(request, timeout=c.deadline_seconds)
+            except grpc.RpcError as error:
+                last = error
+                code = error.code()
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise PlanRejectedError(code.name, error.details() or "") from None
+                if code not in RETRYABLE and code != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise ServiceFailedError(code.name.lower(), error.details() or "") from None
+                # FAILED_PRECONDITION (this replica's Megatron-Core lacks the scheduler) will not
+                # change on a retry; hand it to the fallback, which has the trainer's own
+                # Megatron-Core (the one that runs the plan).
+                if code == grpc.StatusCode.FAILED_PRECONDITION:
+                    break
+            finally:
+                self.metrics.rpc_latency.labels(self.metrics.job).observe(time.perf_counter() - started)
+            if attempt + 1 < attempts:
+                time.sleep(backoff)
+                backoff = min(backoff * c.backoff_multiplier, c.max_backoff_seconds)
+        assert last is not None
+        raise ServiceFailedError(last.code().name.lower(), last.details() or "")
+
+
+def make_channel(config: PlannerClientConfig) -> grpc.Channel:
+    """A channel to `planner_endpoint`: round-robin over all resolved addresses, quick reconnects,
+    TLS unless `tls` is off."""
+    reconnect_ms = int(config.max_reconnect_backoff_seconds * 1000)
+    options = [
+        # Every replica behind a dns:/// name gets requests, not just the first address.
+        ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})),
+        # A planner that restarts is used again within about a second, not after gRPC's default
+        # reconnect backoff of up to two minutes.
+        ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_ms)),
+        ("grpc.min_reconnect_backoff_ms", min(100, reconnect_ms)),
+        ("grpc.max_reconnect_backoff_ms", reconnect_ms),
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ]
+    if not config.tls:
+        return grpc.insecure_channel(config.planner_endpoint, options=options)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read(config.tls_ca_file),
+        private_key=_read(config.tls_key_file),
+        certificate_chain=_read(config.tls_cert_file),
+    )
+    if config.tls_server_name_override:
+        options.append(("grpc.ssl_target_name_override", config.tls_server_name_override))
+    return grpc.secure_channel(config.planner_endpoint, credentials, options=options)
+
+
+def _read(path: str) -> bytes | None:
+    return Path(path).read_bytes() if path else None
