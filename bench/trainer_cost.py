@@ -3,32 +3,115 @@ and memory.
 
     python -m bench.trainer_cost --out docs/bench
 
-Needs trainer_client's apply/restore API. Until it is on main this benchmark writes a table that
-says the figure was not measured, and why.
+In process, on CPU, with trainer_client's apply and restore (the code a trainer rank runs):
+- `unbind`: `trainer_client.apply.unbind_batch` on the global batch (jagged NestedTensor
+  `input_ids` and `labels`, int64): done once per step on every rank;
+- `apply`: `micro_batches_for_rank(plan, global_batch, rank)` for one rank: this rank's shards,
+  position ids, padding mask, cu_seqlens. One run per rank of the plan, so the spread is over ranks;
+  measured with torch's default intra-op threads and with one thread, rank by rank side by side
+  (on this busy 2-core machine, small tensor ops with 2 threads lose much time to waiting);
+- `restore`: `trainer_client.outputs.restore_outputs` on one output per sample (a float32 tensor of
+  the sample's length, e.g. per-token log-probs), without torch.distributed: the ordering and
+  checking only, not the all-gather between ranks;
+- memory: bytes of the tensors `apply` creates for one rank (its shards, position ids, masks,
+  cu_seqlens; the unsharded per-sample views share the batch's storage), next to the batch itself.
+The plan: hybrid CP, 1,024 samples of `lognormal_32k` on 64 ranks. Bar (issue 5): apply <= 5 ms.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
-from bench.common import argument_parser, markdown_table, write_report
+import torch
 
-NOT_MEASURED = (
-    "not measured: trainer_client's apply/restore API was not on main when these benchmarks ran"
+from batch_planner.planner import plan_batch
+from bench.common import (
+    BatchSize,
+    Spread,
+    argument_parser,
+    make_request,
+    markdown_table,
+    verdict,
+    write_report,
 )
+
+DISTRIBUTION, SIZE, SMOKE_SIZE = "lognormal_32k", BatchSize(1024, 64), BatchSize(64, 8)
+UNBIND_RUNS, RESTORE_RUNS = 10, 10
+
+
+def make_batch(lengths: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 32000, (n,), generator=generator) for n in lengths]
+    return {
+        "input_ids": torch.nested.nested_tensor(ids, layout=torch.jagged),
+        "labels": torch.nested.nested_tensor([t.roll(-1) for t in ids], layout=torch.jagged),
+    }
+
+
+def created_bytes(micro_batches) -> int:
+    total = 0
+    for mb in micro_batches:
+        tensors = [*mb.token_fields.values(), mb.position_ids, mb.padding_mask, mb.cu_seqlens, mb.cu_seqlens_padded]
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
 
 
 def run(out: Path, smoke: bool = False) -> Path:
-    suffix = "_smoke" if smoke else ""
+    from trainer_client.apply import micro_batches_for_rank, unbind_batch
+    from trainer_client.outputs import restore_outputs
+
+    size = SMOKE_SIZE if smoke else SIZE
+    request = make_request(DISTRIBUTION, size)
+    plan = plan_batch(request)
+    batch = make_batch(request.sequence_lengths)
+    batch_bytes = sum(sum(t.numel() * t.element_size() for t in v.unbind()) for v in batch.values())
+    unbind_runs = 2 if smoke else UNBIND_RUNS
+    unbind, apply, created = [], [], []
+    for _ in range(unbind_runs):
+        started = time.perf_counter()
+        global_batch = unbind_batch(batch)
+        unbind.append(time.perf_counter() - started)
+    default_threads = torch.get_num_threads()
+    apply_one_thread: list[float] = []
+    micro_batches_for_rank(plan, global_batch, 0)  # warm-up
+    try:
+        for rank in range(plan.dp_cp_size):
+            # Side by side: torch's default intra-op threads, then one thread, on the same rank.
+            for threads, sink in ((default_threads, apply), (1, apply_one_thread)):
+                torch.set_num_threads(threads)
+                started = time.perf_counter()
+                mine = micro_batches_for_rank(plan, global_batch, rank)
+                sink.append(time.perf_counter() - started)
+            created.append(created_bytes(mine))
+    finally:
+        torch.set_num_threads(default_threads)
+    outputs = {i: torch.zeros(n, dtype=torch.float32) for i, n in enumerate(request.sequence_lengths)}
+    restore = []
+    for _ in range(2 if smoke else RESTORE_RUNS):
+        started = time.perf_counter()
+        restored = restore_outputs(outputs, len(outputs))
+        restore.append(time.perf_counter() - started)
+    assert len(restored) == size.samples
+    ms, mib = 1e3, 1 / 2**20
+    apply_spread = Spread.of(apply)
+    one_thread_spread = Spread.of(apply_one_thread)
+    created_spread = Spread.of(created)
     table = markdown_table(
-        ["batch", "what", "bar", "verdict"],
-        [["1,024 samples, one rank", "apply a plan", "<= 5 ms", NOT_MEASURED],
-         ["1,024 samples, one rank", "restore output order", "-", NOT_MEASURED],
-         ["1,024 samples, one rank", "memory", "-", NOT_MEASURED]],
+        ["batch", "what", "runs", "ms p50 (min..max)", "ms p99", "bar", "verdict"],
+        [
+            [size.label, "unbind the global batch (once per step)", len(unbind), Spread.of(unbind).fmt(ms), f"{Spread.of(unbind).p99 * ms:.2f}", "-", "-"],
+            [size.label, f"apply the plan for one rank, torch default threads ({default_threads})", len(apply), apply_spread.fmt(ms), f"{apply_spread.p99 * ms:.2f}", "<= 5 ms", verdict(apply_spread.p99 <= 5e-3)],
+            [size.label, "apply the plan for one rank, torch.set_num_threads(1)", len(apply_one_thread), one_thread_spread.fmt(ms), f"{one_thread_spread.p99 * ms:.2f}", "<= 5 ms", verdict(one_thread_spread.p99 <= 5e-3)],
+            [size.label, "restore output order (no all-gather)", len(restore), Spread.of(restore).fmt(ms), f"{Spread.of(restore).p99 * ms:.2f}", "-", "-"],
+            [size.label, f"memory: tensors apply creates per rank, MiB (batch itself: {batch_bytes * mib:.1f} MiB)", len(created), created_spread.fmt(mib), f"{created_spread.p99 * mib:.2f}", "-", "-"],
+        ],
     )
+    suffix = "_smoke" if smoke else ""
     return write_report(
         out, f"trainer_cost{suffix}", "Trainer-side cost of applying a plan",
-        (__doc__ or "").split("\n\n", 2)[2].strip(),
+        (__doc__ or "").split("\n\n", 2)[2].strip()
+        + f"\n\nThe plan has {len(plan.micro_batches)} micro-batches; the verdict uses p99 over the ranks.",
         [("Results", table)],
     )
 

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the benchmarks plot with matplotlib: install the `bench` extra")
 
-from bench import hidden, overhead, quality, scaling, startup  # noqa: E402
+from bench import hidden, overhead, quality, scaling, startup, trainer_cost  # noqa: E402
 from bench.common import parse_markdown_tables  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -53,6 +53,17 @@ def test_scaling_smoke(tmp_path, planner):
 def test_hidden_smoke(tmp_path, planner):
     rows = assert_report(hidden.run(tmp_path, smoke=True, address=planner.address), 1, ["plan-ahead wait ms p99"])
     assert rows[0]["steps"] == "3"
+    # Every measured plan came from the service (the client's fallback is off in the benchmark).
+    assert rows[0]["plans from"] == "service: 3", rows[0]["plans from"]
+
+
+def test_trainer_cost_smoke(tmp_path):
+    rows = assert_report(trainer_cost.run(tmp_path, smoke=True), 5, ["ms p50 (min..max)"])
+    applies = [r for r in rows if r["what"].startswith("apply")]
+    assert len(applies) == 2  # default threads and one thread
+    for apply in applies:
+        assert apply["runs"] == "8"  # one run per rank of the 8-rank plan
+        assert apply["verdict"] in ("met", "**NOT MET**")
 
 
 def test_quality_smoke(tmp_path):
