@@ -102,6 +102,49 @@ def measure(stub, size: BatchSize, runs: int) -> SizeResult:
     )
 
 
+def decompose_small(runs: int) -> list[list[str]]:
+    """Where the added time goes at 64 samples: the worker's function called in this process vs
+    through the server's PlanningPool (process-pool IPC), and the pool's round trip of a no-op."""
+    from batch_planner.cost import CostModel
+    from batch_planner.validation import RequestLimits
+    from planner_server.planning_worker import plan_request_bytes
+    from planner_server.worker_pool import PlanningPool
+
+    size = BatchSize(64, 8)
+    payloads = [request_to_proto(make_request(DISTRIBUTION, size, seed=s)).SerializeToString() for s in range(runs)]
+    limits, model = RequestLimits(), CostModel()
+    pool = PlanningPool(1, 4, limits, model)
+    try:
+        pool.warm_up()
+        plan_request_bytes(payloads[0], time.time() + 60, limits, model)  # imports, caches
+        direct, pooled, noop = [], [], []
+        for payload in payloads:
+            t = time.perf_counter()
+            plan_request_bytes(payload, time.time() + 60, limits, model)
+            direct.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            pool.plan(payload, time.time() + 60, timeout=60)
+            pooled.append(time.perf_counter() - t)
+            executor = getattr(pool, "_executor", None)  # a private detail: skip the row if it changes
+            if executor is not None:
+                t = time.perf_counter()
+                executor.submit(_noop).result(timeout=60)
+                noop.append(time.perf_counter() - t)
+    finally:
+        pool.shutdown()
+    ms = 1e3
+    rows = [
+        ("worker function in this process (parse, plan_batch, serialize)", direct),
+        ("the same through PlanningPool (1 worker)", pooled),
+        ("PlanningPool round trip of a no-op", noop),
+    ]
+    return [[what, len(v), Spread.of(v).fmt(ms), f"{Spread.of(v).p99 * ms:.2f}"] for what, v in rows if v]
+
+
+def _noop() -> None:
+    return None
+
+
 def plot(results: list[SizeResult], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -144,12 +187,20 @@ def run(out: Path, smoke: bool = False, address: str | None = None) -> Path:
     )
     name = "overhead_smoke" if smoke else "overhead"
     plot(results, out / f"{name}.png")
+    sections = [("Results", table + f"\n\n![overhead ratio]({name}.png)")]
+    if not smoke:  # starts a process pool of its own: worth it only in the full run
+        sections.append((
+            "Where the added time goes at 64 samples",
+            "Interleaved, in this process, on the same 64-sample requests (compare with the "
+            "`GetCapabilities` column above for gRPC on loopback alone):\n\n"
+            + markdown_table(["path", "runs", "ms p50 (min..max)", "ms p99"], decompose_small(RUNS[64])),
+        ))
     return write_report(
         out, name, "Service overhead: Plan RPC vs Megatron-Core in-process",
         (__doc__ or "").split("\n\n", 2)[2].strip() + f"\n\nDistribution: `{DISTRIBUTION}`, hybrid CP "
         "(the only scheduler in Megatron-Core 0.19.2; dynamic CP and static packing: not available in "
         "Megatron-Core 0.19.2). `runs` says how many interleaved runs each row has; with few runs p99 is the maximum.",
-        [("Results", table + f"\n\n![overhead ratio]({name}.png)")],
+        sections,
     )
 
 
