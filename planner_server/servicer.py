@@ -7,6 +7,7 @@ request and serializes the response, so this process spends no GIL time on large
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import grpc
@@ -31,9 +32,15 @@ class PlannerServicer:
         self.config = config
         self.pool = pool
         self.metrics = metrics
+        # Set when the drain starts, before health goes NOT_SERVING: a request that arrives after
+        # a client saw NOT_SERVING, but before gRPC stops accepting, is refused too.
+        self.draining = threading.Event()
 
     def plan(self, request_bytes: bytes, context: grpc.ServicerContext) -> bytes:
         started = time.perf_counter()
+        if self.draining.is_set():
+            self._record(WorkerResult("UNAVAILABLE"), 0.0)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "planner is shutting down; retry on another replica")
         remaining = context.time_remaining()
         if remaining is None or remaining > 1e8:
             remaining = self.config.default_deadline_seconds
