@@ -150,6 +150,7 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(server):
         late = grpc.insecure_channel(server.address)
         code, seconds, _ = timed_plan(planner_pb2_grpc.BatchPlannerStub(late), slow_request(99), timeout=10)
         assert code == "UNAVAILABLE", code
+        assert health_status(late) == "NOT_SERVING"  # what a readiness probe sees during the drain
         late.close()
         # ... and every request admitted before the signal completes with its plan.
         results = [future.result() for future in in_flight]
