@@ -122,9 +122,8 @@ def _check_transformer(tc: Any, scheduler: SchedulerKind | None, layout: CpLayou
             "counts); set calculate_per_token_loss=True",
         )
     if _get(tc, "fp8") is not None:
-        _refuse("fp8", _get(tc, "fp8"), "FP8 is not supported with dynamic CP; set fp8=None")
-    if _get(tc, "fp8_param", False):
-        _refuse("fp8_param", True, "FP8 parameters are not supported with dynamic CP; set fp8_param=False")
+        # (fp8_param needs fp8, so this refuses FP8 parameters too.)
+        _refuse("fp8", _get(tc, "fp8"), "FP8 is not supported with dynamic CP; set fp8=None (and fp8_param=False)")
     if _get(tc, "enable_cuda_graph", False):
         _refuse("enable_cuda_graph", True, "Megatron-Core does not support CUDA graphs with dynamic CP; set enable_cuda_graph=False")
     if _get(tc, "external_cuda_graph", False):
