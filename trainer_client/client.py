@@ -149,8 +149,18 @@ class BatchPlannerClient:
         self.metrics.micro_batches.labels(self.metrics.job).set(len(plan.micro_batches))
         return plan
 
-    def micro_batches(self, plan: Plan, batch: GlobalBatch | Mapping[str, Any], pad_token_id: int = 0) -> list[RankMicroBatch]:
-        """This rank's execution units of the plan, from the global batch every rank holds."""
+    def micro_batches(
+        self,
+        plan: Plan,
+        batch: GlobalBatch | Mapping[str, Any],
+        pad_token_id: int = 0,
+        pack_group_samples: bool | None = None,
+    ) -> list[RankMicroBatch]:
+        """This rank's execution units of the plan, from the global batch every rank holds.
+
+        pack_group_samples: pack all samples of a CP group into one unit (default: as the plan's
+        scheduler executes; hybrid CP runs each sample alone, the packing schedulers pack).
+        """
         if not isinstance(batch, GlobalBatch):
             check_dynamic_cp_support(planner_config=self.config, batch=batch, plan=plan, **self._trainer_configs)
         else:
@@ -160,7 +170,7 @@ class BatchPlannerClient:
             resolver = megatron_cp_group_resolver(plan, self.group)
         if not isinstance(batch, GlobalBatch):
             batch = unbind_batch(batch)
-        return micro_batches_for_rank(plan, batch, self.rank, resolver, pad_token_id)
+        return micro_batches_for_rank(plan, batch, self.rank, resolver, pad_token_id, pack_group_samples)
 
     def restore_outputs(self, plan: Plan, local_outputs: Mapping[int, Any]) -> list[Any]:
         """Per-sample outputs of this rank's led samples -> every sample's output, in sample order."""
