@@ -164,6 +164,7 @@ def cost_model_to_proto(model: CostModel) -> pb.CostModelCoefficients:
         seconds_per_attention_token_pair=model.seconds_per_attention_token_pair,
         cp_seconds_per_micro_batch=model.cp_seconds_per_micro_batch,
         cp_seconds_per_token=model.cp_seconds_per_token,
+        seconds_per_pass=model.seconds_per_pass,
     )
 
 

@@ -6,10 +6,15 @@ For a sample of real length L, padded length P, on a CP group of size c, one ran
     token term      seconds_per_token * P / c
     attention term  seconds_per_attention_token_pair * L^2 / c
     CP comm term    cp_seconds_per_token * P * (c - 1) / c          (c > 1 only)
+
+and each forward+backward pass over a group costs a fixed
+
+    pass term       seconds_per_pass                                 (every c, CP1 included)
     CP fixed term   cp_seconds_per_micro_batch                       (c > 1 only)
 
-The fixed CP term is paid once per forward pass over the group: once per sample under hybrid CP
-(each sample of a group is its own pass), once per micro-batch under the packing schedulers. A
+Both fixed terms are paid once per pass: once per sample under hybrid CP (each sample of a group is
+its own pass), once per micro-batch (pack) under the packing schedulers and in the static-CP
+estimate. The pass term is what makes many short passes dearer than one packed pass. A
 micro-batch lasts as long as its slowest rank (ranks meet at a barrier); a step is the sum of its
 micro-batches. The lower bound is the total CP1 work spread evenly over all DPxCP ranks.
 """
@@ -26,14 +31,17 @@ from batch_planner.request import CapacityBound, CpLayout, PlanRequest
 
 @dataclass(frozen=True)
 class CostModel:
-    """Coefficients in seconds. Defaults: calibrated on 2x H200 (docs/gpu-benchmark.md): a
-    4-layer, 2048-wide bf16 decoder, forward + backward, CP through PyTorch's ring attention.
-    Absolute seconds scale with the model; the ratios between the terms are what rank plans."""
+    """Coefficients in seconds. Defaults: H200 values for one model size, fitted to three runs on
+    2x H200 (docs/gpu-benchmark.md): a 4-layer, 2048-wide bf16 decoder, forward + backward, CP
+    through PyTorch's ring attention. Absolute seconds scale with the model; the ratios between
+    the terms are what rank plans. The fixed terms (seconds_per_pass, cp_seconds_per_micro_batch)
+    are host-side and vary between machines of the same kind."""
 
-    seconds_per_token: float = 2.64e-6
-    seconds_per_attention_token_pair: float = 6.8e-11
-    cp_seconds_per_micro_batch: float = 9.9e-3
-    cp_seconds_per_token: float = 1.65e-7
+    seconds_per_token: float = 2.22e-6
+    seconds_per_attention_token_pair: float = 8.7e-11
+    cp_seconds_per_micro_batch: float = 1.1e-2
+    cp_seconds_per_token: float = 0.0
+    seconds_per_pass: float = 1.8e-3
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -42,7 +50,7 @@ class CostModel:
                 raise ValueError(f"cost model coefficient {f.name} must be a finite number >= 0, got {value!r}")
 
     def sample_rank_seconds(self, length: int, cp_size: int, tp: int, layout: CpLayout) -> float:
-        """One rank's share of one sample, without the fixed per-pass CP term."""
+        """One rank's share of one sample, without the fixed per-pass terms."""
         padded = padded_length(length, cp_size, tp, layout)
         seconds = (
             self.seconds_per_token * padded / cp_size
@@ -56,8 +64,9 @@ class CostModel:
         self, lengths: Sequence[int], cp_size: int, tp: int, layout: CpLayout, packed: bool
     ) -> float:
         seconds = sum(self.sample_rank_seconds(length, cp_size, tp, layout) for length in lengths)
+        passes = (1 if packed else len(lengths)) if lengths else 0
+        seconds += self.seconds_per_pass * passes
         if cp_size > 1:
-            passes = 1 if packed else len(lengths)
             seconds += self.cp_seconds_per_micro_batch * passes
         return seconds
 
@@ -95,7 +104,8 @@ def static_cp_step_cost(request: PlanRequest, model: CostModel) -> float:
 
     Every sample is split over the static CP group; samples are packed in their original order up
     to the per-replica budget (max_seqlen_per_dp_cp_rank * CP); pack k runs on DP replica k % DP,
-    and a micro-batch is one pack per replica.
+    one pass per pack. Megatron's ordinary schedule has no barrier between micro-batches, so the
+    replicas meet only at the gradient all-reduce: the step is the slowest replica's sum.
     """
     cp = request.context_parallel_size
     budget = request.max_seqlen_per_dp_cp_rank * cp
@@ -111,13 +121,12 @@ def static_cp_step_cost(request: PlanRequest, model: CostModel) -> float:
     if current:
         packs.append(current)
     dp = request.data_parallel_size
-    total = 0.0
-    for start in range(0, len(packs), dp):
-        total += max(
-            model.group_seconds(pack, cp, request.tensor_parallel_size, request.cp_layout, packed=True)
-            for pack in packs[start : start + dp]
+    replica_seconds = [0.0] * dp
+    for k, pack in enumerate(packs):
+        replica_seconds[k % dp] += model.group_seconds(
+            pack, cp, request.tensor_parallel_size, request.cp_layout, packed=True
         )
-    return total
+    return max(replica_seconds)
 
 
 def plan_statistics(

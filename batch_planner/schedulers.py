@@ -159,7 +159,42 @@ class _DpCpGroupSize:
 def _run_hybrid_cp(cls, request: PlanRequest, seqlens: list[tuple[int, int]]) -> RankAssignment:
     scheduler = cls(request.max_seqlen_per_dp_cp_rank, _DpCpGroupSize(request.dp_cp_size))
     _, sample_id_groups = scheduler.get_groups_and_subsamples(seqlens, None)
-    return sample_id_groups
+    return [align_cp_groups(rank_ids) for rank_ids in sample_id_groups]
+
+
+def align_cp_groups(rank_ids: list[list[int]]) -> list[list[int]]:
+    """Moves the CP groups of one micro-batch so that each starts at a multiple of its size.
+
+    BalancedCPScheduler (0.19.2) sometimes places a group at an unaligned rank, e.g. a CP2 group on
+    ranks 0-1 followed by a CP4 group on ranks 2-5 (tests/test_reliability_properties.py has the
+    exact batch). Megatron-Core's hybrid CP process groups are aligned rank ranges, so such a plan
+    cannot run. Within one micro-batch the ranks are interchangeable (the scheduler balances each
+    micro-batch on its own), so placing the same groups largest first - power-of-two sizes that
+    sum to a power of two - aligns every group without changing which samples run together or the
+    micro-batch's balance. Aligned output is returned unchanged. Groups are runs of ranks with an
+    identical sample-id list (design: output of the schedulers).
+    """
+    runs: list[list[list[int]]] = []
+    for ids in rank_ids:
+        if runs and list(runs[-1][0]) == list(ids):
+            runs[-1].append(ids)
+        else:
+            runs.append([ids])
+    sizes = [len(run) for run in runs]
+    if not all(_is_power_of_two(size) for size in sizes) or not _is_power_of_two(len(rank_ids)):
+        return rank_ids  # not ours to fix; the invariant check names what is wrong
+    start, aligned = 0, True
+    for size in sizes:
+        aligned &= start % size == 0
+        start += size
+    if aligned:
+        return rank_ids
+    ordered = sorted(runs, key=len, reverse=True)  # stable: equal sizes keep the scheduler's order
+    return [ids for run in ordered for ids in run]
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
 
 
 def _run_dynamic_cp(cls, request: PlanRequest, seqlens: list[tuple[int, int]]) -> RankAssignment:

@@ -62,6 +62,7 @@ _HELP = {
     "seconds_per_attention_token_pair": "cost model: seconds per L^2 attention unit per rank",
     "cp_seconds_per_micro_batch": "cost model: fixed seconds per forward pass over a CP group > 1",
     "cp_seconds_per_token": "cost model: CP communication seconds per token",
+    "seconds_per_pass": "cost model: fixed seconds per forward+backward pass over any group (CP1 included)",
 }
 
 

@@ -18,7 +18,7 @@ from batch_planner.cost import CostModel
 from batch_planner.errors import ErrorCode, InvariantViolationError, PlanningError
 from batch_planner.planner import plan_batch
 from batch_planner.v1 import planner_pb2 as pb
-from batch_planner.validation import RequestLimits
+from batch_planner.validation import JOB_NAME_PATTERN, RequestLimits
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,9 @@ def plan_request_bytes(
     except (DecodeError, ValueError, RuntimeError) as exc:
         return WorkerResult(ErrorCode.INVALID_ARGUMENT.value, message=f"request: not a valid PlanRequest message ({exc})")
     label = scheduler_label(message.scheduler)
-    job = message.job
+    # The job name becomes a metric label even when the request is refused; a name validation
+    # would refuse (100 kB, label syntax) must not reach the registry or every scrape.
+    job = message.job if JOB_NAME_PATTERN.match(message.job) else ""
     try:
         request = request_from_proto(message)
         started = time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -51,6 +52,7 @@ class PlannerServer:
         self.health = health.HealthServicer()
         self.pool: PlanningPool | None = None
         self.grpc_server: grpc.Server | None = None
+        self.servicer: PlannerServicer | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._stopped = threading.Event()
@@ -78,8 +80,8 @@ class PlannerServer:
             ],
             maximum_concurrent_rpcs=self.pool.capacity + 64,
         )
-        servicer = PlannerServicer(config, self.pool, self.metrics)
-        self.grpc_server.add_generic_rpc_handlers((servicer.generic_handler(),))
+        self.servicer = PlannerServicer(config, self.pool, self.metrics)
+        self.grpc_server.add_generic_rpc_handlers((self.servicer.generic_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server
@@ -134,9 +136,17 @@ class PlannerServer:
             return
         grace = self.config.drain_seconds if grace is None else grace
         log.info("draining: NOT_SERVING, in-flight requests get up to %.1f s", grace)
+        deadline = time.monotonic() + grace
+        if self.servicer is not None:
+            self.servicer.draining.set()
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        # Keep accepting while the admitted plans finish: a new Plan gets the servicer's clear
+        # UNAVAILABLE ("retry on another replica"), which clients retry, rather than the
+        # CANCELLED a stopping gRPC server gives calls that arrive during its grace period.
+        while self.pool is not None and self.pool.in_flight > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
         if self.grpc_server is not None:
-            self.grpc_server.stop(grace).wait()
+            self.grpc_server.stop(max(0.5, deadline - time.monotonic())).wait()
         if self.pool is not None:
             self.pool.shutdown()
         self._stopped.set()

@@ -7,9 +7,11 @@ request and serializes the response, so this process spends no GIL time on large
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from batch_planner.convert import SCHEDULER_TO_PROTO, cost_model_to_proto
 from batch_planner.schedulers import discover_schedulers, megatron_core_version
@@ -30,9 +32,15 @@ class PlannerServicer:
         self.config = config
         self.pool = pool
         self.metrics = metrics
+        # Set when the drain starts, before health goes NOT_SERVING: a request that arrives after
+        # a client saw NOT_SERVING, but before gRPC stops accepting, is refused too.
+        self.draining = threading.Event()
 
     def plan(self, request_bytes: bytes, context: grpc.ServicerContext) -> bytes:
         started = time.perf_counter()
+        if self.draining.is_set():
+            self._record(WorkerResult("UNAVAILABLE"), 0.0)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "planner is shutting down; retry on another replica")
         remaining = context.time_remaining()
         if remaining is None or remaining > 1e8:
             remaining = self.config.default_deadline_seconds
@@ -76,19 +84,21 @@ class PlannerServicer:
         m.speedup.labels(scheduler).observe(result.speedup)
         m.last_speedup.labels(scheduler, job).set(result.speedup)
 
-    def get_capabilities(self, request: pb.GetCapabilitiesRequest, context) -> pb.Capabilities:
-        return capabilities(self.config)
+    def get_capabilities(self, request_bytes: bytes, context: grpc.ServicerContext) -> bytes:
+        # Parsed here rather than by a registered deserializer: gRPC answers a deserializer's
+        # failure with INTERNAL, and bytes that are not a request are the caller's error.
+        try:
+            pb.GetCapabilitiesRequest.FromString(request_bytes)
+        except DecodeError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid GetCapabilitiesRequest message ({exc})")
+        return capabilities(self.config).SerializeToString()
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
                 "Plan": grpc.unary_unary_rpc_method_handler(self.plan),
-                "GetCapabilities": grpc.unary_unary_rpc_method_handler(
-                    self.get_capabilities,
-                    request_deserializer=pb.GetCapabilitiesRequest.FromString,
-                    response_serializer=pb.Capabilities.SerializeToString,
-                ),
+                "GetCapabilities": grpc.unary_unary_rpc_method_handler(self.get_capabilities),
             },
         )
 

@@ -104,6 +104,28 @@ def test_static_cp_estimate_counts_cp_overhead():
     assert cp2 > 0 and cp1 > 0 and cp2 != cp1
 
 
+def test_pass_term_is_paid_per_sample_unpacked_and_once_per_pack():
+    # CP1 included: many short passes cost more than the same tokens in one packed pass.
+    lengths = [1024, 2048, 4096]
+    base = CostModel(seconds_per_pass=0.0)
+    with_pass = CostModel(seconds_per_pass=0.002)
+    for cp in (1, 2):
+        unpacked = with_pass.group_seconds(lengths, cp, 1, CpLayout.ZIGZAG, packed=False)
+        packed = with_pass.group_seconds(lengths, cp, 1, CpLayout.ZIGZAG, packed=True)
+        assert unpacked - base.group_seconds(lengths, cp, 1, CpLayout.ZIGZAG, packed=False) == pytest.approx(0.006)
+        assert packed - base.group_seconds(lengths, cp, 1, CpLayout.ZIGZAG, packed=True) == pytest.approx(0.002)
+    with pytest.raises(ValueError, match="seconds_per_pass"):
+        CostModel(seconds_per_pass=-1e-3)
+
+
+def test_static_cp_estimate_is_the_slowest_replicas_sum():
+    # DP=2, CP1, budget 4096 per replica: packs [4096], [1024], [4096], [1024] go to replicas
+    # 0, 1, 0, 1; no barrier between micro-batches, so replica 0's two packs set the step.
+    model = CostModel(seconds_per_token=1e-6, seconds_per_attention_token_pair=0.0, seconds_per_pass=1e-3)
+    step = static_cp_step_cost(PlanRequest((4096, 1024, 4096, 1024), 2, 1, 4096), model)
+    assert step == pytest.approx(2 * (4096e-6 + 1e-3))
+
+
 def _plan(groups_per_mb, dp_cp, bound=CapacityBound.PER_SAMPLE):
     return Plan("x", SchedulerKind.HYBRID_CP, "BalancedCPScheduler", "t", dp_cp, 1, CpLayout.ZIGZAG, bound,
                 tuple(MicroBatch(tuple(g)) for g in groups_per_mb))

@@ -8,6 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from batch_planner.convert import plan_from_proto, request_to_proto
+from batch_planner.cost import CostModel
 from batch_planner.distributions import sample_lengths
 from batch_planner.plan import check_plan_invariants
 from batch_planner.request import PlanRequest, SchedulerKind
@@ -63,6 +64,8 @@ def test_capabilities_report_schedulers_and_limits(stub):
     assert caps.limits.max_samples_per_request > 0 and caps.limits.max_receive_message_bytes > 0
     assert caps.megatron_core_version.startswith("0.")
     assert caps.cost_model.cp_seconds_per_micro_batch > 0
+    assert caps.cost_model.seconds_per_pass == pytest.approx(CostModel().seconds_per_pass)
+    assert caps.cost_model.seconds_per_pass > 0
 
 
 def test_health_serving_and_reflection(planner):

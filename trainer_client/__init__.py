@@ -1,6 +1,22 @@
 """What a Megatron trainer imports to get its batches planned by the batch planner service."""
 
 from trainer_client.client import BatchPlannerClient
+from trainer_client.compatibility import UnsupportedCombinationError, check_dynamic_cp_support
 from trainer_client.config import ConfigError, PlannerClientConfig, WhoAsks
+from trainer_client.side_data import RouterReplayAlignmentError, align_router_replay, attach_router_replay
+from trainer_client.token_outputs import TokenPiece, restore_token_outputs, token_pieces
 
-__all__ = ["BatchPlannerClient", "ConfigError", "PlannerClientConfig", "WhoAsks"]
+__all__ = [
+    "BatchPlannerClient",
+    "ConfigError",
+    "PlannerClientConfig",
+    "RouterReplayAlignmentError",
+    "TokenPiece",
+    "UnsupportedCombinationError",
+    "WhoAsks",
+    "align_router_replay",
+    "attach_router_replay",
+    "check_dynamic_cp_support",
+    "restore_token_outputs",
+    "token_pieces",
+]

@@ -129,6 +129,20 @@ class RankMicroBatch:
     def padding_local_tokens(self) -> int:
         return self.local_tokens - self.real_local_tokens
 
+    @property
+    def shard_lengths(self) -> torch.Tensor:
+        """Tokens (padding included) this rank holds of each of `sample_ids`, in packing order."""
+        return (self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).long() // self.local_cp_size
+
+    def per_token(self, sample_values: torch.Tensor) -> torch.Tensor:
+        """Per-sample values `[len(sample_ids), ...]` (e.g. `sample_fields["temperature"]`) repeated
+        over this rank's shard tokens of each sample: `[local_tokens, ...]`."""
+        if sample_values.shape[0] != len(self.sample_ids):
+            raise ValueError(
+                f"per_token: got {sample_values.shape[0]} rows for the {len(self.sample_ids)} samples of this micro-batch"
+            )
+        return sample_values.repeat_interleave(self.shard_lengths.to(sample_values.device), dim=0)
+
 
 def shard_positions(length: int, cp_size: int, cp_rank: int, tensor_parallel_size: int, layout: CpLayout) -> torch.Tensor:
     """Positions (in the padded sequence) of the tokens rank `cp_rank` holds."""

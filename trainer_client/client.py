@@ -33,11 +33,13 @@ from trainer_client.apply import (
     unbind_batch,
 )
 from trainer_client.broadcast import agree_on_plan, is_distributed
+from trainer_client.compatibility import check_dynamic_cp_support
 from trainer_client.config import PlannerClientConfig, WhoAsks
 from trainer_client.metrics import TrainerMetrics
 from trainer_client.outputs import restore_outputs
 from trainer_client.plan_source import PlannerUnavailableError, PlanSource, SourcedPlan
 from trainer_client.rpc_client import PlanRejectedError
+from trainer_client.token_outputs import TokenPiece, restore_token_outputs
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,9 @@ class BatchPlannerClient:
     layout and apply it as one of its ranks (tests, single-process tools).
     cp_groups: "megatron" (Megatron-Core's parallel_state groups, the default when initialised),
     None (no process groups; only ranks), or a callable size -> group.
+    engine_config, model_config, transformer_config: the trainer's settings (dataclasses, objects
+    or dicts; the transformer config is Megatron-Core's TransformerConfig), checked here and again
+    with each batch and plan by `check_dynamic_cp_support` (docs: "Parity with the reference PR").
     """
 
     def __init__(
@@ -63,8 +68,16 @@ class BatchPlannerClient:
         cp_groups: str | CpGroupResolver | None = "auto",
         dp_cp_size: int | None = None,
         rank: int | None = None,
+        engine_config: Any = None,
+        model_config: Any = None,
+        transformer_config: Any = None,
     ):
         self.config = config
+        self._trainer_configs = dict(
+            engine_config=engine_config, model_config=model_config, transformer_config=transformer_config
+        )
+        # Refuse unsupported features before any process group or planner connection is made.
+        check_dynamic_cp_support(planner_config=config, **self._trainer_configs)
         self.metrics = metrics or TrainerMetrics(registry, job=config.job)
         megatron_ready = _megatron_parallel_state_initialized()
         if group is None and megatron_ready:
@@ -136,19 +149,37 @@ class BatchPlannerClient:
         self.metrics.micro_batches.labels(self.metrics.job).set(len(plan.micro_batches))
         return plan
 
-    def micro_batches(self, plan: Plan, batch: GlobalBatch | Mapping[str, Any], pad_token_id: int = 0) -> list[RankMicroBatch]:
-        """This rank's execution units of the plan, from the global batch every rank holds."""
+    def micro_batches(
+        self,
+        plan: Plan,
+        batch: GlobalBatch | Mapping[str, Any],
+        pad_token_id: int = 0,
+        pack_group_samples: bool | None = None,
+    ) -> list[RankMicroBatch]:
+        """This rank's execution units of the plan, from the global batch every rank holds.
+
+        pack_group_samples: pack all samples of a CP group into one unit (default: as the plan's
+        scheduler executes; hybrid CP runs each sample alone, the packing schedulers pack).
+        """
+        if not isinstance(batch, GlobalBatch):
+            check_dynamic_cp_support(planner_config=self.config, batch=batch, plan=plan, **self._trainer_configs)
+        else:
+            check_dynamic_cp_support(planner_config=self.config, plan=plan, **self._trainer_configs)
         resolver = self._cp_groups
         if resolver == "megatron":
             resolver = megatron_cp_group_resolver(plan, self.group)
         if not isinstance(batch, GlobalBatch):
             batch = unbind_batch(batch)
-        return micro_batches_for_rank(plan, batch, self.rank, resolver, pad_token_id)
+        return micro_batches_for_rank(plan, batch, self.rank, resolver, pad_token_id, pack_group_samples)
 
     def restore_outputs(self, plan: Plan, local_outputs: Mapping[int, Any]) -> list[Any]:
         """Per-sample outputs of this rank's led samples -> every sample's output, in sample order."""
         num_samples = sum(len(g.sample_ids) for mb in plan.micro_batches for g in mb.cp_groups)
         return restore_outputs(local_outputs, num_samples, self.group if is_distributed(self.group) else None)
+
+    def restore_token_outputs(self, pieces: Sequence[TokenPiece], lengths: Sequence[int]) -> list[Any]:
+        """Per-token outputs of this rank's shards (see `token_pieces`) -> `[L, ...]` per sample, in order."""
+        return restore_token_outputs(pieces, lengths, self.group if is_distributed(self.group) else None)
 
     def record_step(self, micro_batches: Sequence[RankMicroBatch], seconds: float) -> None:
         """Counts this rank's real and padding tokens and the step time."""

@@ -177,16 +177,18 @@ class Limits(_message.Message):
     def __init__(self, max_samples_per_request: _Optional[int] = ..., max_dp_cp_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_receive_message_bytes: _Optional[int] = ..., max_tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class CostModelCoefficients(_message.Message):
-    __slots__ = ("seconds_per_token", "seconds_per_attention_token_pair", "cp_seconds_per_micro_batch", "cp_seconds_per_token")
+    __slots__ = ("seconds_per_token", "seconds_per_attention_token_pair", "cp_seconds_per_micro_batch", "cp_seconds_per_token", "seconds_per_pass")
     SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SECONDS_PER_ATTENTION_TOKEN_PAIR_FIELD_NUMBER: _ClassVar[int]
     CP_SECONDS_PER_MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     CP_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_PASS_FIELD_NUMBER: _ClassVar[int]
     seconds_per_token: float
     seconds_per_attention_token_pair: float
     cp_seconds_per_micro_batch: float
     cp_seconds_per_token: float
-    def __init__(self, seconds_per_token: _Optional[float] = ..., seconds_per_attention_token_pair: _Optional[float] = ..., cp_seconds_per_micro_batch: _Optional[float] = ..., cp_seconds_per_token: _Optional[float] = ...) -> None: ...
+    seconds_per_pass: float
+    def __init__(self, seconds_per_token: _Optional[float] = ..., seconds_per_attention_token_pair: _Optional[float] = ..., cp_seconds_per_micro_batch: _Optional[float] = ..., cp_seconds_per_token: _Optional[float] = ..., seconds_per_pass: _Optional[float] = ...) -> None: ...
 
 class Capabilities(_message.Message):
     __slots__ = ("server_version", "megatron_core_version", "schedulers", "limits", "cost_model")

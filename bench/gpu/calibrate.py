@@ -1,19 +1,21 @@
 """Fits the cost model's coefficients to the GPU benchmark's per-micro-batch timings.
 
     python -m bench.gpu.calibrate --run RESULTS_JSON PLANS_JSON [--run ...] \
-        --json docs/gpu-benchmark-calibration.json --plot docs/img/gpu-benchmark.png
+        --json docs/gpu-benchmark-data/calibration.json --plot docs/img/gpu-benchmark.png
 
 Each row is one rank's busy time in one micro-batch (median over the timed steps), with the cost
 model's features of the CP group it ran: padded tokens per rank, L^2 / c, CP communication tokens
-P (c - 1) / c, and the number of CP > 1 ring-attention sequences. The fit is a non-negative least
-squares over those four terms (batch_planner/cost.py's CostModel fields, in that order).
+P (c - 1) / c, the number of CP > 1 ring-attention sequences, and the number of forward+backward
+passes (one per sample under hybrid CP, one per pack under static CP). The fit is a non-negative
+least squares over those five terms (batch_planner/cost.py's CostModel fields, named in FEATURES).
 
 The fixed CP term is counted per *sequence* on a CP group, also inside a packed pass: PyTorch's
 ring attention has no variable-length (THD) mode, so a packed pass makes one ring call per
-sequence and layer, and that is where the fixed cost lies (measured: ~20 ms per sequence for
-4 layers, forward + backward). Predictions therefore use `step_cost(..., packed=False)` for every
-plan; the planner's own statistic `static_cp_step_cost` (one fixed term per pack, as with
-Megatron-Core + Transformer Engine's THD ring attention) is reported beside it.
+sequence and layer, and that is where the fixed cost lies. The pass term is counted per pass.
+A step is predicted the way the engine runs it: with a barrier between micro-batches (hybrid CP)
+the sum over micro-batches of the slowest rank; without one (static CP) the slowest rank's sum.
+The planner's own statistics (`step_cost`, `static_cp_step_cost`: fixed CP term once per pass, as
+with Megatron-Core + Transformer Engine's THD ring attention) are reported beside it.
 """
 
 from __future__ import annotations
@@ -26,22 +28,41 @@ from dataclasses import asdict
 
 import numpy as np
 
-from batch_planner.cost import CostModel, static_cp_step_cost, step_cost
+from batch_planner.cost import CostModel, static_cp_step_cost
+from batch_planner.plan import CpGroup
 from batch_planner.padding import padded_length
 from batch_planner.request import CpLayout, PlanRequest
 from bench.gpu.plans import BenchPlan, plan_from_json
 
-FEATURES = ("seconds_per_token", "seconds_per_attention_token_pair", "cp_seconds_per_token", "cp_seconds_per_micro_batch")
+FEATURES = (
+    "seconds_per_token",
+    "seconds_per_attention_token_pair",
+    "cp_seconds_per_token",
+    "cp_seconds_per_micro_batch",
+    "seconds_per_pass",
+)
+PLAN_ORDER = ("hybrid_cp", "static_cp2", "static_cp1")
 
 
-def group_features(lengths: list[int], cp_size: int) -> list[float]:
+def group_features(lengths: list[int], cp_size: int, passes: int) -> list[float]:
     padded = [padded_length(n, cp_size, 1, CpLayout.ZIGZAG) for n in lengths]
     return [
         sum(padded) / cp_size,
         sum(float(n) * n for n in lengths) / cp_size,
         sum(padded) * (cp_size - 1) / cp_size,
         float(len(lengths)) if cp_size > 1 else 0.0,
+        float(passes),
     ]
+
+
+def plan_group_features(plan: BenchPlan, lengths: list[int], group: CpGroup) -> list[float]:
+    group_lengths = [lengths[i] for i in group.sample_ids]
+    passes = len(group_lengths) if plan.pass_per_sample else 1
+    return group_features(group_lengths, group.size, passes)
+
+
+def coefficients(model: CostModel) -> np.ndarray:
+    return np.array([getattr(model, name) for name in FEATURES])
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -76,11 +97,13 @@ def micro_batch_rows(results: dict, batches: list[dict]) -> list[dict]:
     meta: dict[tuple, dict] = {}
     for run in results["runs"]:
         batch = by_name[run["batch"]]
+        plan = next(p for p in batch["plans"] if p.name == run["plan"])
         for mb in run["micro_batches"]:
             key = (batch["key"], run["plan"], run["rank"], mb["index"])
             samples.setdefault(key, []).append(mb["busy_seconds"])
             lengths = [batch["lengths"][i] for i in mb["sample_ids"]]
-            meta[key] = {"features": group_features(lengths, mb["cp_size"]), "cp_size": mb["cp_size"]}
+            passes = len(lengths) if plan.pass_per_sample else 1
+            meta[key] = {"features": group_features(lengths, mb["cp_size"], passes), "cp_size": mb["cp_size"]}
     return [
         {"batch": k[0], "plan": k[1], "rank": k[2], "micro_batch": k[3], **meta[k], "seconds": statistics.median(v)}
         for k, v in samples.items()
@@ -115,41 +138,80 @@ def plan_table(results: dict, batches: list[dict], model: CostModel) -> list[dic
                 "min_seconds": times[0],
                 "max_seconds": times[-1],
                 "tokens_per_second": tokens / statistics.median(times),
-                "predicted_seconds": _engine_prediction(plan, model),
+                "predicted_seconds": engine_prediction(plan, batch["lengths"], model),
+                "planner_step_cost": plan.predicted_seconds(model),
                 "micro_batches": len(plan.micro_batches),
             }
         static = rows["static_cp2"]
         planner_static = static_cp_step_cost(
             PlanRequest(tuple(batch["lengths"]), 1, 2, batch["max_seqlen_per_dp_cp_rank"]), model
         )
-        for row in rows.values():
+        measured_order = sorted(rows, key=lambda n: rows[n]["measured_seconds"])
+        predicted_order = sorted(rows, key=lambda n: rows[n]["predicted_seconds"])
+        for name in PLAN_ORDER:
+            row = rows[name]
             row["measured_speedup_vs_static_cp2"] = static["measured_seconds"] / row["measured_seconds"]
             row["predicted_speedup_vs_static_cp2"] = static["predicted_seconds"] / row["predicted_seconds"]
-            row["planner_statistic_speedup_vs_static_cp2"] = planner_static / row["predicted_seconds"]
-            measured_rank = sorted(rows, key=lambda n: rows[n]["measured_seconds"])
-            predicted_rank = sorted(rows, key=lambda n: rows[n]["predicted_seconds"])
-            row["ranking_agrees"] = measured_rank == predicted_rank
+            # What the planner's own statistic predicted_speedup_over_static_cp would say.
+            row["planner_statistic_speedup_vs_static_cp2"] = planner_static / row["planner_step_cost"]
+            row["measured_order"] = measured_order
+            row["predicted_order"] = predicted_order
+            row["ranking_agrees"] = measured_order == predicted_order
             table.append(row)
     return table
 
 
-def _engine_prediction(plan: BenchPlan, model: CostModel) -> float:
-    # packed=False: the fixed CP term per sequence (see module doc), for every plan.
-    return step_cost(plan.micro_batches, plan.request(), model, packed=False)
+def engine_prediction(plan: BenchPlan, lengths: list[int], model: CostModel) -> float:
+    """The step as bench/gpu/execute.py runs it on PyTorch's ring attention (module doc)."""
+    coeffs = coefficients(model)
+    per_rank = [
+        [float(np.dot(plan_group_features(plan, lengths, g), coeffs)) if g is not None else 0.0
+         for g in plan.rank_schedule(rank)]
+        for rank in range(plan.dp_cp_size)
+    ]
+    if plan.barrier_between_micro_batches:
+        return sum(max(column) for column in zip(*per_rank))
+    return max(sum(row) for row in per_rank)
+
+
+def ranking_agreement(table: list[dict]) -> tuple[int, int]:
+    """(batches whose full measured order of the plans the model reproduces, batches)."""
+    verdicts = {r["batch"]: r["ranking_agrees"] for r in table}
+    return sum(verdicts.values()), len(verdicts)
+
+
+def bar_summary(table: list[dict]) -> dict:
+    hybrid = [r for r in table if r["plan"] == "hybrid_cp"]
+    errors = [r["predicted_speedup_vs_static_cp2"] / r["measured_speedup_vs_static_cp2"] - 1 for r in hybrid]
+    agree, total = ranking_agreement(table)
+    return {
+        "hybrid_speedup_vs_static_cp2_min": min(r["measured_speedup_vs_static_cp2"] for r in hybrid),
+        "hybrid_speedup_vs_static_cp2_max": max(r["measured_speedup_vs_static_cp2"] for r in hybrid),
+        "hybrid_prediction_error_min": min(errors),
+        "hybrid_prediction_error_max": max(errors),
+        "hybrid_predictions_within_15_percent": sum(abs(e) <= 0.15 for e in errors),
+        "batches": total,
+        "full_ranking_agrees": agree,
+    }
 
 
 def markdown(table: list[dict]) -> str:
     lines = [
-        "| batch | plan | tokens/s | step ms (median, min-max) | vs static CP2 measured | predicted | error |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| batch | plan | tokens/s | step ms (median, min-max) | predicted ms | vs static CP2 measured "
+        "| predicted | error | order right |",
+        "|---|---|---:|---:|---:|---:|---:|---:|:-:|",
     ]
     for r in table:
         error = r["predicted_speedup_vs_static_cp2"] / r["measured_speedup_vs_static_cp2"] - 1
+        order = ("yes" if r["ranking_agrees"] else "no") if r["plan"] == PLAN_ORDER[0] else ""
         lines.append(
             f"| {r['batch']} | {r['plan']} | {r['tokens_per_second']:,.0f} | {r['measured_seconds'] * 1e3:.0f} "
-            f"({r['min_seconds'] * 1e3:.0f}-{r['max_seconds'] * 1e3:.0f}) | {r['measured_speedup_vs_static_cp2']:.2f}x "
-            f"| {r['predicted_speedup_vs_static_cp2']:.2f}x | {error:+.0%} |"
+            f"({r['min_seconds'] * 1e3:.0f}-{r['max_seconds'] * 1e3:.0f}) | {r['predicted_seconds'] * 1e3:.0f} "
+            f"| {r['measured_speedup_vs_static_cp2']:.2f}x "
+            f"| {r['predicted_speedup_vs_static_cp2']:.2f}x | {error:+.0%} | {order} |"
         )
+    agree, total = ranking_agreement(table)
+    lines.append(f"\nfull order of the three plans right on {agree} of {total} batches")
     return "\n".join(lines)
 
 
@@ -179,7 +241,7 @@ def plot(table: list[dict], rows: list[dict], model: CostModel, path: str) -> No
     ax1.legend(fontsize=8)
     measured = np.array([r["seconds"] for r in rows]) * 1e3
     features = np.array([r["features"] for r in rows])
-    coeffs = np.array([getattr(model, n) for n in FEATURES])
+    coeffs = coefficients(model)
     predicted = features @ coeffs * 1e3
     for plan in plans:
         sel = [i for i, r in enumerate(rows) if r["plan"] == plan]
@@ -204,18 +266,29 @@ def main(argv: list[str] | None = None) -> None:
     rows = [row for results, batches in runs for row in micro_batch_rows(results, batches)]
     model = fit(rows)
     table = [row for results, batches in runs for row in plan_table(results, batches, model)]
-    holdout = None
-    if len(runs) > 1:
-        first = fit(micro_batch_rows(*runs[0]))
-        holdout = [row for results, batches in runs[1:] for row in plan_table(results, batches, first)]
+    # Each run on its own, and each run predicted by coefficients fitted on the other runs only:
+    # how much of the fit carries from one machine to another of the same kind.
+    per_run, holdout = [], []
+    for i, (results, batches) in enumerate(runs):
+        own = fit(micro_batch_rows(results, batches))
+        per_run.append({"run": i + 1, "environment": results["environment"], "cost_model": asdict(own),
+                        "bar": bar_summary(plan_table(results, batches, own))})
+        if len(runs) > 1:
+            others = fit([r for j, run in enumerate(runs) if j != i for r in micro_batch_rows(*run)])
+            held = plan_table(results, batches, others)
+            holdout.append({"run": i + 1, "cost_model": asdict(others), "plans": held, "bar": bar_summary(held)})
     print("calibrated:", json.dumps(asdict(model)))
     print(markdown(table))
-    if holdout:
-        print("\nheld out (fit on the first run only):")
-        print(markdown(holdout))
+    print("bar:", json.dumps(bar_summary(table)))
+    for entry in per_run:
+        print(f"run {entry['run']} fitted alone:", json.dumps(entry["cost_model"]), json.dumps(entry["bar"]))
+    for entry in holdout:
+        print(f"\nrun {entry['run']} held out (fitted on the other runs only):")
+        print(markdown(entry["plans"]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cost_model": asdict(model), "plans": table, "holdout": holdout,
+            json.dump({"cost_model": asdict(model), "bar": bar_summary(table), "plans": table,
+                       "per_run": per_run, "holdout": holdout,
                        "environment": runs[0][0]["environment"], "config": runs[0][0]["config"],
                        "checks": runs[0][0]["checks"]}, f, indent=1)
     if args.plot:

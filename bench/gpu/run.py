@@ -175,11 +175,25 @@ def _batch_summary(batch: dict, runs: list[dict]) -> str:
 
 def _environment(device: torch.device) -> dict:
     env = {"python": platform.python_version(), "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    # The fixed per-pass and per-ring-call costs are host-bound: record the host too.
+    env["cpu"] = _cpu_model()
+    env["cpu_count"] = os.cpu_count()
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cudnn"] = torch.backends.cudnn.version()
         env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     return env
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,151 @@
+"""The one central check of unsupported combinations (issue 9, item 4): one row per refusal, with
+Megatron-Core's real TransformerConfig (constructed on CPU), plain dicts/objects for the rest."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from batch_planner.planner import plan_batch
+from batch_planner.request import PlanRequest, SchedulerKind
+from trainer_client import BatchPlannerClient, PlannerClientConfig
+from trainer_client.compatibility import InstalledMegatron, UnsupportedCombinationError, check_dynamic_cp_support
+
+LENGTHS = (3000, 1500, 700, 500, 301, 97, 1000, 64)
+
+
+def transformer(**overrides):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        values = dict(num_layers=2, hidden_size=64, num_attention_heads=4, calculate_per_token_loss=True)
+        values.update(overrides)
+        return TransformerConfig(**values)
+
+
+def planner(**overrides):
+    return PlannerClientConfig(max_seqlen_per_dp_cp_rank=1024, **overrides)
+
+
+def batch(**extra):
+    fields = {"input_ids": torch.nested.nested_tensor([torch.arange(n) for n in LENGTHS], layout=torch.jagged)}
+    fields.update(extra)
+    return TensorDict(fields, batch_size=[len(LENGTHS)])
+
+
+def hybrid_plan():
+    return plan_batch(PlanRequest(LENGTHS, 4, 1, 1024))
+
+
+def relabelled_plan(scheduler, micro_batches):
+    # Only this check's own error handling is under test: a real plan with its scheduler label and
+    # micro-batch count changed, since 0.19.2 has no VPP-aware scheduler to make one.
+    plan = hybrid_plan()
+    return dataclasses.replace(plan, scheduler=scheduler, micro_batches=(plan.micro_batches * 8)[:micro_batches])
+
+
+VPP = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+           microbatch_group_size_per_vp_stage=4)
+VPP_READY = InstalledMegatron(vpp_aware_scheduler=True)
+DYNAMIC = dict(scheduler="dynamic_cp")
+
+# (row id, arguments of check_dynamic_cp_support, the option the refusal must name, a phrase of the fix)
+REFUSED = [
+    ("remove padding off", lambda: dict(engine_config={"use_remove_padding": False}), "use_remove_padding", "set use_remove_padding=True"),
+    ("dense input_ids", lambda: dict(batch=TensorDict({"input_ids": torch.zeros(2, 8)}, batch_size=[2])), "input_ids", "jagged NestedTensor"),
+    ("value model (engine)", lambda: dict(engine_config=SimpleNamespace(is_value_model=True)), "is_value_model", "static CP"),
+    ("value model (model)", lambda: dict(model_config={"is_value_model": True}), "is_value_model", "critic"),
+    ("multimodal model", lambda: dict(model_config=SimpleNamespace(vision_config={"depth": 32})), "vision_config", "text-only"),
+    ("multimodal batch", lambda: dict(batch=batch(pixel_values=torch.zeros(len(LENGTHS), 3))), "batch field", "multimodal"),
+    ("distillation", lambda: dict(engine_config={"distillation": {"teacher": "big"}}), "distillation", "disable it"),
+    ("fp8 engine", lambda: dict(engine_config={"fp8": "e4m3"}), "fp8", "null"),
+    ("fp8 transformer", lambda: dict(transformer_config=transformer(fp8="hybrid")), "fp8", "fp8=None"),
+    ("megatron fsdp", lambda: dict(engine_config={"use_megatron_fsdp": True}), "use_megatron_fsdp", "DDP"),
+    ("no per-token loss", lambda: dict(transformer_config=transformer(calculate_per_token_loss=False)), "calculate_per_token_loss", "calculate_per_token_loss=True"),
+    ("cuda graphs", lambda: dict(transformer_config=transformer(cuda_graph_impl="local")), "cuda_graph_impl", "cuda_graph_impl='none'"),
+    ("cuda graphs (legacy flag)", lambda: dict(transformer_config=transformer(enable_cuda_graph=True)), "enable_cuda_graph", "enable_cuda_graph=False"),
+    ("router replay + fused router", lambda: dict(transformer_config=transformer(
+        num_moe_experts=4, moe_token_dispatcher_type="alltoall", moe_enable_routing_replay=True, moe_router_fusion=True)),
+     "moe_router_fusion", "moe_router_fusion=False"),
+    ("MoE allgather dispatcher with packing", lambda: dict(transformer_config=transformer(num_moe_experts=4), planner_config=planner(**DYNAMIC)),
+     "moe_token_dispatcher_type", "'alltoall' or 'flex'"),
+    ("MLA on hybrid CP", lambda: dict(transformer_config=transformer(multi_latent_attention=True), plan=hybrid_plan()),
+     "multi_latent_attention", "dynamic_cp"),
+    ("MLA contiguous", lambda: dict(transformer_config=transformer(multi_latent_attention=True), planner_config=planner(cp_layout="contiguous", **DYNAMIC)),
+     "cp_layout", "zigzag"),
+    ("MTP + TP + SP contiguous", lambda: dict(transformer_config=transformer(mtp_num_layers=1, tensor_model_parallel_size=2, sequence_parallel=True),
+     planner_config=planner(cp_layout="contiguous", tensor_parallel_size=2, **DYNAMIC)), "cp_layout", "zigzag"),
+    ("TP differs from planner", lambda: dict(transformer_config=transformer(tensor_model_parallel_size=2), planner_config=planner()),
+     "tensor_parallel_size", "set tensor_parallel_size=2"),
+    ("TP differs from plan", lambda: dict(transformer_config=transformer(tensor_model_parallel_size=2), plan=hybrid_plan()),
+     "tensor_parallel_size", "set tensor_parallel_size=2"),
+    ("CP differs from planner", lambda: dict(transformer_config=transformer(context_parallel_size=2), planner_config=planner()),
+     "context_parallel_size", "set them equal"),
+    ("pipeline with hybrid CP", lambda: dict(transformer_config=transformer(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32),
+     planner_config=planner()), "pipeline_model_parallel_size", "pipeline_model_parallel_size=1"),
+    ("VPP without a VPP-aware Megatron-Core", lambda: dict(transformer_config=transformer(**VPP), installed=InstalledMegatron(False)),
+     "virtual_pipeline_model_parallel_size", "dev-branch"),
+    ("VPP, planner group size differs", lambda: dict(transformer_config=transformer(**VPP), planner_config=planner(micro_batch_group_size=2, **DYNAMIC),
+     installed=VPP_READY), "micro_batch_group_size", "set micro_batch_group_size=4"),
+    ("VPP, plan not made with the group size", lambda: dict(transformer_config=transformer(**VPP), plan=relabelled_plan(SchedulerKind.DYNAMIC_CP, 6),
+     installed=VPP_READY), "micro_batch_group_size", "plan with micro_batch_group_size=4"),
+]
+
+
+@pytest.mark.parametrize("row", REFUSED, ids=[r[0] for r in REFUSED])
+def test_each_unsupported_combination_is_refused_naming_the_option_and_the_fix(row):
+    _, arguments, option, fix = row
+    with pytest.raises(UnsupportedCombinationError) as caught:
+        check_dynamic_cp_support(**arguments())
+    assert caught.value.option == option
+    assert fix in str(caught.value) and option in str(caught.value)
+
+
+ACCEPTED = [
+    ("nothing known yet", lambda: dict()),
+    ("verl-like engine + text model", lambda: dict(engine_config={"use_remove_padding": True, "fp8": None}, model_config={"vision_config": None})),
+    ("dense transformer, hybrid plan, jagged batch", lambda: dict(transformer_config=transformer(), planner_config=planner(), plan=hybrid_plan(), batch=batch())),
+    ("MoE alltoall + router replay unfused, dynamic CP", lambda: dict(transformer_config=transformer(
+        num_moe_experts=4, moe_token_dispatcher_type="alltoall", moe_enable_routing_replay=True), planner_config=planner(**DYNAMIC))),
+    ("MoE allgather on hybrid CP", lambda: dict(transformer_config=transformer(num_moe_experts=4), planner_config=planner())),
+    ("MLA zigzag on dynamic CP", lambda: dict(transformer_config=transformer(multi_latent_attention=True), planner_config=planner(**DYNAMIC))),
+    ("VPP with matching group size on a VPP-aware Megatron-Core", lambda: dict(
+        transformer_config=transformer(**VPP), planner_config=planner(micro_batch_group_size=4, **DYNAMIC),
+        plan=relabelled_plan(SchedulerKind.DYNAMIC_CP, 8), installed=VPP_READY)),
+]
+
+
+@pytest.mark.parametrize("row", ACCEPTED, ids=[r[0] for r in ACCEPTED])
+def test_supported_combinations_pass(row):
+    check_dynamic_cp_support(**row[1]())
+
+
+def test_installed_megatron_core_vpp_support_follows_scheduler_discovery():
+    from batch_planner.schedulers import discover_schedulers
+
+    dynamic = discover_schedulers()[SchedulerKind.DYNAMIC_CP].available
+    assert InstalledMegatron.detect().vpp_aware_scheduler is dynamic
+    if not dynamic:  # 0.19.x: VPP is refused without being told what is installed
+        with pytest.raises(UnsupportedCombinationError, match="virtual_pipeline_model_parallel_size=2"):
+            check_dynamic_cp_support(transformer_config=transformer(**VPP))
+
+
+def test_client_checks_configs_at_construction_and_batches_when_applying():
+    with pytest.raises(UnsupportedCombinationError, match="calculate_per_token_loss"):
+        BatchPlannerClient(planner(), dp_cp_size=4, transformer_config=transformer(calculate_per_token_loss=False))
+    with pytest.raises(UnsupportedCombinationError, match="use_remove_padding"):
+        BatchPlannerClient(planner(), dp_cp_size=4, engine_config={"use_remove_padding": False})
+    client = BatchPlannerClient(planner(), dp_cp_size=4, transformer_config=transformer(), engine_config={"use_remove_padding": True})
+    try:
+        plan = client.plan_step(0, LENGTHS)
+        assert client.micro_batches(plan, batch())  # a supported batch applies
+        with pytest.raises(UnsupportedCombinationError, match="multimodal"):
+            client.micro_batches(plan, batch(image_grid_thw=torch.ones(len(LENGTHS), 3)))
+    finally:
+        client.close()

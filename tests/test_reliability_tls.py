@@ -1,0 +1,110 @@
+"""TLS and mutual TLS for the planner server (issue 6, part 6).
+
+Certificates are made in the test, in a temporary directory (tests/reliability_support.py); no key
+is ever written into the repository. Two real servers on loopback: one with TLS, one with mutual
+TLS (--tls-client-ca-file). Plaintext is served only when no TLS flag is given.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from batch_planner.v1 import planner_pb2 as pb
+from batch_planner.v1 import planner_pb2_grpc
+from tests.planner_process import ROOT, planner_env, start_planner
+from tests.reliability_support import Pki, health_status, make_test_pki
+
+REQUEST = pb.PlanRequest(
+    sequence_lengths=[4096, 2048, 1024, 512] * 4,
+    layout=pb.ParallelLayout(data_parallel_size=4, context_parallel_size=2),
+    max_seqlen_per_dp_cp_rank=4096,
+    scheduler=pb.SCHEDULER_HYBRID_CP,
+)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Pki:
+    return make_test_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def servers(pki):
+    tls_flags = ("--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key))
+    with ThreadPoolExecutor(2) as pool:  # start both at once: most of a start is importing
+        tls = pool.submit(start_planner, *tls_flags, workers=1)
+        mtls = pool.submit(start_planner, *tls_flags, "--tls-client-ca-file", str(pki.ca_cert), workers=1)
+        started = {"tls": tls.result(), "mtls": mtls.result()}
+    yield started
+    for server in started.values():
+        server.stop(signal.SIGKILL)
+
+
+def secure_channel(address: str, pki: Pki, cert: str | None = None) -> grpc.Channel:
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=pki.read("ca_cert"),
+        private_key=pki.read(f"{cert}_key") if cert else None,
+        certificate_chain=pki.read(f"{cert}_cert") if cert else None,
+    )
+    return grpc.secure_channel(address, credentials)
+
+
+def refused(channel: grpc.Channel) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as caught:
+        planner_pb2_grpc.BatchPlannerStub(channel).Plan(REQUEST, timeout=5)
+    return caught.value.code()
+
+
+def test_tls_server_refuses_a_plaintext_client(servers):
+    with grpc.insecure_channel(servers["tls"].address) as channel:
+        assert refused(channel) == grpc.StatusCode.UNAVAILABLE
+    assert "(TLS)" in servers["tls"].log
+
+
+def test_tls_client_that_trusts_the_ca_gets_a_plan(servers, pki):
+    with secure_channel(servers["tls"].address, pki) as channel:
+        assert health_status(channel) == "SERVING"
+        response = planner_pb2_grpc.BatchPlannerStub(channel).Plan(REQUEST, timeout=60)
+    assert response.dp_cp_size == 8 and response.micro_batches
+
+
+def test_mtls_server_refuses_a_client_without_a_certificate(servers, pki):
+    with secure_channel(servers["mtls"].address, pki) as channel:
+        assert refused(channel) == grpc.StatusCode.UNAVAILABLE
+    with grpc.insecure_channel(servers["mtls"].address) as channel:
+        assert refused(channel) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mtls_server_refuses_a_certificate_from_another_ca(servers, pki):
+    with secure_channel(servers["mtls"].address, pki, cert="stranger") as channel:
+        assert refused(channel) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mtls_server_accepts_a_client_certificate_signed_by_its_ca(servers, pki):
+    with secure_channel(servers["mtls"].address, pki, cert="client") as channel:
+        assert health_status(channel) == "SERVING"
+        response = planner_pb2_grpc.BatchPlannerStub(channel).Plan(REQUEST, timeout=60)
+    assert response.dp_cp_size == 8 and response.micro_batches
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--tls-cert-file", "CERT"], "needs both"),
+        (["--tls-key-file", "KEY"], "needs both"),
+        (["--tls-client-ca-file", "CA"], "needs --tls-cert-file"),
+    ],
+    ids=["cert-without-key", "key-without-cert", "client-ca-without-server-cert"],
+)
+def test_half_configured_tls_refuses_to_start_instead_of_serving_plaintext(pki, flags, words):
+    paths = {"CERT": str(pki.server_cert), "KEY": str(pki.server_key), "CA": str(pki.ca_cert)}
+    cmd = [sys.executable, "-m", "planner_server", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
+           "--workers", "1", *[paths.get(f, f) for f in flags]]
+    done = subprocess.run(cmd, cwd=ROOT, env=planner_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert words in done.stderr and "SERVING" not in done.stderr
