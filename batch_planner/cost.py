@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Iterable, Sequence
 
-from batch_planner.padding import padded_length
+from batch_planner.padding import PlanPadding, padded_length
 from batch_planner.plan import CpGroup, MicroBatch, PlanStatistics
 from batch_planner.request import CapacityBound, CpLayout, PlanRequest
 
@@ -51,35 +51,56 @@ class CostModel:
 
     def sample_rank_seconds(self, length: int, cp_size: int, tp: int, layout: CpLayout) -> float:
         """One rank's share of one sample, without the fixed per-pass terms."""
-        padded = padded_length(length, cp_size, tp, layout)
-        seconds = (
-            self.seconds_per_token * padded / cp_size
-            + self.seconds_per_attention_token_pair * float(length) * length / cp_size
-        )
-        if cp_size > 1:
-            seconds += self.cp_seconds_per_token * padded * (cp_size - 1) / cp_size
-        return seconds
+        return self._rank_seconds(padded_length(length, cp_size, tp, layout), length * length, cp_size)
 
     def group_seconds(
-        self, lengths: Sequence[int], cp_size: int, tp: int, layout: CpLayout, packed: bool
+        self,
+        lengths: Sequence[int],
+        cp_size: int,
+        tp: int,
+        layout: CpLayout,
+        packed: bool,
+        padded_lengths: Sequence[int] | None = None,
     ) -> float:
-        seconds = sum(self.sample_rank_seconds(length, cp_size, tp, layout) for length in lengths)
+        """One rank's time for a CP group running `lengths`; `padded_lengths` when already known."""
+        if padded_lengths is None:
+            padded_lengths = [padded_length(length, cp_size, tp, layout) for length in lengths]
+        # Every term of a rank's share is linear in P or L^2, so the group's share is the share of
+        # the sums: the same total as adding sample_rank_seconds over the samples.
+        seconds = self._rank_seconds(sum(padded_lengths), sum(length * length for length in lengths), cp_size)
         passes = (1 if packed else len(lengths)) if lengths else 0
         seconds += self.seconds_per_pass * passes
         if cp_size > 1:
             seconds += self.cp_seconds_per_micro_batch * passes
         return seconds
 
-    def single_rank_work(self, lengths: Iterable[int]) -> float:
-        return sum(
-            self.seconds_per_token * length + self.seconds_per_attention_token_pair * float(length) * length
-            for length in lengths
+    def _rank_seconds(self, padded_tokens: int, attention_units: int, cp_size: int) -> float:
+        """One rank's share of samples with `padded_tokens` padded tokens and sum of L^2 `attention_units`."""
+        seconds = (
+            self.seconds_per_token * padded_tokens / cp_size
+            + self.seconds_per_attention_token_pair * float(attention_units) / cp_size
         )
+        if cp_size > 1:
+            seconds += self.cp_seconds_per_token * padded_tokens * (cp_size - 1) / cp_size
+        return seconds
+
+    def single_rank_work(self, lengths: Iterable[int]) -> float:
+        tokens = attention_units = 0
+        for length in lengths:
+            tokens += length
+            attention_units += length * length
+        return self.seconds_per_token * tokens + self.seconds_per_attention_token_pair * float(attention_units)
 
 
 def step_cost(
-    micro_batches: Sequence[MicroBatch], request: PlanRequest, model: CostModel, packed: bool
+    micro_batches: Sequence[MicroBatch],
+    request: PlanRequest,
+    model: CostModel,
+    packed: bool,
+    padding: PlanPadding | None = None,
 ) -> float:
+    """The plan's predicted step time; `padding`: the plan's padded lengths, when already known."""
+    padding = padding or PlanPadding.for_request(request)
     lengths = request.sequence_lengths
     total = 0.0
     for micro_batch in micro_batches:
@@ -91,6 +112,7 @@ def step_cost(
                     request.tensor_parallel_size,
                     request.cp_layout,
                     packed,
+                    padding.of_group(group.sample_ids, group.size),
                 )
                 for group in micro_batch.cp_groups
             ),
@@ -134,6 +156,7 @@ def plan_statistics(
     request: PlanRequest,
     capacity_bound: CapacityBound,
     model: CostModel,
+    padding: PlanPadding | None = None,
 ) -> PlanStatistics:
     groups: list[CpGroup] = [g for mb in micro_batches for g in mb.cp_groups]
     real = sum(g.real_tokens for g in groups)
@@ -143,7 +166,8 @@ def plan_statistics(
         entry = mix.setdefault(group.size, [0, 0])
         entry[0] += len(group.sample_ids)
         entry[1] += group.real_tokens
-    predicted = step_cost(micro_batches, request, model, packed=capacity_bound is CapacityBound.PER_RANK_SUM)
+    packed = capacity_bound is CapacityBound.PER_RANK_SUM
+    predicted = step_cost(micro_batches, request, model, packed, padding)
     lower_bound = model.single_rank_work(request.sequence_lengths) / request.dp_cp_size
     static = static_cp_step_cost(request, model)
     return PlanStatistics(

@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from batch_planner.errors import InvariantViolationError
-from batch_planner.padding import padded_length
+from batch_planner.padding import PlanPadding
 from batch_planner.request import CapacityBound, CpLayout, PlanRequest, SchedulerKind
 
 
@@ -73,88 +73,80 @@ class Plan:
         }
 
 
-def groups_from_rank_assignment(
-    rank_sample_ids: list[list[int]],
-    sequence_lengths: tuple[int, ...],
-    tensor_parallel_size: int,
-    cp_layout: CpLayout,
-) -> tuple[CpGroup, ...]:
+def groups_from_rank_assignment(rank_sample_ids: list[list[int]], padding: PlanPadding) -> tuple[CpGroup, ...]:
     """Turns one micro-batch of `sample_id_groups[mb][rank] -> ids` into CP groups.
 
     Ranks that hold an identical id list form one CP group (design: output of the schedulers).
     Only adjacent equal lists are merged; a non-contiguous group shows up as two groups with the
     same samples, which the invariant check then reports.
     """
+    lengths = padding.sequence_lengths
     groups: list[CpGroup] = []
     rank = 0
     while rank < len(rank_sample_ids):
-        ids = tuple(int(i) for i in rank_sample_ids[rank])
+        first = rank_sample_ids[rank]
         end = rank + 1
-        while end < len(rank_sample_ids) and tuple(rank_sample_ids[end]) == ids:
+        while end < len(rank_sample_ids) and rank_sample_ids[end] == first:
             end += 1
         size = end - rank
-        real = sum(sequence_lengths[i] for i in ids if 0 <= i < len(sequence_lengths))
-        padded = sum(
-            padded_length(sequence_lengths[i], size, tensor_parallel_size, cp_layout)
-            for i in ids
-            if 0 <= i < len(sequence_lengths)
-        )
-        groups.append(CpGroup(rank, size, ids, real, padded))
+        ids = tuple(int(i) for i in first)
+        real = sum(lengths[i] for i in ids if 0 <= i < len(lengths))
+        groups.append(CpGroup(rank, size, ids, real, sum(padding.of_group(ids, size))))
         rank = end
     return tuple(groups)
 
 
 def check_plan_invariants(
-    plan: Plan, request: PlanRequest, valid_cp_sizes: frozenset[int]
+    plan: Plan, request: PlanRequest, valid_cp_sizes: frozenset[int], padding: PlanPadding | None = None
 ) -> None:
-    """Raises InvariantViolationError naming the first invariant (design: 1-4) the plan breaks."""
+    """Raises InvariantViolationError naming the first invariant (design: 1-4) the plan breaks.
+
+    `padding`: the plan's padded lengths, when the caller already has them.
+    """
+    padding = padding or PlanPadding.for_request(request)
     num_samples = request.num_samples
+    limit = request.max_seqlen_per_dp_cp_rank
+    packed = plan.capacity_bound is CapacityBound.PER_RANK_SUM
     seen: Counter[int] = Counter()
     for mb_index, micro_batch in enumerate(plan.micro_batches):
         covered = 0
         for group in micro_batch.cp_groups:
-            where = f"micro-batch {mb_index}, CP group at rank {group.first_rank}"
             # Invariant 2: every rank in exactly one group, no idle rank.
             if group.first_rank != covered:
                 raise InvariantViolationError(
-                    "2", f"{where}: expected a group starting at rank {covered}"
+                    "2", f"{_where(mb_index, group)}: expected a group starting at rank {covered}"
                 )
             if not group.sample_ids:
                 raise InvariantViolationError(
-                    "2", f"{where}: ranks {group.first_rank}..{group.first_rank + group.size - 1} are idle"
+                    "2", f"{_where(mb_index, group)}: ranks {group.first_rank}..{group.first_rank + group.size - 1} are idle"
                 )
             covered += group.size
             # Invariant 3: aligned, buildable group size.
             if group.size not in valid_cp_sizes:
                 raise InvariantViolationError(
                     "3",
-                    f"{where}: size {group.size} has no Megatron-Core process group "
+                    f"{_where(mb_index, group)}: size {group.size} has no Megatron-Core process group "
                     f"(buildable sizes: {sorted(valid_cp_sizes)})",
                 )
             if group.first_rank % group.size != 0:
                 raise InvariantViolationError(
-                    "3", f"{where}: first rank is not a multiple of the group size {group.size}"
+                    "3", f"{_where(mb_index, group)}: first rank is not a multiple of the group size {group.size}"
                 )
             for sample_id in group.sample_ids:
                 if not 0 <= sample_id < num_samples:
                     raise InvariantViolationError(
-                        "1", f"{where}: sample id {sample_id} is not in the request (0..{num_samples - 1})"
+                        "1", f"{_where(mb_index, group)}: sample id {sample_id} is not in the request (0..{num_samples - 1})"
                     )
-                seen[sample_id] += 1
-            # Invariant 4: capacity, in the reading that matches execution.
-            shards = [
-                padded_length(request.sequence_lengths[i], group.size, request.tensor_parallel_size, request.cp_layout)
-                // group.size
-                for i in group.sample_ids
-            ]
-            limit = request.max_seqlen_per_dp_cp_rank
-            packed = plan.capacity_bound is CapacityBound.PER_RANK_SUM
-            load = sum(shards) if packed else max(shards)
-            slack = _padding_unit(group.size, request) * (len(shards) if packed else 1)
+            seen.update(group.sample_ids)
+            # Invariant 4: capacity, in the reading that matches execution. Padded lengths are
+            # multiples of the group size, so a rank's shard of each is exactly padded // size.
+            padded = padding.of_group(group.sample_ids, group.size)
+            load = (sum(padded) if packed else max(padded)) // group.size
+            slack = _padding_unit(group.size, request) * (len(padded) if packed else 1)
             if load > limit + slack:
                 raise InvariantViolationError(
                     "4",
-                    f"{where}: {load} tokens per rank ({plan.capacity_bound.value} bound) exceed "
+                    f"{_where(mb_index, group)}: {load} tokens per rank ({plan.capacity_bound.value} bound) exceed "
                     f"max_seqlen_per_dp_cp_rank={limit}",
                 )
         if covered != plan.dp_cp_size:
@@ -167,6 +159,11 @@ def check_plan_invariants(
     missing = sorted(set(range(num_samples)) - set(seen))
     if missing:
         raise InvariantViolationError("1", f"sample ids {missing[:10]} are in no CP group ({len(missing)} missing)")
+
+
+def _where(mb_index: int, group: CpGroup) -> str:
+    # Built only for an error message: formatting it for every group costs more than the checks.
+    return f"micro-batch {mb_index}, CP group at rank {group.first_rank}"
 
 
 def _padding_unit(cp_size: int, request: PlanRequest) -> int:

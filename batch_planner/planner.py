@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 
 from batch_planner.cost import CostModel, plan_statistics
+from batch_planner.padding import PlanPadding
 from batch_planner.plan import MicroBatch, Plan, check_plan_invariants, groups_from_rank_assignment
 from batch_planner.request import PlanRequest
 from batch_planner.schedulers import (
@@ -57,14 +59,8 @@ def plan_batch(
     validate_request(request, limits or RequestLimits())
     spec = SCHEDULER_SPECS[request.scheduler]
     assignment = run_scheduler(request)
-    micro_batches = tuple(
-        MicroBatch(
-            groups_from_rank_assignment(
-                rank_ids, request.sequence_lengths, request.tensor_parallel_size, request.cp_layout
-            )
-        )
-        for rank_ids in assignment
-    )
+    padding = PlanPadding.for_request(request)  # shared by the groups, the invariants and the statistics
+    micro_batches = tuple(MicroBatch(groups_from_rank_assignment(rank_ids, padding)) for rank_ids in assignment)
     plan = Plan(
         plan_id=plan_id_for(request),
         scheduler=request.scheduler,
@@ -80,6 +76,7 @@ def plan_batch(
         plan,
         request,
         valid_cp_sizes(request.scheduler, request.dp_cp_size, request.context_parallel_size, request.min_cp_size),
+        padding,
     )
-    stats = plan_statistics(micro_batches, request, spec.capacity_bound, cost_model or CostModel())
-    return Plan(**{**plan.__dict__, "statistics": stats})
+    stats = plan_statistics(micro_batches, request, spec.capacity_bound, cost_model or CostModel(), padding)
+    return replace(plan, statistics=stats)

@@ -62,10 +62,11 @@ def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
             f"DPxCP = {request.data_parallel_size}x{request.context_parallel_size} = {dp_cp} ranks "
             f"exceeds this server's limit of {limits.max_dp_cp_size}",
         )
-    zero = next((i for i, length in enumerate(lengths) if length < 1), None)
-    if zero is not None:
-        _reject("sequence_lengths", f"sample {zero} has length {lengths[zero]}; every sample needs >= 1 token")
-    longest_id = max(range(len(lengths)), key=lengths.__getitem__)
+    shortest = min(lengths)
+    if shortest < 1:
+        zero = lengths.index(shortest)
+        _reject("sequence_lengths", f"sample {zero} has length {shortest}; every sample needs >= 1 token")
+    longest_id = lengths.index(max(lengths))
     if lengths[longest_id] > limits.max_sequence_length:
         _reject(
             "sequence_lengths",

@@ -22,6 +22,8 @@ class ServerConfig:
     workers: int = 0  # planning processes; 0 = one per available core
     max_queued_requests: int = 64  # beyond workers; more in flight gets RESOURCE_EXHAUSTED
     max_receive_message_bytes: int = 4 * 1024 * 1024
+    inline_max_samples: int = 128  # plan requests this small in the gRPC thread; 0 = always a worker
+    inline_max_ranks: int = 16  # ... when they also ask for at most this many DPxCP ranks
     drain_seconds: float = 20.0
     default_deadline_seconds: float = 60.0  # for callers that set no deadline
     max_job_labels: int = 64
@@ -46,6 +48,10 @@ _HELP = {
     "workers": "planning worker processes (0 = one per available core)",
     "max_queued_requests": "requests that may wait for a worker before new ones get RESOURCE_EXHAUSTED",
     "max_receive_message_bytes": "largest request message accepted, in bytes",
+    "inline_max_samples": "plan requests of at most this many samples (and --inline-max-ranks ranks) in the "
+    "gRPC handler thread, skipping the hop to a worker process; they still count against the in-flight "
+    "bound (0 = every request goes to a worker)",
+    "inline_max_ranks": "largest DPxCP rank count a request planned in the gRPC handler thread may ask for",
     "drain_seconds": "on SIGTERM, how long in-flight requests may run before the server exits",
     "default_deadline_seconds": "deadline applied to requests that carry none",
     "max_job_labels": "distinct job label values in metrics before new jobs count as job=\"other\"",

@@ -103,6 +103,24 @@ def warm_up() -> None:
     plan_batch(PlanRequest((4096, 2048, 1024, 512, 512, 256, 128, 64), 4, 2, 4096))
 
 
-def worker_initializer(log_level: str) -> None:
+@dataclass(frozen=True)
+class _WorkerSettings:
+    limits: RequestLimits
+    cost_model: CostModel
+
+
+_settings = _WorkerSettings(RequestLimits(), CostModel())
+
+
+def worker_initializer(log_level: str, limits: RequestLimits, cost_model: CostModel) -> None:
+    """Runs once in each worker: the server's limits and cost model arrive here rather than being
+    pickled with every request."""
+    global _settings
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [worker] %(name)s: %(message)s")
+    _settings = _WorkerSettings(limits, cost_model)
     warm_up()
+
+
+def plan_in_worker(request_bytes: bytes, deadline: float) -> WorkerResult:
+    """What the pool submits to a worker: plan_request_bytes with the worker's settings."""
+    return plan_request_bytes(request_bytes, deadline, _settings.limits, _settings.cost_model)

@@ -25,7 +25,7 @@ from planner_server import __version__
 from planner_server.config import ServerConfig
 from planner_server.metrics import PlannerMetrics
 from planner_server.servicer import SERVICE_NAME, PlannerServicer
-from planner_server.worker_pool import PlanningPool
+from planner_server.worker_pool import InlineBound, PlanningPool
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class PlannerServer:
             config.cost_model,
             config.log_level,
             on_restart=self.metrics.worker_restarts.inc,
+            inline=InlineBound(config.inline_max_samples, config.inline_max_ranks),
         )
         # Handler threads only wait on workers; enough for every request the pool admits plus the
         # ones it refuses at once, health checks and capability calls.
