@@ -208,10 +208,10 @@ def shard_positions(length: int, cp_size: int, cp_rank: int, tensor_parallel_siz
 
 
 def _arange_ranges(ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """torch.cat([torch.arange(a, b) for a, b in ranges]) in a few ops however many ranges there are:
-    a cumulative sum of steps that are 1 inside a range and jump where the next range starts."""
-    if len(ranges) == 1:
-        return torch.arange(*ranges[0])
+    """torch.cat([torch.arange(a, b) for a, b in ranges]); for many ranges (packed units) in four
+    ops: a cumulative sum of steps that are 1 inside a range and jump where the next one starts."""
+    if len(ranges) <= 2:
+        return torch.cat([torch.arange(a, b) for a, b in ranges]) if len(ranges) == 2 else torch.arange(*ranges[0])
     steps = torch.ones(sum(b - a for a, b in ranges), dtype=torch.long)
     jump_at, jump_to, offset, previous_stop = [], [], 0, 1
     for start, stop in ranges:
@@ -236,9 +236,6 @@ def micro_batches_for_rank(
     `cp_group_for(size)` returns the process group of this rank for a CP size > 1 (see
     `megatron_cp_group_resolver`); without it `cp_group` is None and only `cp_group_ranks` say who
     the partners are. `pack_group_samples` defaults to how the plan's scheduler executes.
-
-    The tensors of all units are built together (one cat of contiguous slices per field, one arange
-    for the positions, ...) and split per unit: a unit's tensors are views of this rank's buffers.
     """
     if not isinstance(batch, GlobalBatch):
         batch = unbind_batch(batch)
@@ -251,72 +248,42 @@ def micro_batches_for_rank(
     if pack_group_samples is None:
         pack_group_samples = plan.capacity_bound is CapacityBound.PER_RANK_SUM
     units: list[_Unit] = []
-    shards = _RankShards()
     for index, micro_batch in enumerate(plan.micro_batches):
         group = micro_batch.group_of_rank(rank)
-        cp_rank = rank - group.first_rank
         process_group = cp_group_for(group.size) if (cp_group_for and group.size > 1) else None
         per_unit = [group.sample_ids] if pack_group_samples else [(i,) for i in group.sample_ids]
         for position, sample_ids in enumerate(per_unit):
-            lengths = tuple(batch.lengths[i] for i in sample_ids)
-            padded = tuple(padded_length(n, group.size, plan.tensor_parallel_size, plan.cp_layout) for n in lengths)
-            units.append(_Unit(index, position == len(per_unit) - 1, group, cp_rank, process_group, sample_ids, lengths, padded))
-            shards.add_unit(
-                sample_ids,
-                lengths,
-                [shard_ranges(n, group.size, cp_rank, plan.tensor_parallel_size, plan.cp_layout) for n in lengths],
-            )
+            units.append(_Unit.of(plan, batch, rank, index, position == len(per_unit) - 1, group, sample_ids, process_group))
     if not units:
         return []
-    sizes = shards.unit_tokens
-    token_fields = {
-        name: _gather_rows(jagged, shards.pieces, pad_token_id if name == "input_ids" else 0).split(sizes)
-        for name, jagged in batch.token_fields.items()
-    }
-    position_ids = _arange_ranges(shards.positions).split(sizes)
-    padding_mask = shards.padding_mask().split(sizes)
+    # The tiny per-unit tensors come from one tensor each, split into views.
     cu_seqlens = _cumulative_per_unit([u.lengths for u in units])
     cu_seqlens_padded = _cumulative_per_unit([u.padded for u in units])
-    all_sample_ids = torch.tensor([i for u in units for i in u.sample_ids], dtype=torch.long)
     samples_per_unit = [len(u.sample_ids) for u in units]
+    all_sample_ids = torch.tensor([i for u in units for i in u.sample_ids], dtype=torch.long)
     sample_fields = {
         name: rows.index_select(0, all_sample_ids).split(samples_per_unit) for name, rows in batch.sample_fields.items()
     }
     global_real_tokens = batch.real_tokens
-    result: list[RankMicroBatch] = []
-    for k, unit in enumerate(units):
-        max_seqlen = max(unit.padded)
-        result.append(
-            RankMicroBatch(
-                micro_batch_index=unit.index,
-                last_of_micro_batch=unit.last,
-                sample_ids=unit.sample_ids,
-                local_cp_size=unit.group.size,
-                cp_rank=unit.cp_rank,
-                cp_group_ranks=tuple(unit.group.ranks),
-                is_cp_leader=unit.cp_rank == 0,
-                cp_group=unit.process_group,
-                token_fields={name: parts[k] for name, parts in token_fields.items()},
-                position_ids=position_ids[k],
-                padding_mask=padding_mask[k],
-                sample_fields={name: parts[k] for name, parts in sample_fields.items()},
-                sequence_lengths=unit.lengths,
-                cu_seqlens=cu_seqlens[k],
-                cu_seqlens_padded=cu_seqlens_padded[k],
-                max_seqlen=max_seqlen,
-                real_local_tokens=shards.unit_real_tokens[k],
-                global_real_tokens=global_real_tokens,
-                packed_seq_params=_packed_seq_params(
-                    cu_seqlens[k], cu_seqlens_padded[k], max_seqlen, unit.group.size, unit.process_group
-                ),
-                global_batch=batch,
-            )
+    return [
+        unit.build(
+            batch,
+            pad_token_id,
+            cu_seqlens[k],
+            cu_seqlens_padded[k],
+            {name: rows[k] for name, rows in sample_fields.items()},
+            global_real_tokens,
         )
-    return result
+        for k, unit in enumerate(units)
+    ]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Unit:
+    """One execution unit of this rank, in plain Python ints: which rows of the packed batch its
+    shard holds (real tokens), where padding goes, and which padded-sequence positions it covers.
+    Its tensors are then built with a few ops each (one cat of contiguous slices per field)."""
+
     index: int  # of the plan's micro-batch
     last: bool  # of that micro-batch
     group: CpGroup
@@ -325,50 +292,82 @@ class _Unit:
     sample_ids: tuple[int, ...]
     lengths: tuple[int, ...]
     padded: tuple[int, ...]
+    pieces: list[tuple[int, int, int] | int] = field(default_factory=list)  # (sample_id, start, stop) rows, or a pad count
+    padding_runs: list[tuple[int, int]] = field(default_factory=list)  # [start, stop) in the shard
+    positions: list[tuple[int, int]] = field(default_factory=list)  # [start, stop) in the padded sequences
+    tokens: int = 0
+    real_tokens: int = 0
 
+    @classmethod
+    def of(
+        cls, plan: Plan, batch: GlobalBatch, rank: int, index: int, last: bool, group: CpGroup,
+        sample_ids: tuple[int, ...], process_group: Any,
+    ) -> "_Unit":
+        cp_rank = rank - group.first_rank
+        tp, layout = plan.tensor_parallel_size, plan.cp_layout
+        lengths = tuple(batch.lengths[i] for i in sample_ids)
+        padded = tuple(padded_length(n, group.size, tp, layout) for n in lengths)
+        unit = cls(index, last, group, cp_rank, process_group, sample_ids, lengths, padded)
+        for sample_id, length in zip(sample_ids, lengths):
+            for start, stop in shard_ranges(length, group.size, cp_rank, tp, layout):
+                unit._add_range(sample_id, length, start, stop)
+        return unit
 
-class _RankShards:
-    """Where a rank's shards come from, unit after unit, in plain Python ints: rows of the packed
-    batch (real tokens), padding runs, and the padded-sequence positions they hold."""
+    def _add_range(self, sample_id: int, length: int, start: int, stop: int) -> None:
+        self.positions.append((start, stop))
+        real_stop = min(stop, length)
+        if start < real_stop:
+            self.pieces.append((sample_id, start, real_stop))
+            self.real_tokens += real_stop - start
+        pad_start = max(start, length)
+        if stop > pad_start:  # the range reaches into the sequence's padding
+            self.pieces.append(stop - pad_start)
+            self.padding_runs.append((self.tokens + pad_start - start, self.tokens + stop - start))
+        self.tokens += stop - start
 
-    def __init__(self) -> None:
-        self.pieces: list[tuple[int, int, int] | int] = []  # (sample_id, start, stop) rows, or a pad count
-        self.padding_runs: list[tuple[int, int]] = []  # [start, stop) in the rank's shard
-        self.positions: list[tuple[int, int]] = []  # ranges of padded-sequence positions
-        self.unit_tokens: list[int] = []
-        self.unit_real_tokens: list[int] = []
-        self.tokens = 0
-
-    def add_unit(self, sample_ids: tuple[int, ...], lengths: tuple[int, ...], ranges: list[list[tuple[int, int]]]) -> None:
-        first, real = self.tokens, 0
-        for sample_id, length, sample_ranges in zip(sample_ids, lengths, ranges):
-            for start, stop in sample_ranges:
-                self.positions.append((start, stop))
-                real_stop = min(stop, length)
-                if start < real_stop:
-                    self.pieces.append((sample_id, start, real_stop))
-                    real += real_stop - start
-                pad_start = max(start, length)
-                if stop > pad_start:
-                    self.pieces.append(stop - pad_start)
-                    self.padding_runs.append((self.tokens + pad_start - start, self.tokens + stop - start))
-                self.tokens += stop - start
-        self.unit_tokens.append(self.tokens - first)
-        self.unit_real_tokens.append(real)
-
-    def padding_mask(self) -> torch.Tensor:
-        """bool, True on real tokens."""
-        mask = torch.ones(self.tokens, dtype=torch.bool)
+    def build(
+        self,
+        batch: GlobalBatch,
+        pad_token_id: int,
+        cu_seqlens: torch.Tensor,
+        cu_seqlens_padded: torch.Tensor,
+        sample_fields: dict[str, torch.Tensor],
+        global_real_tokens: int,
+    ) -> RankMicroBatch:
+        padding_mask = torch.ones(self.tokens, dtype=torch.bool)
         for start, stop in self.padding_runs:
-            mask[start:stop] = False
-        return mask
+            padding_mask[start:stop] = False
+        max_seqlen = max(self.padded)
+        return RankMicroBatch(
+            micro_batch_index=self.index,
+            last_of_micro_batch=self.last,
+            sample_ids=self.sample_ids,
+            local_cp_size=self.group.size,
+            cp_rank=self.cp_rank,
+            cp_group_ranks=tuple(self.group.ranks),
+            is_cp_leader=self.cp_rank == 0,
+            cp_group=self.process_group,
+            token_fields={
+                name: _gather_rows(jagged, self.pieces, pad_token_id if name == "input_ids" else 0)
+                for name, jagged in batch.token_fields.items()
+            },
+            position_ids=_arange_ranges(self.positions),
+            padding_mask=padding_mask,
+            sample_fields=sample_fields,
+            sequence_lengths=self.lengths,
+            cu_seqlens=cu_seqlens,
+            cu_seqlens_padded=cu_seqlens_padded,
+            max_seqlen=max_seqlen,
+            real_local_tokens=self.real_tokens,
+            global_real_tokens=global_real_tokens,
+            packed_seq_params=_packed_seq_params(cu_seqlens, cu_seqlens_padded, max_seqlen, self.group.size, self.process_group),
+            global_batch=batch,
+        )
 
 
 def _gather_rows(jagged: JaggedField, pieces: list[tuple[int, int, int] | int], pad_value: int | float) -> torch.Tensor:
     """One cat of contiguous slices of the packed field (adjacent ones merged) and filler rows."""
     values = jagged.values
-    longest_pad = max((p for p in pieces if isinstance(p, int)), default=0)
-    filler = values.new_full((longest_pad, *values.shape[1:]), pad_value) if longest_pad else None
     spans: list[tuple[int, int] | int] = []
     for piece in pieces:
         if isinstance(piece, int):
@@ -381,7 +380,12 @@ def _gather_rows(jagged: JaggedField, pieces: list[tuple[int, int, int] | int], 
             spans[-1] = (last[0], offset + stop)
         else:
             spans.append((offset + start, offset + stop))
-    return torch.cat([filler[:span] if isinstance(span, int) else values[span[0] : span[1]] for span in spans])
+    if len(spans) == 1 and isinstance(spans[0], tuple):
+        return values[spans[0][0] : spans[0][1]].clone()
+    trailing = values.shape[1:]
+    return torch.cat(
+        [values.new_full((span, *trailing), pad_value) if isinstance(span, int) else values[span[0] : span[1]] for span in spans]
+    )
 
 
 def _cumulative_per_unit(values_per_unit: list[tuple[int, ...]]) -> tuple[torch.Tensor, ...]:
