@@ -36,6 +36,7 @@ def _run_rank(rank: int, store_path: str, endpoint: str, out_dir: str) -> None:
     from megatron.core import parallel_state
 
     from trainer_client import BatchPlannerClient, PlannerClientConfig
+    from trainer_client.broadcast import PlanMismatchError
     from trainer_client.outputs import OutputRestoreError
 
     store = dist.FileStore(store_path, WORLD)
@@ -94,6 +95,14 @@ def _run_rank(rank: int, store_path: str, endpoint: str, out_dir: str) -> None:
                 with pytest.raises(OutputRestoreError, match=r"missing sample ids \[0\]"):
                     client.restore_outputs(plan, dropped)
             client.close()
+        # One rank holds another batch (the plan was prefetched for rank 0's): every rank refuses.
+        config = PlannerClientConfig(planner_endpoint=endpoint, tls=False, max_seqlen_per_dp_cp_rank=1024, context_parallel_size=2)
+        client = BatchPlannerClient(config)
+        lengths = LENGTHS if rank != 3 else (*LENGTHS[:-1], 2)
+        client.prefetch(99, lengths)
+        with pytest.raises(PlanMismatchError, match="ranks of the DPxCP group hold different batches"):
+            client.plan_step(99, lengths)
+        client.close()
         if rank == 0:
             with open(os.path.join(out_dir, "result.json"), "w") as f:
                 json.dump({"cp_sizes": sorted(cp_sizes_seen)}, f)

@@ -40,12 +40,18 @@ class PlanAhead:
                 self._pending.pop(oldest)[1].cancel()
             self._pending[step] = (request, self._executor.submit(self._plan_fn, request))
 
+    def pending_request(self, step: int) -> PlanRequest | None:
+        """The request prefetched for `step`, if any (so the caller need not build it again)."""
+        with self._lock:
+            pending = self._pending.get(step)
+        return pending[0] if pending is not None else None
+
     def get(self, step: int, request: PlanRequest) -> tuple[SourcedPlan, float]:
         """The plan for `step` and the seconds this call waited for it."""
         started = time.perf_counter()
         with self._lock:
             pending = self._pending.pop(step, None)
-        if pending is not None and pending[0] != request:
+        if pending is not None and pending[0] is not request and pending[0] != request:
             log.warning("step %d: the batch differs from the one prefetched; planning it again", step)
             pending[1].cancel()
             pending = None

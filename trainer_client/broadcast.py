@@ -12,12 +12,15 @@ others waiting forever in the broadcast.
 
 from __future__ import annotations
 
+import array
+import hashlib
 from typing import Any
 
 import torch.distributed as dist
 
 from batch_planner.convert import plan_from_proto, plan_to_proto
 from batch_planner.plan import Plan
+from batch_planner.request import PlanRequest
 from batch_planner.v1 import planner_pb2 as pb
 from trainer_client.config import WhoAsks
 from trainer_client.rpc_client import PlanRejectedError
@@ -31,21 +34,33 @@ def is_distributed(group: dist.ProcessGroup | None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
+def request_digest(request: PlanRequest) -> str:
+    """A short fingerprint of the batch and layout a request plans, cheap for thousands of samples:
+    the lengths are hashed as an int64 array's bytes, not as text."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(array.array("q", request.sequence_lengths).tobytes())
+    layout = (request.data_parallel_size, request.context_parallel_size, request.tensor_parallel_size,
+              request.max_seqlen_per_dp_cp_rank, request.scheduler.value, request.cp_layout.value, request.min_cp_size)
+    digest.update(repr(layout).encode())
+    return digest.hexdigest()
+
+
 def agree_on_plan(
     own: Plan | PlanRejectedError | None,
-    request_digest: str,
+    request: PlanRequest,
     group: dist.ProcessGroup | None,
     who_asks: WhoAsks,
 ) -> Plan:
-    """Every rank calls this with its own result (`None` on ranks that did not ask) and gets the
-    group's plan back, or the asking rank's PlanRejectedError."""
+    """Every rank calls this with its own result (`None` on ranks that did not ask) and the request
+    for its own batch, and gets the group's plan back, or the asking rank's PlanRejectedError.
+    Without a process group of several ranks there is no one to agree with: no digest, no collective."""
     if not is_distributed(group):
         return _unwrap(own)
     if who_asks is WhoAsks.LEADER:
         holder: list[Any] = [_encode(own) if dist.get_rank(group) == 0 else None]
         dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         own = _decode(holder[0])
-    mine = (own.plan_id if isinstance(own, Plan) else f"error: {own}", request_digest)
+    mine = (own.plan_id if isinstance(own, Plan) else f"error: {own}", request_digest(request))
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     errors = [(rank, entry[0]) for rank, entry in enumerate(everyone) if entry[0].startswith("error: ")]

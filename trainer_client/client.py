@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from typing import Any, Mapping, Sequence
@@ -111,8 +110,9 @@ class BatchPlannerClient:
 
     def request_for(self, lengths: Sequence[int]) -> PlanRequest:
         c = self.config
+        values = lengths.tolist() if hasattr(lengths, "tolist") else lengths  # a tensor or numpy array
         return PlanRequest(
-            sequence_lengths=tuple(int(n) for n in lengths),
+            sequence_lengths=tuple(map(int, values)),
             data_parallel_size=self.dp_cp_size // c.context_parallel_size,
             context_parallel_size=c.context_parallel_size,
             max_seqlen_per_dp_cp_rank=c.max_seqlen_per_dp_cp_rank,
@@ -133,7 +133,7 @@ class BatchPlannerClient:
     def plan_step(self, step: int, lengths: Sequence[int]) -> Plan:
         """The plan for `step`, the same on every rank of the group (a collective: all ranks call it)."""
         started = time.perf_counter()
-        request = self.request_for(lengths)
+        request = self._request_for_step(step, lengths)
         own: Plan | PlanRejectedError | None = None
         if self.asks:
             try:
@@ -144,10 +144,17 @@ class BatchPlannerClient:
                 own = error
             except PlannerUnavailableError as error:
                 own = PlanRejectedError("UNAVAILABLE", str(error))
-        plan = agree_on_plan(own, _request_digest(request), self.group, self.config.who_asks)
+        plan = agree_on_plan(own, request, self.group, self.config.who_asks)
         self.metrics.plan_wait.labels(self.metrics.job).observe(time.perf_counter() - started)
         self.metrics.micro_batches.labels(self.metrics.job).set(len(plan.micro_batches))
         return plan
+
+    def _request_for_step(self, step: int, lengths: Sequence[int]) -> PlanRequest:
+        """The request `prefetch` built for `step` when the lengths are the same, else a new one."""
+        prefetched = self.ahead.pending_request(step) if self.asks else None
+        if prefetched is not None and _same_lengths(prefetched.sequence_lengths, lengths):
+            return prefetched
+        return self.request_for(lengths)
 
     def micro_batches(
         self,
@@ -201,11 +208,13 @@ class BatchPlannerClient:
         self.source.close()
 
 
-def _request_digest(request: PlanRequest) -> str:
-    fields = (request.sequence_lengths, request.data_parallel_size, request.context_parallel_size,
-              request.tensor_parallel_size, request.max_seqlen_per_dp_cp_rank, request.scheduler.value,
-              request.cp_layout.value, request.min_cp_size)
-    return hashlib.sha256(repr(fields).encode()).hexdigest()[:16]
+def _same_lengths(planned: tuple[int, ...], lengths: Sequence[int]) -> bool:
+    """Cheap for the usual list or tuple of ints; other sequences (tensors, arrays) are rebuilt."""
+    if isinstance(lengths, tuple):
+        return lengths == planned
+    if isinstance(lengths, list):
+        return tuple(lengths) == planned
+    return False
 
 
 def _megatron_parallel_state_initialized() -> bool:
