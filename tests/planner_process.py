@@ -43,6 +43,12 @@ class PlannerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        # A server killed outright leaves its forkserver and workers behind (in a pod they die with
+        # the container); the server runs in its own session, so end whatever is left of it.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         return self.proc.returncode
 
 
@@ -57,7 +63,10 @@ def start_planner(*args: str, workers: int = 2, port: int = 0, timeout: float = 
     """Starts `python -m planner_server` and waits until it reports SERVING."""
     cmd = [sys.executable, "-m", "planner_server", "--host", "127.0.0.1", "--port", str(port),
            "--metrics-port", "0", "--workers", str(workers), *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=planner_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=planner_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
     ready = threading.Event()
     found: dict[str, str] = {}
