@@ -121,6 +121,23 @@ def step_cost(
     return total
 
 
+def pack_in_order(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Sample ids packed in their original order, a new pack whenever the next would pass `budget`
+    tokens (a longer sample gets a pack of its own): static CP's packing, as the estimate prices it."""
+    packs: list[list[int]] = []
+    current: list[int] = []
+    tokens = 0
+    for sample_id, length in enumerate(lengths):
+        if current and tokens + length > budget:
+            packs.append(current)
+            current, tokens = [], 0
+        current.append(sample_id)
+        tokens += length
+    if current:
+        packs.append(current)
+    return packs
+
+
 def static_cp_step_cost(request: PlanRequest, model: CostModel) -> float:
     """The same batch under static CP at the job's CP size: a comparison estimate, not a plan.
 
@@ -130,23 +147,13 @@ def static_cp_step_cost(request: PlanRequest, model: CostModel) -> float:
     replicas meet only at the gradient all-reduce: the step is the slowest replica's sum.
     """
     cp = request.context_parallel_size
-    budget = request.max_seqlen_per_dp_cp_rank * cp
-    packs: list[list[int]] = []
-    current: list[int] = []
-    current_tokens = 0
-    for length in request.sequence_lengths:
-        if current and current_tokens + length > budget:
-            packs.append(current)
-            current, current_tokens = [], 0
-        current.append(length)
-        current_tokens += length
-    if current:
-        packs.append(current)
+    lengths = request.sequence_lengths
+    packs = pack_in_order(lengths, request.max_seqlen_per_dp_cp_rank * cp)
     dp = request.data_parallel_size
     replica_seconds = [0.0] * dp
     for k, pack in enumerate(packs):
         replica_seconds[k % dp] += model.group_seconds(
-            pack, cp, request.tensor_parallel_size, request.cp_layout, packed=True
+            [lengths[i] for i in pack], cp, request.tensor_parallel_size, request.cp_layout, packed=True
         )
     return max(replica_seconds)
 

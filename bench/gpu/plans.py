@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from batch_planner.cost import CostModel, step_cost
+from batch_planner.cost import CostModel, pack_in_order, step_cost
 from batch_planner.plan import CpGroup, MicroBatch
 from batch_planner.padding import padded_length
 from batch_planner.request import CpLayout, PlanRequest, SchedulerKind
@@ -70,18 +70,7 @@ def static_cp_plan(
     if dp_cp_size % cp_size:
         raise ValueError(f"cp_size {cp_size} does not divide dp_cp_size {dp_cp_size}")
     dp = dp_cp_size // cp_size
-    budget = max_seqlen_per_dp_cp_rank * cp_size
-    packs: list[list[int]] = []
-    current: list[int] = []
-    tokens = 0
-    for sample_id, length in enumerate(lengths):
-        if current and tokens + length > budget:
-            packs.append(current)
-            current, tokens = [], 0
-        current.append(sample_id)
-        tokens += length
-    if current:
-        packs.append(current)
+    packs = pack_in_order(lengths, max_seqlen_per_dp_cp_rank * cp_size)
     micro_batches = []
     for start in range(0, len(packs), dp):
         groups = []
