@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from batch_planner.schedulers import discover_schedulers
 from batch_planner.request import SchedulerKind
+from tests.megatron_init import cpu_init_unsupported_reason, initialize_dpxcp_groups
 
 WORLD = 4
 JOIN_DEADLINE_SECONDS = 120
@@ -59,7 +60,7 @@ def _run_rank(rank: int, store_path: str, out_dir: str, schedulers: list[str]) -
     from trainer_client import BatchPlannerClient, PlannerClientConfig, token_pieces
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
-    parallel_state.initialize_model_parallel(context_parallel_size=2, hybrid_context_parallel=True)
+    initialize_dpxcp_groups(context_parallel_size=2)
     results = []
     try:
         for step, (scheduler, (lengths, layout, tp, packed)) in enumerate((s, p) for s in schedulers for p in PLANS):
@@ -128,6 +129,8 @@ def _available(kind: SchedulerKind) -> bool:
 def test_per_token_loss_over_dynamic_cp_plans_equals_the_single_process_reference(tmp_path, scheduler):
     if not _available(scheduler):
         pytest.skip(discover_schedulers()[scheduler].reason)
+    if reason := cpu_init_unsupported_reason():
+        pytest.skip(reason)
     # Forked, not spawned: the ranks inherit this process's imported Megatron-Core instead of each
     # importing it again (4 concurrent imports take ~50 s of a small CI machine; forked, ~2 s).
     # Fork from a threaded pytest process could deadlock a child, so the join has a deadline.
