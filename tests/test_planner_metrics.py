@@ -15,7 +15,7 @@ from batch_planner.distributions import sample_lengths
 from batch_planner.request import PlanRequest
 from tests.planner_process import start_planner
 from batch_planner.v1 import planner_pb2_grpc
-from tests.tools import require_tool
+from tests.deploy_tools import find_tool
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_counters_move_by_known_amounts(fresh_planner):
 
 
 def test_exposition_passes_promtool(fresh_planner):
-    promtool = require_tool("promtool")
+    promtool = find_tool("promtool")
     text = scrape(fresh_planner.metrics_url)
     assert "batch_planner_requests_total" in text
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
