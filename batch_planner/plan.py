@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from batch_planner.errors import InvariantViolationError
-from batch_planner.padding import PlanPadding
+from batch_planner.padding import PlanPadding, padding_multiple
 from batch_planner.request import CapacityBound, CpLayout, PlanRequest, SchedulerKind
 
 
@@ -169,4 +169,4 @@ def _where(mb_index: int, group: CpGroup) -> str:
 def _padding_unit(cp_size: int, request: PlanRequest) -> int:
     # The schedulers budget in real tokens; THD/CP padding adds less than one alignment unit to
     # each shard. Allow exactly that, no more ("about L/c tokens after padding").
-    return request.tensor_parallel_size * (2 if request.cp_layout is CpLayout.ZIGZAG and cp_size > 1 else 1)
+    return padding_multiple(cp_size, request.tensor_parallel_size, request.cp_layout) // cp_size
