@@ -11,12 +11,12 @@ import importlib
 import importlib.metadata
 import os
 import logging
-import math
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
+from batch_planner.cp_groups import is_power_of_two, megatron_cp_group_sizes
 from batch_planner.errors import SchedulerFailedError, SchedulerUnavailableError
 from batch_planner.request import CapacityBound, PlanRequest, SchedulerKind
 
@@ -128,18 +128,11 @@ def require_scheduler(kind: SchedulerKind) -> SchedulerSpec:
 
 
 def valid_cp_sizes(kind: SchedulerKind, dp_cp_size: int, context_parallel_size: int, min_cp_size: int | None) -> frozenset[int]:
-    """CP group sizes Megatron-Core's parallel_state can build a process group for.
-
-    Hybrid CP (0.19): powers of two 2..dp_cp/2 plus the whole DPxCP group, and 1 (no group).
-    Dynamic CP (dev): powers of two from min_cp_size up to the whole group.
-    Static packing: exactly the job's CP size.
-    """
+    """CP group sizes a plan of `kind` may use: those Megatron-Core's parallel_state builds
+    (batch_planner/cp_groups.py); static packing keeps every sample on the job's CP size."""
     if kind is SchedulerKind.STATIC_PACKING:
         return frozenset({context_parallel_size})
-    powers = {2**i for i in range(int(math.log2(dp_cp_size)) + 1)} | {dp_cp_size}
-    if kind is SchedulerKind.DYNAMIC_CP and min_cp_size:
-        powers = {p for p in powers if p >= min_cp_size}
-    return frozenset(powers)
+    return megatron_cp_group_sizes(dp_cp_size, min_cp_size if kind is SchedulerKind.DYNAMIC_CP else None)
 
 
 class _DpCpGroupSize:
@@ -181,7 +174,7 @@ def align_cp_groups(rank_ids: list[list[int]]) -> list[list[int]]:
         else:
             runs.append([ids])
     sizes = [len(run) for run in runs]
-    if not all(_is_power_of_two(size) for size in sizes) or not _is_power_of_two(len(rank_ids)):
+    if not all(is_power_of_two(size) for size in sizes) or not is_power_of_two(len(rank_ids)):
         return rank_ids  # not ours to fix; the invariant check names what is wrong
     start, aligned = 0, True
     for size in sizes:
@@ -191,10 +184,6 @@ def align_cp_groups(rank_ids: list[list[int]]) -> list[list[int]]:
         return rank_ids
     ordered = sorted(runs, key=len, reverse=True)  # stable: equal sizes keep the scheduler's order
     return [ids for run in ordered for ids in run]
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
 
 
 def _run_dynamic_cp(cls, request: PlanRequest, seqlens: list[tuple[int, int]]) -> RankAssignment:

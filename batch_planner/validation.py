@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from batch_planner.cp_groups import is_power_of_two, largest_power_of_two_group, megatron_cp_group_sizes
 from batch_planner.errors import InvalidRequestError
 from batch_planner.request import PlanRequest, SchedulerKind
 from batch_planner.schedulers import require_scheduler
@@ -26,10 +27,6 @@ class RequestLimits:
     max_sequence_length: int = 4 * 1024 * 1024
     max_tensor_parallel_size: int = 64
     max_micro_batch_group_size: int = 64
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
 
 
 def _reject(field: str, message: str) -> None:
@@ -82,16 +79,31 @@ def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
     _reject_unsupported_options(request, limits)
     require_scheduler(kind)
 
-    if kind in (SchedulerKind.HYBRID_CP, SchedulerKind.DYNAMIC_CP):
-        # Odd sizes, 1, and even non-powers of two (10, 20, ...) crash or mislead the schedulers
-        # (IndexError while filling empty ranks) and have no matching Megatron-Core CP groups.
-        if dp_cp < 2 or not _is_power_of_two(dp_cp):
+    if kind is SchedulerKind.HYBRID_CP:
+        # Odd sizes, 1, and even non-powers of two (10, 20, ...) crash or mislead 0.19's
+        # BalancedCPScheduler (IndexError while filling empty ranks).
+        if dp_cp < 2 or not is_power_of_two(dp_cp):
             _reject(
                 "layout",
-                f"{kind.value} needs DPxCP to be a power of two >= 2; got "
-                f"{request.data_parallel_size}x{request.context_parallel_size} = {dp_cp}",
+                f"hybrid_cp needs DPxCP to be a power of two >= 2; got "
+                f"{request.data_parallel_size}x{request.context_parallel_size} = {dp_cp} "
+                "(dynamic_cp plans even sizes such as 24)",
             )
         capacity, capacity_name = request.max_seqlen_per_dp_cp_rank * dp_cp, "max_seqlen_per_dp_cp_rank x DPxCP"
+    elif kind is SchedulerKind.DYNAMIC_CP:
+        # The dev build's parallel_state asserts an even DPxCP; it builds power-of-two groups
+        # plus the whole group (docs/design.md, "What each Megatron-Core build offers").
+        if dp_cp < 2 or dp_cp % 2:
+            _reject(
+                "layout",
+                f"dynamic_cp needs an even DPxCP >= 2 (Megatron-Core's dynamic CP groups); got "
+                f"{request.data_parallel_size}x{request.context_parallel_size} = {dp_cp}",
+            )
+        # A sample gets a power-of-two CP size, so the longest fits the largest power-of-two
+        # group (the whole group only when DPxCP is a power of two).
+        largest = largest_power_of_two_group(dp_cp)
+        capacity = request.max_seqlen_per_dp_cp_rank * largest
+        capacity_name = f"max_seqlen_per_dp_cp_rank x {largest} (the largest power-of-two CP group of DPxCP {dp_cp})"
     else:
         capacity = request.max_seqlen_per_dp_cp_rank * request.context_parallel_size
         capacity_name = "max_seqlen_per_dp_cp_rank x CP"
@@ -116,10 +128,12 @@ def _reject_unsupported_options(request: PlanRequest, limits: RequestLimits) -> 
     if request.min_cp_size is not None:
         if kind is not SchedulerKind.DYNAMIC_CP:
             _reject("min_cp_size", f"only dynamic_cp takes a minimum CP size; leave it unset for {kind.value}")
-        if not _is_power_of_two(request.min_cp_size) or request.min_cp_size > request.dp_cp_size:
+        buildable = sorted(size for size in megatron_cp_group_sizes(request.dp_cp_size) if is_power_of_two(size))
+        if request.min_cp_size not in buildable:
             _reject(
                 "min_cp_size",
-                f"got {request.min_cp_size}; allowed: a power of two from 1 to DPxCP = {request.dp_cp_size}",
+                f"got {request.min_cp_size}; allowed: a CP group size Megatron-Core builds over "
+                f"DPxCP = {request.dp_cp_size} ranks: {', '.join(map(str, buildable))}",
             )
     if request.max_seqs_per_micro_batch is not None:
         if kind is not SchedulerKind.STATIC_PACKING:

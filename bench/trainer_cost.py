@@ -4,7 +4,7 @@ and memory.
     python -m bench.trainer_cost --out docs/bench
 
 In process, on CPU, with trainer_client's apply and restore (the code a trainer rank runs):
-- `unbind`: `trainer_client.apply.unbind_batch` on the global batch (jagged NestedTensor
+- `unbind`: `trainer_client.batch.unbind_batch` on the global batch (jagged NestedTensor
   `input_ids` and `labels`, int64): done once per step on every rank;
 - `apply`: `micro_batches_for_rank(plan, global_batch, rank)` for one rank: this rank's shards,
   position ids, padding mask, cu_seqlens. One run per rank of the plan, so the spread is over ranks;
@@ -58,7 +58,8 @@ def created_bytes(micro_batches) -> int:
 
 
 def run(out: Path, smoke: bool = False) -> Path:
-    from trainer_client.apply import micro_batches_for_rank, unbind_batch
+    from trainer_client.apply import micro_batches_for_rank
+    from trainer_client.batch import unbind_batch
     from trainer_client.outputs import restore_outputs
 
     size = SMOKE_SIZE if smoke else SIZE

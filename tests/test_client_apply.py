@@ -10,7 +10,8 @@ from tensordict import TensorDict
 from batch_planner.padding import padded_length
 from batch_planner.planner import plan_batch
 from batch_planner.request import CpLayout, PlanRequest
-from trainer_client.apply import BatchMismatchError, micro_batches_for_rank, shard_positions, unbind_batch
+from trainer_client.apply import micro_batches_for_rank, shard_positions
+from trainer_client.batch import BatchMismatchError, unbind_batch
 from trainer_client.outputs import OutputRestoreError, order_outputs
 
 # With 4 ranks of 1,024 tokens: 3,000 needs CP4, 1,500-1,800 CP2, the rest CP1.

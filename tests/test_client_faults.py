@@ -11,7 +11,8 @@ import time
 from batch_planner.distributions import sample_lengths
 from tests.planner_process import start_planner
 from trainer_client import BatchPlannerClient, PlannerClientConfig
-from trainer_client.apply import micro_batches_for_rank, unbind_batch
+from trainer_client.apply import micro_batches_for_rank
+from trainer_client.batch import unbind_batch
 from trainer_client.outputs import order_outputs
 from trainer_client.plan_source import FALLBACK, SERVICE
 

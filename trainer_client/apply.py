@@ -1,210 +1,35 @@
-"""Apply a plan: from the global batch, this rank's micro-batches in plan order.
+"""Apply a plan: from the global batch, this rank's execution units in plan order.
 
-Input contract: every rank of the DPxCP group holds the SAME global batch (the one the plan was
-made for): a `tensordict.TensorDict` (or any mapping of name -> tensor) with batch size [B] whose
-`input_ids` is a jagged NestedTensor (`torch.nested.nested_tensor(..., layout=torch.jagged)`), as in
-verl. Sample id i is row i. Other jagged fields (shape [L, ...] per sample, any trailing shape) are
-per-token fields and are sharded exactly like `input_ids`; dense fields (shape [B, ...]) are
-per-sample fields and travel with their sample. No samples move between ranks: each rank picks its
-own from the batch it holds (token ids are small next to activations; a loader that shards by DP
-rank must gather the global batch first).
+Every rank of the DPxCP group holds the SAME global batch (the one the plan was made for; see
+trainer_client/batch.py for its form). No samples move between ranks: each rank picks its own from
+the batch it holds (token ids are small next to activations; a loader that shards by DP rank must
+gather the global batch first, or use the Megatron-LM drop-in).
 
-Execution units: Megatron-Core's hybrid CP (capacity bound per sample) runs every sample of a CP
-group as its own forward pass, so each sample is one RankMicroBatch; packing schedulers (dynamic
-CP, static packing) pack all samples of a group into one RankMicroBatch. `last_of_micro_batch`
-marks where the plan's micro-batch ends (Megatron-Core synchronises the DPxCP group there).
-
-Sharding (Megatron's THD/CP layout): a sample of length L in a CP group of size c is padded to a
-multiple of tp*c (tp*2c for zigzag with c > 1). Zigzag splits it into 2c chunks and group rank r
-takes chunks r and 2c-1-r (balanced causal attention); contiguous splits it into c chunks and
-rank r takes chunk r. Padding is along the sequence dimension only, never along trailing ones.
+A unit's samples are padded and sharded as batch_planner/shards.py says (zigzag per sequence, or
+one contiguous interval of the unit's whole padded buffer); padding is along the sequence dimension
+only, never along trailing ones. Its tensors are built from plain-int layouts with a few ops each.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 
 from batch_planner.padding import padded_length
 from batch_planner.plan import CpGroup, Plan
-from batch_planner.request import CapacityBound, CpLayout, SchedulerKind
-
-CpGroupResolver = Callable[[int], "dist.ProcessGroup | None"]
-
-
-class BatchMismatchError(ValueError):
-    """The batch does not match the plan (sample count, lengths, field shapes)."""
-
-
-@dataclass(frozen=True)
-class JaggedField:
-    """One per-token field of the batch, read once: the packed tokens of all samples and where
-    each sample starts in them (a jagged NestedTensor's values and offsets; no per-sample unbind)."""
-
-    values: torch.Tensor  # [total tokens, ...]
-    starts: tuple[int, ...]  # row in `values` of each sample's first token
-
-    def sample(self, sample_id: int, lengths: tuple[int, ...]) -> torch.Tensor:
-        start = self.starts[sample_id]
-        return self.values[start : start + lengths[sample_id]]
-
-
-@dataclass
-class GlobalBatch:
-    """A batch read into packed per-token fields once, so every micro-batch slices it cheaply."""
-
-    lengths: tuple[int, ...]
-    token_fields: dict[str, JaggedField]
-    sample_fields: dict[str, torch.Tensor]  # name -> [B, ...]
-
-    @property
-    def real_tokens(self) -> int:
-        return sum(self.lengths)
-
-    def samples(self, name: str, sample_ids: tuple[int, ...]) -> list[torch.Tensor]:
-        """The unsharded tokens `[L, ...]` of field `name` for `sample_ids` (views of the batch)."""
-        field = self.token_fields[name]
-        return [field.sample(i, self.lengths) for i in sample_ids]
-
-
-def unbind_batch(batch: Mapping[str, Any]) -> GlobalBatch:
-    if "input_ids" not in batch.keys():
-        raise BatchMismatchError(f"the batch has no 'input_ids' field; fields: {sorted(batch.keys())}")
-    input_ids = batch["input_ids"]
-    if not getattr(input_ids, "is_nested", False):
-        raise BatchMismatchError(
-            "input_ids must be a jagged NestedTensor (torch.nested.nested_tensor(..., layout=torch.jagged)), "
-            f"got a dense tensor of shape {tuple(input_ids.shape)}"
-        )
-    lengths, _ = _jagged_field(input_ids)
-    token_fields: dict[str, JaggedField] = {}
-    sample_fields: dict[str, torch.Tensor] = {}
-    for name in batch.keys():
-        value = batch[name]
-        if getattr(value, "is_nested", False):
-            field_lengths, token_fields[name] = _jagged_field(value)
-            _check_token_field(name, field_lengths, lengths)
-        else:
-            if value.shape[:1] != (len(lengths),):
-                raise BatchMismatchError(
-                    f"per-sample field {name!r} has shape {tuple(value.shape)}; expected first dimension "
-                    f"{len(lengths)} (one row per sample)"
-                )
-            sample_fields[name] = value
-    return GlobalBatch(lengths, token_fields, sample_fields)
-
-
-def _jagged_field(nested: torch.Tensor) -> tuple[tuple[int, ...], JaggedField]:
-    """(lengths, packed field) of a NestedTensor; its offsets give both without unbinding it."""
-    if nested.layout is torch.jagged and getattr(nested, "_ragged_idx", 1) == 1:
-        offsets = nested.offsets()
-        lengths = nested.lengths()  # not None only for a view with holes between samples
-        if lengths is None:
-            lengths = offsets.diff()
-        return tuple(lengths.tolist()), JaggedField(nested.values(), tuple(offsets[:-1].tolist()))
-    # Strided layout (or ragged along another dimension): per-sample tensors, packed once.
-    per_sample = list(nested.unbind())
-    lengths = tuple(int(t.shape[0]) for t in per_sample)
-    starts = tuple(itertools.accumulate(lengths, initial=0))[:-1]
-    return lengths, JaggedField(torch.cat(per_sample) if per_sample else torch.empty(0, dtype=nested.dtype), starts)
-
-
-def _check_token_field(name: str, field_lengths: tuple[int, ...], lengths: tuple[int, ...]) -> None:
-    if len(field_lengths) != len(lengths):
-        raise BatchMismatchError(f"field {name!r} has {len(field_lengths)} samples, input_ids has {len(lengths)}")
-    if field_lengths == lengths:
-        return
-    sample_id, (tokens, length) = next((i, pair) for i, pair in enumerate(zip(field_lengths, lengths)) if pair[0] != pair[1])
-    raise BatchMismatchError(f"field {name!r} of sample {sample_id} has {tokens} tokens, its input_ids has {length}")
-
-
-@dataclass
-class RankMicroBatch:
-    """What this rank runs in one forward/backward pass."""
-
-    micro_batch_index: int  # index into plan.micro_batches
-    last_of_micro_batch: bool
-    sample_ids: tuple[int, ...]  # in execution order
-    local_cp_size: int
-    cp_rank: int  # this rank's position in its CP group
-    cp_group_ranks: tuple[int, ...]  # DPxCP ranks of the group
-    is_cp_leader: bool  # reports the group's per-sample outputs
-    cp_group: Any  # Megatron-Core's process group for local_cp_size; None for CP1
-    # This rank's shard of every per-token field, samples packed in order, padded along dim 0.
-    token_fields: dict[str, torch.Tensor]
-    position_ids: torch.Tensor  # position of each shard token in its (padded) sequence
-    padding_mask: torch.Tensor  # bool, True on real tokens
-    sample_fields: dict[str, torch.Tensor]  # rows of the per-sample fields, in sample_ids order
-    sequence_lengths: tuple[int, ...]  # real lengths of sample_ids
-    cu_seqlens: torch.Tensor  # int32, cumulative real lengths of the whole sequences
-    cu_seqlens_padded: torch.Tensor  # int32, cumulative padded lengths of the whole sequences
-    max_seqlen: int  # longest padded sequence
-    real_local_tokens: int  # real tokens in this rank's shard
-    global_real_tokens: int  # real tokens of the whole global batch
-    packed_seq_params: Any = field(repr=False, default=None)
-    global_batch: GlobalBatch | None = field(repr=False, default=None)  # the batch the unit was cut from
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        return self.token_fields["input_ids"]
-
-    @property
-    def samples(self) -> dict[str, list[torch.Tensor]]:
-        """The unsharded per-token tensors `[L, ...]` of `sample_ids`, for engines that shard
-        themselves (views of the batch, made on first use: most trainers never read them)."""
-        batch = self.global_batch
-        if batch is None:
-            return {}
-        return {name: batch.samples(name, self.sample_ids) for name in batch.token_fields}
-
-    @property
-    def local_tokens(self) -> int:
-        return int(self.padding_mask.numel())
-
-    @property
-    def padding_local_tokens(self) -> int:
-        return self.local_tokens - self.real_local_tokens
-
-    @property
-    def shard_lengths(self) -> torch.Tensor:
-        """Tokens (padding included) this rank holds of each of `sample_ids`, in packing order."""
-        return (self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).long() // self.local_cp_size
-
-    def per_token(self, sample_values: torch.Tensor) -> torch.Tensor:
-        """Per-sample values `[len(sample_ids), ...]` (e.g. `sample_fields["temperature"]`) repeated
-        over this rank's shard tokens of each sample: `[local_tokens, ...]`."""
-        if sample_values.shape[0] != len(self.sample_ids):
-            raise ValueError(
-                f"per_token: got {sample_values.shape[0]} rows for the {len(self.sample_ids)} samples of this micro-batch"
-            )
-        return sample_values.repeat_interleave(self.shard_lengths.to(sample_values.device), dim=0)
-
-
-def shard_ranges(
-    length: int, cp_size: int, cp_rank: int, tensor_parallel_size: int, layout: CpLayout
-) -> list[tuple[int, int]]:
-    """`[start, stop)` ranges of the padded sequence that rank `cp_rank` holds, in order; adjacent
-    ranges (zigzag's middle rank) are merged."""
-    padded = padded_length(length, cp_size, tensor_parallel_size, layout)
-    if cp_size == 1:
-        return [(0, padded)]
-    if layout is CpLayout.ZIGZAG:
-        chunk = padded // (2 * cp_size)
-        second = 2 * cp_size - 1 - cp_rank
-        if second == cp_rank + 1:
-            return [(cp_rank * chunk, (second + 1) * chunk)]
-        return [(cp_rank * chunk, (cp_rank + 1) * chunk), (second * chunk, (second + 1) * chunk)]
-    chunk = padded // cp_size
-    return [(cp_rank * chunk, (cp_rank + 1) * chunk)]
+from batch_planner.request import CapacityBound, CpLayout
+from batch_planner.shards import unit_shard
+from trainer_client.batch import BatchMismatchError, GlobalBatch, JaggedField, unbind_batch
+from trainer_client.megatron import CpGroupResolver, packed_seq_params
+from trainer_client.micro_batch import RankMicroBatch
 
 
 def shard_positions(length: int, cp_size: int, cp_rank: int, tensor_parallel_size: int, layout: CpLayout) -> torch.Tensor:
-    """Positions (in the padded sequence) of the tokens rank `cp_rank` holds."""
-    return _arange_ranges(shard_ranges(length, cp_size, cp_rank, tensor_parallel_size, layout))
+    """Positions (in the padded sequence) of the tokens rank `cp_rank` holds of one sequence."""
+    return _arange_ranges([(r.start, r.stop) for r in unit_shard([length], cp_size, cp_rank, tensor_parallel_size, layout)])
 
 
 def _arange_ranges(ranges: list[tuple[int, int]]) -> torch.Tensor:
@@ -233,9 +58,10 @@ def micro_batches_for_rank(
 ) -> list[RankMicroBatch]:
     """This DPxCP rank's execution units, in plan order.
 
-    `cp_group_for(size)` returns the process group of this rank for a CP size > 1 (see
-    `megatron_cp_group_resolver`); without it `cp_group` is None and only `cp_group_ranks` say who
-    the partners are. `pack_group_samples` defaults to how the plan's scheduler executes.
+    `cp_group_for(size)` returns the process group of this rank for a CP size, 1 included (see
+    `trainer_client.megatron.megatron_cp_group_resolver`; None where the build has none for that
+    size); without it `cp_group` is None and only `cp_group_ranks` say who the partners are.
+    `pack_group_samples` defaults to how the plan's scheduler executes.
     """
     if not isinstance(batch, GlobalBatch):
         batch = unbind_batch(batch)
@@ -250,7 +76,7 @@ def micro_batches_for_rank(
     units: list[_Unit] = []
     for index, micro_batch in enumerate(plan.micro_batches):
         group = micro_batch.group_of_rank(rank)
-        process_group = cp_group_for(group.size) if (cp_group_for and group.size > 1) else None
+        process_group = cp_group_for(group.size) if cp_group_for else None
         per_unit = [group.sample_ids] if pack_group_samples else [(i,) for i in group.sample_ids]
         for position, sample_ids in enumerate(per_unit):
             units.append(_Unit.of(plan, batch, rank, index, position == len(per_unit) - 1, group, sample_ids, process_group))
@@ -292,6 +118,8 @@ class _Unit:
     sample_ids: tuple[int, ...]
     lengths: tuple[int, ...]
     padded: tuple[int, ...]
+    layout: CpLayout
+    shard_counts: list[int] = field(default_factory=list)  # rows of each sample in this shard
     pieces: list[tuple[int, int, int] | int] = field(default_factory=list)  # (sample_id, start, stop) rows, or a pad count
     padding_runs: list[tuple[int, int]] = field(default_factory=list)  # [start, stop) in the shard
     positions: list[tuple[int, int]] = field(default_factory=list)  # [start, stop) in the padded sequences
@@ -307,13 +135,14 @@ class _Unit:
         tp, layout = plan.tensor_parallel_size, plan.cp_layout
         lengths = tuple(batch.lengths[i] for i in sample_ids)
         padded = tuple(padded_length(n, group.size, tp, layout) for n in lengths)
-        unit = cls(index, last, group, cp_rank, process_group, sample_ids, lengths, padded)
-        for sample_id, length in zip(sample_ids, lengths):
-            for start, stop in shard_ranges(length, group.size, cp_rank, tp, layout):
-                unit._add_range(sample_id, length, start, stop)
+        unit = cls(index, last, group, cp_rank, process_group, sample_ids, lengths, padded, layout)
+        unit.shard_counts = [0] * len(sample_ids)
+        for r in unit_shard(lengths, group.size, cp_rank, tp, layout):
+            unit._add_range(r.index, sample_ids[r.index], lengths[r.index], r.start, r.stop)
         return unit
 
-    def _add_range(self, sample_id: int, length: int, start: int, stop: int) -> None:
+    def _add_range(self, index: int, sample_id: int, length: int, start: int, stop: int) -> None:
+        self.shard_counts[index] += stop - start
         self.positions.append((start, stop))
         real_stop = min(stop, length)
         if start < real_stop:
@@ -358,9 +187,12 @@ class _Unit:
             cu_seqlens=cu_seqlens,
             cu_seqlens_padded=cu_seqlens_padded,
             max_seqlen=max_seqlen,
+            shard_token_counts=tuple(self.shard_counts),
             real_local_tokens=self.real_tokens,
             global_real_tokens=global_real_tokens,
-            packed_seq_params=_packed_seq_params(cu_seqlens, cu_seqlens_padded, max_seqlen, self.group.size, self.process_group),
+            packed_seq_params=packed_seq_params(
+                cu_seqlens, cu_seqlens_padded, max_seqlen, self.group.size, self.process_group, self.layout
+            ),
             global_batch=batch,
         )
 
@@ -392,57 +224,3 @@ def _cumulative_per_unit(values_per_unit: list[tuple[int, ...]]) -> tuple[torch.
     """int32 `[0, v0, v0+v1, ...]` of every unit, from one tensor."""
     flat = [total for values in values_per_unit for total in itertools.accumulate(values, initial=0)]
     return torch.tensor(flat, dtype=torch.int32).split([len(values) + 1 for values in values_per_unit])
-
-
-def _packed_seq_params(cu_seqlens, cu_seqlens_padded, max_seqlen, local_cp_size, cp_group):
-    # Megatron-Core's own type, so the engine takes it as is (THD: whole-sequence cu_seqlens; the
-    # attention kernel knows this rank holds its CP shard of each).
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_kv=cu_seqlens,
-        cu_seqlens_q_padded=cu_seqlens_padded,
-        cu_seqlens_kv_padded=cu_seqlens_padded,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_kv=max_seqlen,
-        local_cp_size=local_cp_size,
-        cp_group=cp_group,
-    )
-
-
-def megatron_cp_group_resolver(plan: Plan, dp_cp_group: Any = None) -> CpGroupResolver:
-    """CP groups from Megatron-Core's own parallel_state, checked against the plan's ranks.
-
-    Dynamic-CP plans use `get_dynamic_data_context_parallel_groups` where the build has it (dev
-    branch); otherwise the hybrid DPxCP groups of the 0.19 release. CP1 has no group (None), as in
-    Megatron-Core itself.
-    """
-    from megatron.core import parallel_state
-
-    dynamic = getattr(parallel_state, "get_dynamic_data_context_parallel_groups", None)
-    hybrid = getattr(parallel_state, "get_hybrid_data_context_parallel_groups", None)
-    lookup = dynamic if (plan.scheduler is SchedulerKind.DYNAMIC_CP and dynamic) else (hybrid or dynamic)
-    if lookup is None:
-        raise RuntimeError("this Megatron-Core has neither hybrid nor dynamic DPxCP groups (needs >= 0.15)")
-    if dp_cp_group is None:
-        dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    dp_cp_ranks = dist.get_process_group_ranks(dp_cp_group)
-    my_position = dp_cp_ranks.index(dist.get_rank())
-
-    def resolve(size: int):
-        if size == 1:
-            return None
-        group = lookup(group_size=size)
-        first = my_position - my_position % size
-        expected = dp_cp_ranks[first : first + size]
-        actual = dist.get_process_group_ranks(group)
-        if list(actual) != list(expected):
-            raise RuntimeError(
-                f"Megatron-Core's CP group of size {size} for this rank has ranks {actual}; the plan needs "
-                f"{expected}: the DPxCP group's rank order differs from parallel_state's"
-            )
-        return group
-
-    return resolve

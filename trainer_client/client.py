@@ -23,14 +23,15 @@ from prometheus_client import CollectorRegistry, start_http_server
 from batch_planner.plan import Plan
 from batch_planner.request import PlanRequest
 from trainer_client.ahead import PlanAhead
-from trainer_client.apply import (
+from trainer_client.apply import micro_batches_for_rank
+from trainer_client.batch import GlobalBatch, unbind_batch
+from trainer_client.megatron import (
     CpGroupResolver,
-    GlobalBatch,
-    RankMicroBatch,
+    dp_cp_group,
     megatron_cp_group_resolver,
-    micro_batches_for_rank,
-    unbind_batch,
+    parallel_state_initialized,
 )
+from trainer_client.micro_batch import RankMicroBatch
 from trainer_client.broadcast import agree_on_plan, is_distributed
 from trainer_client.compatibility import check_dynamic_cp_support
 from trainer_client.config import PlannerClientConfig, WhoAsks
@@ -78,11 +79,9 @@ class BatchPlannerClient:
         # Refuse unsupported features before any process group or planner connection is made.
         check_dynamic_cp_support(planner_config=config, **self._trainer_configs)
         self.metrics = metrics or TrainerMetrics(registry, job=config.job)
-        megatron_ready = _megatron_parallel_state_initialized()
+        megatron_ready = parallel_state_initialized()
         if group is None and megatron_ready:
-            from megatron.core import parallel_state
-
-            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            group = dp_cp_group()
         self.group = group
         if dist.is_available() and dist.is_initialized():
             self.dp_cp_size = dist.get_world_size(group)
@@ -215,11 +214,3 @@ def _same_lengths(planned: tuple[int, ...], lengths: Sequence[int]) -> bool:
     if isinstance(lengths, list):
         return tuple(lengths) == planned
     return False
-
-
-def _megatron_parallel_state_initialized() -> bool:
-    try:
-        from megatron.core import parallel_state
-    except ImportError:
-        return False
-    return parallel_state.model_parallel_is_initialized()

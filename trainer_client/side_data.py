@@ -13,7 +13,7 @@ from typing import Any, Mapping, MutableMapping, Sequence
 
 import torch
 
-from trainer_client.apply import BatchMismatchError
+from trainer_client.batch import BatchMismatchError
 
 
 class RouterReplayAlignmentError(BatchMismatchError):

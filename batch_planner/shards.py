@@ -1,0 +1,79 @@
+"""Shard geometry: which tokens of an execution unit each rank of its CP group holds.
+
+Pure integer arithmetic over padded lengths (batch_planner/padding.py), shared by the trainer client
+(trainer_client/units.py builds the tensors from it) and the GPU benchmark. docs/design.md,
+"Padding, layouts and statistics":
+
+- zigzag: each *sequence* of the unit is cut into 2c chunks; rank r holds chunks r and 2c-1-r of
+  every sequence (balanced causal attention).
+- contiguous: the unit's *whole padded THD buffer* (its padded sequences, concatenated) is cut into
+  c consecutive intervals; rank r holds interval r. That is how Megatron-LM dev's
+  `get_cp_slice_for_thd(cp_partition_mode="contiguous")` and verl's THD preprocessing split a
+  packed micro-batch, so an interval may end inside one sequence and hold the head of the next.
+
+For a unit of one sequence both layouts agree with the classic per-sequence reading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from batch_planner.padding import padded_length
+from batch_planner.request import CpLayout
+
+
+@dataclass(frozen=True)
+class ShardRange:
+    """Rows `[start, stop)` of the unit's `index`-th padded sequence that one rank holds."""
+
+    index: int  # position of the sequence in the unit
+    start: int
+    stop: int
+
+
+def unit_shard(
+    lengths: Sequence[int], cp_size: int, cp_rank: int, tensor_parallel_size: int, layout: CpLayout
+) -> list[ShardRange]:
+    """The ranges rank `cp_rank` holds of a unit of sequences with real `lengths`, in the order
+    they sit in that rank's shard. Adjacent ranges of one sequence are merged."""
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} is outside a CP group of size {cp_size}")
+    padded = [padded_length(n, cp_size, tensor_parallel_size, layout) for n in lengths]
+    if cp_size == 1:
+        return [ShardRange(i, 0, p) for i, p in enumerate(padded)]
+    if layout is CpLayout.ZIGZAG:
+        return [r for i, p in enumerate(padded) for r in _zigzag(i, p, cp_size, cp_rank)]
+    return _contiguous(padded, cp_size, cp_rank)
+
+
+def _zigzag(index: int, padded: int, cp_size: int, cp_rank: int) -> list[ShardRange]:
+    chunk = padded // (2 * cp_size)
+    second = 2 * cp_size - 1 - cp_rank
+    if second == cp_rank + 1:  # the middle rank's two chunks touch
+        return [ShardRange(index, cp_rank * chunk, (second + 1) * chunk)]
+    return [ShardRange(index, cp_rank * chunk, (cp_rank + 1) * chunk), ShardRange(index, second * chunk, (second + 1) * chunk)]
+
+
+def _contiguous(padded: Sequence[int], cp_size: int, cp_rank: int) -> list[ShardRange]:
+    # Every padded length is a multiple of cp_size (padding_multiple), so the buffer splits evenly.
+    per_rank = sum(padded) // cp_size
+    begin, end = cp_rank * per_rank, (cp_rank + 1) * per_rank
+    ranges: list[ShardRange] = []
+    offset = 0
+    for index, length in enumerate(padded):
+        start, stop = max(begin, offset), min(end, offset + length)
+        if start < stop:
+            ranges.append(ShardRange(index, start - offset, stop - offset))
+        offset += length
+        if offset >= end:
+            break
+    return ranges
+
+
+def shard_tokens_per_sequence(ranges: Sequence[ShardRange], num_sequences: int) -> list[int]:
+    """How many rows (padding included) of each sequence of the unit the ranges hold."""
+    counts = [0] * num_sequences
+    for r in ranges:
+        counts[r.index] += r.stop - r.start
+    return counts

@@ -1,0 +1,103 @@
+"""The global batch, read once: per-token fields as packed values + offsets, per-sample rows.
+
+Input contract (docs/trainer-client.md): a `tensordict.TensorDict` (or any mapping of name ->
+tensor) with batch size [B] whose `input_ids` is a jagged NestedTensor
+(`torch.nested.nested_tensor(..., layout=torch.jagged)`), as in verl. Sample id i is row i. Other
+jagged fields (shape [L, ...] per sample, any trailing shape) are per-token fields and are sharded
+exactly like `input_ids`; dense fields (shape [B, ...]) are per-sample fields and travel with their
+sample.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+
+class BatchMismatchError(ValueError):
+    """The batch does not match the plan (sample count, lengths, field shapes)."""
+
+
+@dataclass(frozen=True)
+class JaggedField:
+    """One per-token field of the batch, read once: the packed tokens of all samples and where
+    each sample starts in them (a jagged NestedTensor's values and offsets; no per-sample unbind)."""
+
+    values: torch.Tensor  # [total tokens, ...]
+    starts: tuple[int, ...]  # row in `values` of each sample's first token
+
+    def sample(self, sample_id: int, lengths: tuple[int, ...]) -> torch.Tensor:
+        start = self.starts[sample_id]
+        return self.values[start : start + lengths[sample_id]]
+
+
+@dataclass
+class GlobalBatch:
+    """A batch read into packed per-token fields once, so every micro-batch slices it cheaply."""
+
+    lengths: tuple[int, ...]
+    token_fields: dict[str, JaggedField]
+    sample_fields: dict[str, torch.Tensor]  # name -> [B, ...]
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def samples(self, name: str, sample_ids: tuple[int, ...]) -> list[torch.Tensor]:
+        """The unsharded tokens `[L, ...]` of field `name` for `sample_ids` (views of the batch)."""
+        field = self.token_fields[name]
+        return [field.sample(i, self.lengths) for i in sample_ids]
+
+
+def unbind_batch(batch: Mapping[str, Any]) -> GlobalBatch:
+    if "input_ids" not in batch.keys():
+        raise BatchMismatchError(f"the batch has no 'input_ids' field; fields: {sorted(batch.keys())}")
+    input_ids = batch["input_ids"]
+    if not getattr(input_ids, "is_nested", False):
+        raise BatchMismatchError(
+            "input_ids must be a jagged NestedTensor (torch.nested.nested_tensor(..., layout=torch.jagged)), "
+            f"got a dense tensor of shape {tuple(input_ids.shape)}"
+        )
+    lengths, _ = _jagged_field(input_ids)
+    token_fields: dict[str, JaggedField] = {}
+    sample_fields: dict[str, torch.Tensor] = {}
+    for name in batch.keys():
+        value = batch[name]
+        if getattr(value, "is_nested", False):
+            field_lengths, token_fields[name] = _jagged_field(value)
+            _check_token_field(name, field_lengths, lengths)
+        else:
+            if value.shape[:1] != (len(lengths),):
+                raise BatchMismatchError(
+                    f"per-sample field {name!r} has shape {tuple(value.shape)}; expected first dimension "
+                    f"{len(lengths)} (one row per sample)"
+                )
+            sample_fields[name] = value
+    return GlobalBatch(lengths, token_fields, sample_fields)
+
+
+def _jagged_field(nested: torch.Tensor) -> tuple[tuple[int, ...], JaggedField]:
+    """(lengths, packed field) of a NestedTensor; its offsets give both without unbinding it."""
+    if nested.layout is torch.jagged and getattr(nested, "_ragged_idx", 1) == 1:
+        offsets = nested.offsets()
+        lengths = nested.lengths()  # not None only for a view with holes between samples
+        if lengths is None:
+            lengths = offsets.diff()
+        return tuple(lengths.tolist()), JaggedField(nested.values(), tuple(offsets[:-1].tolist()))
+    # Strided layout (or ragged along another dimension): per-sample tensors, packed once.
+    per_sample = list(nested.unbind())
+    lengths = tuple(int(t.shape[0]) for t in per_sample)
+    starts = tuple(itertools.accumulate(lengths, initial=0))[:-1]
+    return lengths, JaggedField(torch.cat(per_sample) if per_sample else torch.empty(0, dtype=nested.dtype), starts)
+
+
+def _check_token_field(name: str, field_lengths: tuple[int, ...], lengths: tuple[int, ...]) -> None:
+    if len(field_lengths) != len(lengths):
+        raise BatchMismatchError(f"field {name!r} has {len(field_lengths)} samples, input_ids has {len(lengths)}")
+    if field_lengths == lengths:
+        return
+    sample_id, (tokens, length) = next((i, pair) for i, pair in enumerate(zip(field_lengths, lengths)) if pair[0] != pair[1])
+    raise BatchMismatchError(f"field {name!r} of sample {sample_id} has {tokens} tokens, its input_ids has {length}")
