@@ -4,10 +4,12 @@
 #   docker build -t batch-planner:0.1.0 .
 #   docker run --rm -p 50051:50051 -p 9400:9400 batch-planner:0.1.0 --workers 2
 #
-# Megatron-Core from a Megatron-LM revision that has DefaultDynamicCPScheduler (dev branch); the
-# archive form needs no git in the image, the git+ form installs git in the build stage only:
+# Megatron-Core defaults to the Megatron-LM dev commit pinned in deps/megatron-core.env, which has
+# DefaultDynamicCPScheduler (dynamic CP, the product's main path) and DpBalancedScheduler. The
+# archive form needs no git in the image; another revision or a release (hybrid CP only):
 #   docker build --build-arg MEGATRON_CORE_SPEC='megatron-core @ https://github.com/NVIDIA/Megatron-LM/archive/<rev>.tar.gz' .
 #   docker build --build-arg MEGATRON_CORE_SPEC='git+https://github.com/NVIDIA/Megatron-LM@<rev>' .
+#   docker build --build-arg MEGATRON_CORE_SPEC='megatron-core==0.19.2' .
 #
 # The base image is pinned by its full version tag. To pin it by digest as well, pass
 #   --build-arg PYTHON_IMAGE=python:3.12.12-slim-bookworm@sha256:<digest>
@@ -18,7 +20,7 @@ ARG PYTHON_IMAGE=python:3.12.12-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ARG TORCH_VERSION=2.14.1
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG MEGATRON_CORE_SPEC=megatron-core==0.19.2
+ARG MEGATRON_CORE_SPEC="megatron-core @ https://github.com/NVIDIA/Megatron-LM/archive/d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1.tar.gz"
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from batch_planner.cost import CostModel, static_cp_step_cost
+from batch_planner.errors import PlanningError
 from batch_planner.padding import padded_length
 from batch_planner.plan import Plan
 from batch_planner.planner import plan_batch
@@ -99,7 +100,10 @@ def scheduler_row(distribution: str, size: BatchSize, kind: SchedulerKind, stati
     if not availability.available:
         return Row(distribution, size, SCHEDULER_NAMES[kind], None,
                    note=f"not available in Megatron-Core {megatron_core_version()}"), None
-    plan = plan_batch(make_request(distribution, size, scheduler=kind), cost_model=model)
+    try:
+        plan = plan_batch(make_request(distribution, size, scheduler=kind), cost_model=model)
+    except PlanningError as exc:  # e.g. static packing with a sample longer than static CP holds
+        return Row(distribution, size, SCHEDULER_NAMES[kind], None, note=f"refused: {exc}"), None
     s = plan.statistics
     mix = ", ".join(f"{cp}:{samples}" for cp, samples, _ in s.cp_size_mix)
     return Row(
@@ -133,13 +137,14 @@ def plot_cost_ratios(rows: list[Row], sizes, path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharey=False)
     names = list(dict.fromkeys(r.name for r in rows if r.cost_over_bound is not None))
-    missing = sorted({r.name for r in rows if r.cost_over_bound is None})
+    missing = sorted({r.name for r in rows if r.cost_over_bound is None and r.note.startswith("not available")})
     colours = ["#4c72b0", "#dd8452", "#c44e52", "#8c564b", "#55a868", "#8172b3"]
     width = 0.8 / len(names)
     for ax, distribution in zip(axes.flat, DISTRIBUTION_NAMES):
         for k, name in enumerate(names):
             values = [
                 next(r.cost_over_bound for r in rows if r.distribution == distribution and r.size == s and r.name == name)
+                or float("nan")  # refused for this cell (see the table's note)
                 for s in sizes
             ]
             ax.bar([i + (k - (len(names) - 1) / 2) * width for i in range(len(sizes))], values, width,

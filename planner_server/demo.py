@@ -7,7 +7,7 @@ import sys
 
 import grpc
 
-from batch_planner.convert import plan_from_proto, request_to_proto
+from batch_planner.convert import SCHEDULER_FROM_PROTO, plan_from_proto, request_to_proto
 from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
 from batch_planner.plan import Plan
 from batch_planner.request import CpLayout, PlanRequest, SchedulerKind
@@ -58,6 +58,16 @@ def render_plan(plan: Plan, request: PlanRequest, max_rows: int = 12) -> str:
     return "\n".join(lines)
 
 
+# Which scheduler `--scheduler best` asks for: the first of these the server has. Dynamic CP packs
+# each CP group into one pass and wins on most long-tail batches (docs/benchmarks.md).
+PREFERENCE = (SchedulerKind.DYNAMIC_CP, SchedulerKind.HYBRID_CP, SchedulerKind.STATIC_PACKING)
+
+
+def best_scheduler(caps: pb.Capabilities) -> SchedulerKind:
+    available = {SCHEDULER_FROM_PROTO.get(s.scheduler) for s in caps.schedulers if s.available}
+    return next((kind for kind in PREFERENCE if kind in available), SchedulerKind.HYBRID_CP)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="planner-demo", description=__doc__)
     parser.add_argument("--endpoint", default="localhost:50051")
@@ -67,24 +77,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cp", type=int, default=4)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--max-seqlen-per-rank", type=int, default=8192)
-    parser.add_argument("--scheduler", default="hybrid_cp", choices=[k.value for k in SchedulerKind])
+    parser.add_argument(
+        "--scheduler", default="best", choices=["best", *(k.value for k in SchedulerKind)],
+        help="best: the first of %s the server has" % ", ".join(k.value for k in PREFERENCE),
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args(argv)
-    request = PlanRequest(
-        sequence_lengths=tuple(sample_lengths(args.distribution, args.samples, args.seed)),
-        data_parallel_size=args.dp,
-        context_parallel_size=args.cp,
-        tensor_parallel_size=args.tp,
-        max_seqlen_per_dp_cp_rank=args.max_seqlen_per_rank,
-        scheduler=SchedulerKind(args.scheduler),
-        cp_layout=CpLayout.ZIGZAG,
-        job="demo",
-    )
+    lengths = tuple(sample_lengths(args.distribution, args.samples, args.seed))
     with grpc.insecure_channel(args.endpoint) as channel:
         stub = planner_pb2_grpc.BatchPlannerStub(channel)
         try:
             caps = stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=args.timeout, wait_for_ready=True)
+            request = PlanRequest(
+                sequence_lengths=lengths,
+                data_parallel_size=args.dp,
+                context_parallel_size=args.cp,
+                tensor_parallel_size=args.tp,
+                max_seqlen_per_dp_cp_rank=args.max_seqlen_per_rank,
+                scheduler=best_scheduler(caps) if args.scheduler == "best" else SchedulerKind(args.scheduler),
+                cp_layout=CpLayout.ZIGZAG,
+                job="demo",
+            )
             response = stub.Plan(request_to_proto(request), timeout=args.timeout)
         except grpc.RpcError as exc:
             print(f"planner at {args.endpoint} answered {exc.code().name}: {exc.details()}", file=sys.stderr)

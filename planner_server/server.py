@@ -106,7 +106,10 @@ class PlannerServer:
         for kind, availability in discover_schedulers().items():
             self.metrics.scheduler_available.labels(kind.value).set(1 if availability.available else 0)
             if not availability.available:
-                log.info("scheduler %s unavailable: %s", kind.value, availability.reason)
+                # Dynamic CP is the product's main path: an image without it still serves, loudly.
+                log.warning(
+                    "scheduler %s unavailable: %s (README: Megatron-Core with dynamic CP)", kind.value, availability.reason
+                )
         self.metrics.build_info.info(
             {
                 "version": __version__,

@@ -10,6 +10,7 @@ import time
 
 from batch_planner.distributions import sample_lengths
 from tests.planner_process import start_planner
+from tests.megatron_builds import best_local_scheduler
 from trainer_client import BatchPlannerClient, PlannerClientConfig
 from trainer_client.apply import micro_batches_for_rank
 from trainer_client.batch import unbind_batch
@@ -64,6 +65,7 @@ def test_training_survives_a_slow_a_dead_and_a_restarted_planner():
     server = start_planner(*SERVER_FLAGS, workers=1)
     config = PlannerClientConfig(
         planner_endpoint=server.address, tls=False, max_seqlen_per_dp_cp_rank=8192, job="faults",
+        scheduler=best_local_scheduler(),  # in-process fallback plans with this process's build
         deadline_seconds=1.0, max_attempts=2, initial_backoff_seconds=0.05,
         fallback_cooldown_seconds=COOLDOWN, max_reconnect_backoff_seconds=0.5,
     )

@@ -11,6 +11,7 @@ import pytest
 
 from batch_planner.distributions import sample_lengths
 from batch_planner.planner import plan_batch
+from tests.megatron_builds import best_local_scheduler
 from trainer_client import BatchPlannerClient, PlannerClientConfig
 from trainer_client.plan_source import FALLBACK, SERVICE
 from trainer_client.rpc_client import PlanRejectedError
@@ -21,6 +22,7 @@ LENGTHS = sample_lengths("long_tail_16k", 64, seed=3)
 def client_for(endpoint: str, **overrides) -> BatchPlannerClient:
     values = dict(planner_endpoint=endpoint, tls=False, max_seqlen_per_dp_cp_rank=8192, job="test")
     values.update(overrides)
+    values.setdefault("scheduler", best_local_scheduler())  # fallback plans with this process's build
     return BatchPlannerClient(PlannerClientConfig(**values), dp_cp_size=8, rank=0)
 
 
@@ -74,7 +76,7 @@ def test_planning_one_step_ahead_hides_planning_time_from_a_slow_step(planner):
     lengths = [sample_lengths("long_tail_16k", 1024, seed=step) for step in range(4)]
     client = BatchPlannerClient(
         PlannerClientConfig(planner_endpoint=planner.address, tls=False, max_seqlen_per_dp_cp_rank=16384,
-                            deadline_seconds=30.0, job="test"),
+                            deadline_seconds=30.0, job="test", scheduler=best_local_scheduler()),
         dp_cp_size=64, rank=0,
     )
     waits = []

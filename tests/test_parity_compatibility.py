@@ -13,6 +13,7 @@ from tensordict import TensorDict
 
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest, SchedulerKind
+from tests.megatron_builds import best_local_scheduler
 from trainer_client import BatchPlannerClient, PlannerClientConfig
 from trainer_client.compatibility import InstalledMegatron, UnsupportedCombinationError, check_dynamic_cp_support
 
@@ -88,7 +89,7 @@ REFUSED = [
     ("CP differs from planner", lambda: dict(transformer_config=transformer(context_parallel_size=2), planner_config=planner()),
      "context_parallel_size", "set them equal"),
     ("pipeline with hybrid CP", lambda: dict(transformer_config=transformer(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32),
-     planner_config=planner()), "pipeline_model_parallel_size", "pipeline_model_parallel_size=1"),
+     planner_config=planner(scheduler=SchedulerKind.HYBRID_CP)), "pipeline_model_parallel_size", "pipeline_model_parallel_size=1"),
     ("VPP without a VPP-aware Megatron-Core", lambda: dict(transformer_config=transformer(**VPP), installed=InstalledMegatron(False)),
      "virtual_pipeline_model_parallel_size", "dev-branch"),
     ("VPP, planner group size differs", lambda: dict(transformer_config=transformer(**VPP), planner_config=planner(micro_batch_group_size=2, **DYNAMIC),
@@ -113,7 +114,7 @@ ACCEPTED = [
     ("dense transformer, hybrid plan, jagged batch", lambda: dict(transformer_config=transformer(), planner_config=planner(), plan=hybrid_plan(), batch=batch())),
     ("MoE alltoall + router replay unfused, dynamic CP", lambda: dict(transformer_config=transformer(
         num_moe_experts=4, moe_token_dispatcher_type="alltoall", moe_enable_routing_replay=True), planner_config=planner(**DYNAMIC))),
-    ("MoE allgather on hybrid CP", lambda: dict(transformer_config=transformer(num_moe_experts=4), planner_config=planner())),
+    ("MoE allgather on hybrid CP", lambda: dict(transformer_config=transformer(num_moe_experts=4), planner_config=planner(scheduler=SchedulerKind.HYBRID_CP))),
     ("MLA zigzag on dynamic CP", lambda: dict(transformer_config=transformer(multi_latent_attention=True), planner_config=planner(**DYNAMIC))),
     ("VPP with matching group size on a VPP-aware Megatron-Core", lambda: dict(
         transformer_config=transformer(**VPP), planner_config=planner(micro_batch_group_size=4, **DYNAMIC),
@@ -141,7 +142,10 @@ def test_client_checks_configs_at_construction_and_batches_when_applying():
         BatchPlannerClient(planner(), dp_cp_size=4, transformer_config=transformer(calculate_per_token_loss=False))
     with pytest.raises(UnsupportedCombinationError, match="use_remove_padding"):
         BatchPlannerClient(planner(), dp_cp_size=4, engine_config={"use_remove_padding": False})
-    client = BatchPlannerClient(planner(), dp_cp_size=4, transformer_config=transformer(), engine_config={"use_remove_padding": True})
+    client = BatchPlannerClient(
+        planner(scheduler=best_local_scheduler()), dp_cp_size=4, transformer_config=transformer(),
+        engine_config={"use_remove_padding": True},
+    )
     try:
         plan = client.plan_step(0, LENGTHS)
         assert client.micro_batches(plan, batch())  # a supported batch applies

@@ -1,4 +1,4 @@
-"""Token-normalized loss without touching the loss (issue 9, item 3): four real gloo processes with
+"""Token-normalized loss without touching the loss: four real gloo processes with
 Megatron-Core's parallel_state apply several dynamic-CP plans (CP sizes 1, 2 and 4 in one plan,
 planned in-process); a plain per-token loss, normalized by each micro-batch's `global_real_tokens`,
 summed over all ranks and micro-batches (and its gradient, all-reduced as Megatron does over DPxCP)
@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from batch_planner.schedulers import discover_schedulers
 from batch_planner.request import SchedulerKind
-from tests.megatron_init import cpu_init_unsupported_reason, initialize_dpxcp_groups
+from tests.megatron_builds import require_scheduler
+from tests.megatron_init import initialize_dpxcp_groups
 
 WORLD = 4
 JOIN_DEADLINE_SECONDS = 120
@@ -120,17 +120,10 @@ def _run_rank(rank: int, store_path: str, out_dir: str, schedulers: list[str]) -
         dist.destroy_process_group()
 
 
-def _available(kind: SchedulerKind) -> bool:
-    return discover_schedulers()[kind].available
-
-
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 @pytest.mark.parametrize("scheduler", [SchedulerKind.HYBRID_CP, SchedulerKind.DYNAMIC_CP])
 def test_per_token_loss_over_dynamic_cp_plans_equals_the_single_process_reference(tmp_path, scheduler):
-    if not _available(scheduler):
-        pytest.skip(discover_schedulers()[scheduler].reason)
-    if reason := cpu_init_unsupported_reason():
-        pytest.skip(reason)
+    require_scheduler(scheduler)
     # Forked, not spawned: the ranks inherit this process's imported Megatron-Core instead of each
     # importing it again (4 concurrent imports take ~50 s of a small CI machine; forked, ~2 s).
     # Fork from a threaded pytest process could deadlock a child, so the join has a deadline.

@@ -12,7 +12,8 @@ from batch_planner.padding import padded_length
 from batch_planner.plan import CpGroup, MicroBatch, Plan, check_plan_invariants
 from batch_planner.planner import plan_batch
 from batch_planner.request import CapacityBound, CpLayout, PlanRequest, SchedulerKind
-from batch_planner.schedulers import discover_schedulers, valid_cp_sizes
+from batch_planner.schedulers import valid_cp_sizes
+from tests.megatron_builds import require_scheduler
 
 
 class GroupOfSize:
@@ -28,6 +29,17 @@ def megatron_hybrid_cp(lengths, dp_cp, max_per_rank):
     scheduler = BalancedCPScheduler(max_per_rank, GroupOfSize(dp_cp))
     _, groups = scheduler.get_groups_and_subsamples(list(enumerate(lengths)), None)
     return groups
+
+
+def megatron_dynamic_cp(lengths, request: PlanRequest):
+    """Megatron-Core's DefaultDynamicCPScheduler, called directly: [micro_batch][rank] -> sample ids."""
+    from megatron.core.datasets.data_schedule import DefaultDynamicCPScheduler
+
+    scheduler = DefaultDynamicCPScheduler(
+        request.max_seqlen_per_dp_cp_rank, request.context_parallel_size, request.data_parallel_size,
+        request.micro_batch_group_size, min_cp_size=request.min_cp_size or 1,
+    )
+    return scheduler.get_groups_and_subsamples(list(enumerate(lengths)))
 
 
 def rank_view(plan: Plan) -> list[list[list[int]]]:
@@ -159,9 +171,7 @@ def test_capacity_invariant_matches_execution():
 
 @pytest.mark.parametrize("kind", [SchedulerKind.DYNAMIC_CP, SchedulerKind.STATIC_PACKING])
 def test_dev_branch_schedulers(kind):
-    availability = discover_schedulers()[kind]
-    if not availability.available:
-        pytest.skip(availability.reason)
+    require_scheduler(kind)
     lengths = tuple(sample_lengths("long_tail_16k", 256, seed=4))
     plan = plan_batch(PlanRequest(lengths, 8, 4, 16384, scheduler=kind))
     assert plan.capacity_bound is CapacityBound.PER_RANK_SUM

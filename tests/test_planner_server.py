@@ -15,8 +15,9 @@ from batch_planner.request import PlanRequest, SchedulerKind
 from batch_planner.schedulers import valid_cp_sizes
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
+from tests.megatron_builds import require_scheduler
 from tests.planner_process import start_planner
-from tests.test_planner_core import megatron_hybrid_cp, rank_view
+from tests.test_planner_core import megatron_dynamic_cp, megatron_hybrid_cp, rank_view
 
 
 def long_tail_request(dp: int, cp: int, samples: int, seed: int = 11) -> PlanRequest:
@@ -35,6 +36,34 @@ def test_served_plan_equals_megatron_core_in_process(stub, dp, cp, samples):
     assert response.megatron_core_version and response.scheduler_class == "BalancedCPScheduler"
     assert response.statistics.real_tokens == sum(request.sequence_lengths)
     assert response.statistics.micro_batch_count == len(response.micro_batches)
+
+
+# (DP, CP, samples): 8, 64 and 256 ranks, and 24 (three nodes of 8: not a power of two).
+DYNAMIC_CP_LAYOUTS = [(4, 2, 64), (32, 2, 512), (64, 4, 1024), (12, 2, 256)]
+
+
+def test_served_dynamic_cp_plans_equal_megatron_core_across_two_servers(planner, stub):
+    require_scheduler(SchedulerKind.DYNAMIC_CP)
+    requests = [
+        PlanRequest(tuple(sample_lengths("lognormal_32k", n, seed=dp)), dp, cp, 8192, scheduler=SchedulerKind.DYNAMIC_CP)
+        for dp, cp, n in DYNAMIC_CP_LAYOUTS
+    ]
+    first = [stub.Plan(request_to_proto(r), timeout=300) for r in requests]
+    other = start_planner(workers=1)
+    try:
+        with grpc.insecure_channel(other.address) as channel:
+            second = [planner_pb2_grpc.BatchPlannerStub(channel).Plan(request_to_proto(r), timeout=300) for r in requests]
+    finally:
+        assert other.stop() == 0
+    for request, a, b in zip(requests, first, second):
+        plan = plan_from_proto(a)
+        # Megatron-Core's own schedule, rank for rank, in every micro-batch.
+        assert rank_view(plan) == megatron_dynamic_cp(list(request.sequence_lengths), request), request.dp_cp_size
+        assert a.scheduler_class == "DefaultDynamicCPScheduler" and a.capacity_bound == pb.CAPACITY_BOUND_PER_RANK_SUM
+        assert a.plan_id == b.plan_id and a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
+    assert {len(r.micro_batches[0].cp_groups) > 1 for r in first} == {True}
+    sizes_24 = {g.size for mb in first[-1].micro_batches for g in mb.cp_groups}
+    assert sizes_24 <= {1, 2, 4, 8, 24} and len(sizes_24) > 1, sizes_24
 
 
 def test_same_plan_across_calls_and_processes(planner, stub):

@@ -39,7 +39,8 @@ class PlannerClientConfig:
     # The job's longest per-rank token budget for one micro-batch (Megatron's
     # max_seqlen_per_dp_cp_rank); required.
     max_seqlen_per_dp_cp_rank: int = 0
-    scheduler: SchedulerKind = SchedulerKind.HYBRID_CP
+    # Which Megatron-Core scheduler plans the job: dynamic CP (Megatron-LM dev) by default.
+    scheduler: SchedulerKind = SchedulerKind.DYNAMIC_CP
     # The job's static CP size (the baseline the statistics compare against); DPxCP comes from
     # the process group, DP = DPxCP / CP.
     context_parallel_size: int = 1
