@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 
 from batch_planner.padding import padded_length
 from batch_planner.plan import CpGroup, Plan
-from batch_planner.request import CapacityBound, CpLayout, SchedulerKind
-
-CpGroupResolver = Callable[[int], "dist.ProcessGroup | None"]
-
+from batch_planner.request import CapacityBound, CpLayout
+# The Megatron-Core touches live in trainer_client/megatron.py; re-exported here under their old names.
+from trainer_client.megatron import CpGroupResolver, megatron_cp_group_resolver
+from trainer_client.megatron import packed_seq_params as _packed_seq_params
 
 class BatchMismatchError(ValueError):
     """The batch does not match the plan (sample count, lengths, field shapes)."""
@@ -392,57 +391,3 @@ def _cumulative_per_unit(values_per_unit: list[tuple[int, ...]]) -> tuple[torch.
     """int32 `[0, v0, v0+v1, ...]` of every unit, from one tensor."""
     flat = [total for values in values_per_unit for total in itertools.accumulate(values, initial=0)]
     return torch.tensor(flat, dtype=torch.int32).split([len(values) + 1 for values in values_per_unit])
-
-
-def _packed_seq_params(cu_seqlens, cu_seqlens_padded, max_seqlen, local_cp_size, cp_group):
-    # Megatron-Core's own type, so the engine takes it as is (THD: whole-sequence cu_seqlens; the
-    # attention kernel knows this rank holds its CP shard of each).
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_kv=cu_seqlens,
-        cu_seqlens_q_padded=cu_seqlens_padded,
-        cu_seqlens_kv_padded=cu_seqlens_padded,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_kv=max_seqlen,
-        local_cp_size=local_cp_size,
-        cp_group=cp_group,
-    )
-
-
-def megatron_cp_group_resolver(plan: Plan, dp_cp_group: Any = None) -> CpGroupResolver:
-    """CP groups from Megatron-Core's own parallel_state, checked against the plan's ranks.
-
-    Dynamic-CP plans use `get_dynamic_data_context_parallel_groups` where the build has it (dev
-    branch); otherwise the hybrid DPxCP groups of the 0.19 release. CP1 has no group (None), as in
-    Megatron-Core itself.
-    """
-    from megatron.core import parallel_state
-
-    dynamic = getattr(parallel_state, "get_dynamic_data_context_parallel_groups", None)
-    hybrid = getattr(parallel_state, "get_hybrid_data_context_parallel_groups", None)
-    lookup = dynamic if (plan.scheduler is SchedulerKind.DYNAMIC_CP and dynamic) else (hybrid or dynamic)
-    if lookup is None:
-        raise RuntimeError("this Megatron-Core has neither hybrid nor dynamic DPxCP groups (needs >= 0.15)")
-    if dp_cp_group is None:
-        dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    dp_cp_ranks = dist.get_process_group_ranks(dp_cp_group)
-    my_position = dp_cp_ranks.index(dist.get_rank())
-
-    def resolve(size: int):
-        if size == 1:
-            return None
-        group = lookup(group_size=size)
-        first = my_position - my_position % size
-        expected = dp_cp_ranks[first : first + size]
-        actual = dist.get_process_group_ranks(group)
-        if list(actual) != list(expected):
-            raise RuntimeError(
-                f"Megatron-Core's CP group of size {size} for this rank has ranks {actual}; the plan needs "
-                f"{expected}: the DPxCP group's rank order differs from parallel_state's"
-            )
-        return group
-
-    return resolve

@@ -34,6 +34,8 @@ from trainer_client.apply import (
 from trainer_client.broadcast import agree_on_plan, is_distributed
 from trainer_client.compatibility import check_dynamic_cp_support
 from trainer_client.config import PlannerClientConfig, WhoAsks
+from trainer_client.megatron import dp_cp_group as megatron_dp_cp_group
+from trainer_client.megatron import parallel_state_initialized
 from trainer_client.metrics import TrainerMetrics
 from trainer_client.outputs import restore_outputs
 from trainer_client.plan_source import PlannerUnavailableError, PlanSource, SourcedPlan
@@ -78,11 +80,9 @@ class BatchPlannerClient:
         # Refuse unsupported features before any process group or planner connection is made.
         check_dynamic_cp_support(planner_config=config, **self._trainer_configs)
         self.metrics = metrics or TrainerMetrics(registry, job=config.job)
-        megatron_ready = _megatron_parallel_state_initialized()
+        megatron_ready = parallel_state_initialized()
         if group is None and megatron_ready:
-            from megatron.core import parallel_state
-
-            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            group = megatron_dp_cp_group()
         self.group = group
         if dist.is_available() and dist.is_initialized():
             self.dp_cp_size = dist.get_world_size(group)
@@ -215,11 +215,3 @@ def _same_lengths(planned: tuple[int, ...], lengths: Sequence[int]) -> bool:
     if isinstance(lengths, list):
         return tuple(lengths) == planned
     return False
-
-
-def _megatron_parallel_state_initialized() -> bool:
-    try:
-        from megatron.core import parallel_state
-    except ImportError:
-        return False
-    return parallel_state.model_parallel_is_initialized()
