@@ -14,11 +14,11 @@ import contextlib
 import time
 from pathlib import Path
 
-from bench import hidden, overhead, quality, scaling, startup, trainer_cost
+from bench import dropin, hidden, overhead, quality, scaling, startup, trainer_cost
 from bench.common import argument_parser, markdown_table, parse_markdown_tables, planner_server, write_report
 
 
-BENCHMARKS = ("overhead", "hidden", "scaling", "trainer_cost", "quality", "startup")
+BENCHMARKS = ("overhead", "hidden", "scaling", "dropin", "trainer_cost", "quality", "startup")
 
 
 def summary(out: Path, reports: list[Path], seconds: float) -> Path:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"--only: unknown benchmark(s) {sorted(unknown)}; known: {', '.join(BENCHMARKS)}")
     started = time.perf_counter()
-    if only & {"overhead", "hidden", "scaling"}:
+    if only & {"overhead", "hidden", "scaling", "dropin"}:
         # The 1-worker server only serves the scaling benchmark.
         one_worker = planner_server(None, workers=1) if "scaling" in only else contextlib.nullcontext(None)
         with planner_server(None, workers=2) as two, one_worker as one:
@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
                 hidden.run(out, smoke, address=two)
             if "scaling" in only:
                 scaling.run(out, smoke, address_1=one, address_2=two)
+            if "dropin" in only:
+                dropin.run(out, smoke, address=two)
     if "trainer_cost" in only:
         trainer_cost.run(out, smoke)
     if "quality" in only:

@@ -94,6 +94,8 @@ REFUSED = [
      "virtual_pipeline_model_parallel_size", "dev-branch"),
     ("VPP, planner group size differs", lambda: dict(transformer_config=transformer(**VPP), planner_config=planner(micro_batch_group_size=2, **DYNAMIC),
      installed=VPP_READY), "micro_batch_group_size", "set micro_batch_group_size=4"),
+    ("CP plan on Megatron's local attention (no THD with a CP group)", lambda: dict(transformer_config=transformer(
+        transformer_impl="local"), plan=hybrid_plan()), "transformer_impl", "transformer_impl='transformer_engine'"),
     ("VPP, plan not made with the group size", lambda: dict(transformer_config=transformer(**VPP), plan=relabelled_plan(SchedulerKind.DYNAMIC_CP, 6),
      installed=VPP_READY), "micro_batch_group_size", "plan with micro_batch_group_size=4"),
 ]

@@ -75,6 +75,7 @@ def check_dynamic_cp_support(
         _check_transformer(transformer_config, scheduler, layout)
         _check_parallel_sizes(transformer_config, planner_config, plan)
         _check_pipeline(transformer_config, planner_config, plan, scheduler, installed)
+        _check_attention(transformer_config, plan)
     if batch is not None:
         _check_batch(batch)
 
@@ -226,6 +227,33 @@ def _check_pipeline(tc: Any, planner_config: Any, plan: Any, scheduler: Schedule
                 f"the plan was not made with micro_batch_group_size={group} (its micro-batch count is not a "
                 f"multiple of microbatch_group_size_per_vp_stage); plan with micro_batch_group_size={group}",
             )
+
+
+def _check_attention(tc: Any, plan: Any) -> None:
+    """Packed THD micro-batches with a CP group run through Transformer Engine's attention only."""
+    cp_sizes = {g.size for mb in _get(plan, "micro_batches", ()) for g in mb.cp_groups}
+    if not cp_sizes or max(cp_sizes) <= 1:
+        return
+    impl = _get(tc, "transformer_impl", "transformer_engine")
+    if impl != "transformer_engine":
+        _refuse(
+            "transformer_impl",
+            impl,
+            f"the plan runs CP groups of size {max(cp_sizes)} on packed THD input, which only Transformer "
+            "Engine's attention takes; set transformer_impl='transformer_engine' and install the "
+            "trainer-gpu extra (transformer-engine[pytorch])",
+        )
+    from trainer_client.megatron import MIN_TE_VERSION_FOR_THD_CP, transformer_engine_version
+
+    version = transformer_engine_version()
+    if version is not None and version < MIN_TE_VERSION_FOR_THD_CP:
+        _refuse(
+            "transformer_engine",
+            ".".join(map(str, version)),
+            f"the plan runs CP groups of size {max(cp_sizes)} on packed THD input; Transformer Engine "
+            f">= {'.'.join(map(str, MIN_TE_VERSION_FOR_THD_CP))} takes a CP group for THD attention: "
+            "install the trainer-gpu extra (transformer-engine[pytorch])",
+        )
 
 
 def _check_batch(batch: Mapping[str, Any]) -> None:
