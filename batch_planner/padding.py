@@ -13,6 +13,11 @@ def padding_multiple(cp_size: int, tensor_parallel_size: int, cp_layout: CpLayou
     return tensor_parallel_size * cp_size * zigzag_factor
 
 
+def is_power_of_two(n: int) -> bool:
+    """CP group sizes Megatron-Core builds process groups for, and hybrid CP's DPxCP sizes."""
+    return n >= 1 and n & (n - 1) == 0
+
+
 def padded_length(length: int, cp_size: int, tensor_parallel_size: int, cp_layout: CpLayout) -> int:
     return _round_up(length, padding_multiple(cp_size, tensor_parallel_size, cp_layout))
 

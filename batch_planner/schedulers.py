@@ -18,6 +18,7 @@ from functools import lru_cache
 from typing import Callable
 
 from batch_planner.errors import SchedulerFailedError, SchedulerUnavailableError
+from batch_planner.padding import is_power_of_two
 from batch_planner.request import CapacityBound, PlanRequest, SchedulerKind
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ def align_cp_groups(rank_ids: list[list[int]]) -> list[list[int]]:
         else:
             runs.append([ids])
     sizes = [len(run) for run in runs]
-    if not all(_is_power_of_two(size) for size in sizes) or not _is_power_of_two(len(rank_ids)):
+    if not all(is_power_of_two(size) for size in sizes) or not is_power_of_two(len(rank_ids)):
         return rank_ids  # not ours to fix; the invariant check names what is wrong
     start, aligned = 0, True
     for size in sizes:
@@ -191,10 +192,6 @@ def align_cp_groups(rank_ids: list[list[int]]) -> list[list[int]]:
         return rank_ids
     ordered = sorted(runs, key=len, reverse=True)  # stable: equal sizes keep the scheduler's order
     return [ids for run in ordered for ids in run]
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
 
 
 def _run_dynamic_cp(cls, request: PlanRequest, seqlens: list[tuple[int, int]]) -> RankAssignment:

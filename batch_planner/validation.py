@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from batch_planner.errors import InvalidRequestError
+from batch_planner.padding import is_power_of_two
 from batch_planner.request import PlanRequest, SchedulerKind
 from batch_planner.schedulers import require_scheduler
 
@@ -26,10 +27,6 @@ class RequestLimits:
     max_sequence_length: int = 4 * 1024 * 1024
     max_tensor_parallel_size: int = 64
     max_micro_batch_group_size: int = 64
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
 
 
 def _reject(field: str, message: str) -> None:
@@ -85,7 +82,7 @@ def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
     if kind in (SchedulerKind.HYBRID_CP, SchedulerKind.DYNAMIC_CP):
         # Odd sizes, 1, and even non-powers of two (10, 20, ...) crash or mislead the schedulers
         # (IndexError while filling empty ranks) and have no matching Megatron-Core CP groups.
-        if dp_cp < 2 or not _is_power_of_two(dp_cp):
+        if dp_cp < 2 or not is_power_of_two(dp_cp):
             _reject(
                 "layout",
                 f"{kind.value} needs DPxCP to be a power of two >= 2; got "
@@ -116,7 +113,7 @@ def _reject_unsupported_options(request: PlanRequest, limits: RequestLimits) -> 
     if request.min_cp_size is not None:
         if kind is not SchedulerKind.DYNAMIC_CP:
             _reject("min_cp_size", f"only dynamic_cp takes a minimum CP size; leave it unset for {kind.value}")
-        if not _is_power_of_two(request.min_cp_size) or request.min_cp_size > request.dp_cp_size:
+        if not is_power_of_two(request.min_cp_size) or request.min_cp_size > request.dp_cp_size:
             _reject(
                 "min_cp_size",
                 f"got {request.min_cp_size}; allowed: a power of two from 1 to DPxCP = {request.dp_cp_size}",

@@ -31,9 +31,10 @@ from trainer_client.apply import (
     micro_batches_for_rank,
     unbind_batch,
 )
-from trainer_client.broadcast import agree_on_plan, is_distributed
+from trainer_client.broadcast import agree_on_plan
 from trainer_client.compatibility import check_dynamic_cp_support
 from trainer_client.config import PlannerClientConfig, WhoAsks
+from trainer_client.distributed import is_distributed
 from trainer_client.metrics import TrainerMetrics
 from trainer_client.outputs import restore_outputs
 from trainer_client.plan_source import PlannerUnavailableError, PlanSource, SourcedPlan

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_client.apply import RankMicroBatch
-from trainer_client.broadcast import is_distributed
+from trainer_client.distributed import is_distributed
 from trainer_client.outputs import OutputRestoreError
 
 
