@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NoReturn
 
 from batch_planner.errors import InvalidRequestError
 from batch_planner.padding import is_power_of_two
@@ -29,7 +30,7 @@ class RequestLimits:
     max_micro_batch_group_size: int = 64
 
 
-def _reject(field: str, message: str) -> None:
+def _reject(field: str, message: str) -> NoReturn:
     raise InvalidRequestError(f"{field}: {message}", field=field)
 
 
