@@ -142,7 +142,8 @@ def test_the_documented_table_is_the_table_of_rules():
 ACCEPTED = [
     ("nothing known yet", lambda: dict()),
     ("verl-like engine + text model", lambda: dict(engine_config={"use_remove_padding": True, "fp8": None}, model_config={"vision_config": None})),
-    ("dense transformer, hybrid plan, jagged batch", lambda: dict(transformer_config=transformer(), planner_config=planner(), plan=hybrid_plan(), batch=batch())),
+    ("dense transformer, hybrid plan, jagged batch",
+     lambda: dict(transformer_config=transformer(), planner_config=planner(), plan=hybrid_plan(), batch=batch())),
     ("MoE alltoall + router replay unfused, dynamic CP", lambda: dict(transformer_config=transformer(
         num_moe_experts=4, moe_token_dispatcher_type="alltoall", moe_enable_routing_replay=True), planner_config=planner(**DYNAMIC))),
     ("MoE allgather on hybrid CP", lambda: dict(transformer_config=transformer(num_moe_experts=4), planner_config=planner())),
