@@ -1,7 +1,7 @@
 """The one place that accepts or rejects a planning request.
 
 Every unsupported combination, every input that crashes or misleads Megatron-Core's schedulers
-(design: "What Megatron-Core does with bad or unusual input"), is rejected here, before any
+(docs/design.md, "What Megatron-Core does with bad or unusual input"), is rejected here, before any
 scheduler runs, with a message that names the field, the value and what is allowed.
 """
 

@@ -1,4 +1,4 @@
-"""Token-normalized loss without touching the loss (issue 9, item 3): four real gloo processes with
+"""Token-normalized loss without touching the loss: four real gloo processes with
 Megatron-Core's parallel_state apply several dynamic-CP plans (CP sizes 1, 2 and 4 in one plan,
 planned in-process); a plain per-token loss, normalized by each micro-batch's `global_real_tokens`,
 summed over all ranks and micro-batches (and its gradient, all-reduced as Megatron does over DPxCP)
