@@ -310,7 +310,7 @@ MODEL_PROFILES: dict[str, ModelProfile] = {
 # expect its real per-token term a few percent higher.
 _HOPPER_PEAK = 989.4e12
 _NVLINK4_ONE_WAY = 450e9
-_HOPPER = {
+_HOPPER: dict[str, Any] = {
     "peak_bf16_flops": _HOPPER_PEAK,
     "sustained_fraction": 0.56,
     "attention_sustained_fraction": 0.58,

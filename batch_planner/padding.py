@@ -8,7 +8,7 @@ from batch_planner.request import CpLayout, PlanRequest
 
 
 def padding_multiple(cp_size: int, tensor_parallel_size: int, cp_layout: CpLayout) -> int:
-    """A sequence on `cp_size` ranks is padded to a multiple of this (design: padding)."""
+    """A sequence on `cp_size` ranks is padded to a multiple of this (docs/design.md, Padding, layouts and statistics)."""
     zigzag_factor = 2 if cp_layout is CpLayout.ZIGZAG and cp_size > 1 else 1
     return tensor_parallel_size * cp_size * zigzag_factor
 

@@ -76,7 +76,7 @@ class Plan:
 def groups_from_rank_assignment(rank_sample_ids: list[list[int]], padding: PlanPadding) -> tuple[CpGroup, ...]:
     """Turns one micro-batch of `sample_id_groups[mb][rank] -> ids` into CP groups.
 
-    Ranks that hold an identical id list form one CP group (design: output of the schedulers).
+    Ranks that hold an identical id list form one CP group (docs/design.md, Output of the schedulers).
     Only adjacent equal lists are merged; a non-contiguous group shows up as two groups with the
     same samples, which the invariant check then reports.
     """
@@ -99,7 +99,7 @@ def groups_from_rank_assignment(rank_sample_ids: list[list[int]], padding: PlanP
 def check_plan_invariants(
     plan: Plan, request: PlanRequest, valid_cp_sizes: frozenset[int], padding: PlanPadding | None = None
 ) -> None:
-    """Raises InvariantViolationError naming the first invariant (design: 1-4) the plan breaks.
+    """Raises InvariantViolationError naming the first invariant (docs/design.md, Plan invariants, 1-4) the plan breaks.
 
     `padding`: the plan's padded lengths, when the caller already has them.
     """

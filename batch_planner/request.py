@@ -22,7 +22,7 @@ class CpLayout(str, Enum):
 
 
 class CapacityBound(str, Enum):
-    """Which reading of plan invariant 4 holds for a plan (see design, plan invariants)."""
+    """Which reading of plan invariant 4 holds for a plan (docs/design.md, Plan invariants)."""
 
     PER_SAMPLE = "per_sample"  # hybrid CP: each sample of a group is its own forward pass
     PER_RANK_SUM = "per_rank_sum"  # packing schedulers: a rank's shards are packed together

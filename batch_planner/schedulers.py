@@ -165,7 +165,7 @@ def align_cp_groups(rank_ids: list[list[int]]) -> list[list[int]]:
     micro-batch on its own), so placing the same groups largest first - power-of-two sizes that
     sum to a power of two - aligns every group without changing which samples run together or the
     micro-batch's balance. Aligned output is returned unchanged. Groups are runs of ranks with an
-    identical sample-id list (design: output of the schedulers).
+    identical sample-id list (docs/design.md, Output of the schedulers).
     """
     runs: list[list[list[int]]] = []
     for ids in rank_ids:

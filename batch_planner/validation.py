@@ -1,7 +1,7 @@
 """The one place that accepts or rejects a planning request.
 
 Every unsupported combination, every input that crashes or misleads Megatron-Core's schedulers
-(design: "What Megatron-Core does with bad or unusual input"), is rejected here, before any
+(docs/design.md, "What Megatron-Core does with bad or unusual input"), is rejected here, before any
 scheduler runs, with a message that names the field, the value and what is allowed.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NoReturn
 
 from batch_planner.cp_groups import is_power_of_two, largest_power_of_two_group, megatron_cp_group_sizes
 from batch_planner.errors import InvalidRequestError
@@ -29,7 +30,7 @@ class RequestLimits:
     max_micro_batch_group_size: int = 64
 
 
-def _reject(field: str, message: str) -> None:
+def _reject(field: str, message: str) -> NoReturn:
     raise InvalidRequestError(f"{field}: {message}", field=field)
 
 

@@ -15,34 +15,26 @@ import time
 from pathlib import Path
 
 from bench import dropin, hidden, overhead, quality, scaling, startup, trainer_cost
-from bench.common import argument_parser, markdown_table, parse_markdown_tables, planner_server, write_report
+from bench.common import argument_parser, bars_path, markdown_table, planner_server, read_bars, verdict, write_report
 
 
 BENCHMARKS = ("overhead", "hidden", "scaling", "dropin", "trainer_cost", "quality", "startup")
 
 
 def summary(out: Path, reports: list[Path], seconds: float) -> Path:
+    """The bars of every report in `reports`, from the data each run stored next to its markdown."""
     rows = []
     for path in reports:
-        text = path.read_text()
-        title = text.splitlines()[0].lstrip("# ")
-        for table in parse_markdown_tables(text):
-            header, *body = table
-            if "verdict" not in header:
-                continue
-            for row in body:
-                cells = dict(zip(header, row))
-                if cells["verdict"] == "-":
-                    continue  # a row without a bar
-                case = row[0] if "what" not in cells else f"{row[0]}: {cells['what']}"
-                rows.append([f"[{title}]({path.name})", case, cells.get("bar", "-"), cells["verdict"]])
+        title, bars = read_bars(path)
+        rows += [[f"[{title}]({path.name})", bar.case, bar.target, verdict(bar.met)] for bar in bars]
     table = markdown_table(["benchmark", "case", "bar", "verdict"], rows)
     return write_report(
         out, "summary", "Benchmark summary",
-        f"Bars of issue 5 and whether the last run of each benchmark reached them "
+        f"The benchmarks' bars (targets) and whether the last run of each benchmark reached them "
         f"(the last `python -m bench` call took {seconds:.0f} s).",
         [("Bars", table)],
-    )
+        rows=rows,
+    ).path
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -73,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     if "startup" in only:
         startup.run(out, smoke)
     suffix = "_smoke" if smoke else ""
-    reports = [out / f"{name}{suffix}.md" for name in BENCHMARKS if (out / f"{name}{suffix}.md").exists()]
+    reports = [out / f"{name}{suffix}.md" for name in BENCHMARKS if bars_path(out / f"{name}{suffix}.md").exists()]
     print(summary(out, reports, time.perf_counter() - started).read_text())
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import os
 import platform
-import re
 import statistics
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Generic, Iterable, Sequence, TypeVar
 
 from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
 from batch_planner.request import PlanRequest, SchedulerKind
@@ -30,7 +30,7 @@ class BatchSize:
         return f"{self.samples:,} on {self.ranks}"
 
 
-# The sizes of issue 5: 64 samples on 8 ranks ... 4,096 on 256.
+# The batch sizes every size-dependent benchmark covers: 64 samples on 8 ranks ... 4,096 on 256.
 SIZES: tuple[BatchSize, ...] = (BatchSize(64, 8), BatchSize(256, 32), BatchSize(1024, 64), BatchSize(4096, 256))
 SMOKE_SIZES: tuple[BatchSize, ...] = (BatchSize(64, 8),)
 
@@ -88,6 +88,38 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "**NOT MET**"
 
 
+@dataclass(frozen=True)
+class Bar:
+    """A benchmark's target for one case, and whether the run met it."""
+
+    case: str
+    target: str
+    met: bool
+
+
+RowT = TypeVar("RowT")
+
+
+@dataclass(frozen=True)
+class Report(Generic[RowT]):
+    """What a benchmark run returns: the markdown it wrote, its typed rows and its bars."""
+
+    path: Path
+    title: str
+    rows: tuple[RowT, ...]
+    bars: tuple[Bar, ...] = ()
+
+
+def bars_path(report_path: Path) -> Path:
+    """Where a report's bars are stored as data, next to its markdown (the summary reads them)."""
+    return report_path.with_suffix(".bars.json")
+
+
+def read_bars(report_path: Path) -> tuple[str, tuple[Bar, ...]]:
+    data = json.loads(bars_path(report_path).read_text())
+    return data["title"], tuple(Bar(**bar) for bar in data["bars"])
+
+
 def machine_note() -> str:
     load = os.getloadavg()
     return (
@@ -109,30 +141,23 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> s
     return "\n".join(lines)
 
 
-def parse_markdown_tables(text: str) -> list[list[list[str]]]:
-    """Every table in `text` as rows of cells (header first, separator dropped)."""
-    tables: list[list[list[str]]] = []
-    current: list[list[str]] = []
-    for line in text.splitlines() + [""]:
-        if line.startswith("|"):
-            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
-            if not all(c and set(c) <= {"-", ":"} for c in cells):
-                current.append(cells)
-        elif current:
-            tables.append(current)
-            current = []
-    return tables
-
-
-def write_report(out: Path, name: str, title: str, intro: str, sections: Sequence[tuple[str, str]]) -> Path:
-    """Writes `out/name.md`: a title, what was measured and how, then (heading, body) sections."""
+def write_report(
+    out: Path, name: str, title: str, intro: str, sections: Sequence[tuple[str, str]],
+    rows: Sequence[RowT], bars: Sequence[Bar] = (),
+) -> Report[RowT]:
+    """Writes `out/name.md` (a title, what was measured and how, then (heading, body) sections) and,
+    for a benchmark with bars, `out/name.bars.json`: the bars as data, for the summary."""
     out.mkdir(parents=True, exist_ok=True)
     parts = [f"# {title}", "", intro, "", machine_note(), ""]
     for heading, body in sections:
         parts += [f"## {heading}", "", body, ""]
     path = out / f"{name}.md"
     path.write_text("\n".join(parts))
-    return path
+    if bars:
+        bars_path(path).write_text(json.dumps({"title": title, "bars": [asdict(b) for b in bars]}, indent=1) + "\n")
+    else:
+        bars_path(path).unlink(missing_ok=True)
+    return Report(path, title, tuple(rows), tuple(bars))
 
 
 def argument_parser(description: str) -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ For each batch size, on the same input and interleaved run by run:
 - `GetCapabilities`: a round trip on the same channel that never reaches a planning worker: the
   cost of gRPC on loopback alone.
 Each run uses a fresh seed, so a server-side cache could not help.
-Bars (issue 5): rpc/scheduler <= 1.10 from 1,024 samples up; at 64 samples the added time
+Bars: rpc/scheduler <= 1.10 from 1,024 samples up; at 64 samples the added time
 (rpc - scheduler) <= 1 ms p50 and <= 3 ms p99.
 """
 
@@ -24,12 +24,15 @@ from pathlib import Path
 
 from batch_planner.convert import plan_from_proto, request_to_proto
 from batch_planner.planner import plan_batch
+from batch_planner.request import PlanRequest
 from batch_planner.schedulers import run_scheduler
 from batch_planner.v1 import planner_pb2 as pb
 from bench.common import (
     SIZES,
     SMOKE_SIZES,
+    Bar,
     BatchSize,
+    Report,
     Spread,
     argument_parser,
     make_request,
@@ -71,26 +74,27 @@ def measure(stub, size: BatchSize, runs: int) -> SizeResult:
     run_scheduler(requests[-1])
     plan_from_proto(stub.Plan(request_to_proto(requests[-1]), timeout=RPC_TIMEOUT_S))
     sched, full, rpc, transport = [], [], [], []
+
+    def in_process(request: PlanRequest) -> None:
+        t = time.perf_counter()
+        run_scheduler(request)
+        sched.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        plan_batch(request)
+        full.append(time.perf_counter() - t)
+
+    def over_rpc(request: PlanRequest) -> None:
+        t = time.perf_counter()
+        plan_from_proto(stub.Plan(request_to_proto(request), timeout=RPC_TIMEOUT_S))
+        rpc.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=RPC_TIMEOUT_S)
+        transport.append(time.perf_counter() - t)
+
     for i, request in enumerate(requests[:runs]):
-        def in_process() -> None:
-            t = time.perf_counter()
-            run_scheduler(request)
-            sched.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            plan_batch(request)
-            full.append(time.perf_counter() - t)
-
-        def over_rpc() -> None:
-            t = time.perf_counter()
-            plan_from_proto(stub.Plan(request_to_proto(request), timeout=RPC_TIMEOUT_S))
-            rpc.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=RPC_TIMEOUT_S)
-            transport.append(time.perf_counter() - t)
-
         # Alternate the order so neither path always runs on a warmer cache.
         for step in (in_process, over_rpc) if i % 2 == 0 else (over_rpc, in_process):
-            step()
+            step(request)
     return SizeResult(
         size,
         Spread.of(sched),
@@ -162,7 +166,7 @@ def plot(results: list[SizeResult], path: Path) -> None:
     save_figure(fig, path)
 
 
-def run(out: Path, smoke: bool = False, address: str | None = None) -> Path:
+def run(out: Path, smoke: bool = False, address: str | None = None) -> Report[SizeResult]:
     sizes = SMOKE_SIZES if smoke else SIZES
     results = []
     with planner_server(address, workers=2) as addr:
@@ -201,6 +205,8 @@ def run(out: Path, smoke: bool = False, address: str | None = None) -> Path:
         "(the only scheduler in Megatron-Core 0.19.2; dynamic CP and static packing: not available in "
         "Megatron-Core 0.19.2). `runs` says how many interleaved runs each row has; with few runs p99 is the maximum.",
         sections,
+        rows=results,
+        bars=[Bar(r.size.label, bar, ok) for r in results for bar, ok in [r.bar()] if ok is not None],
     )
 
 
@@ -208,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--address", help="use this running planner instead of starting one")
     args = parser.parse_args(argv)
-    print(run(args.out, args.smoke, args.address).read_text())
+    print(run(args.out, args.smoke, args.address).path.read_text())
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from bench.common import (
     SIZES,
     SMOKE_SIZES,
     BatchSize,
+    Report,
     argument_parser,
     make_request,
     markdown_table,
@@ -102,8 +103,8 @@ def scheduler_row(distribution: str, size: BatchSize, kind: SchedulerKind, stati
                    note=f"not available in Megatron-Core {megatron_core_version()}"), None
     try:
         plan = plan_batch(make_request(distribution, size, scheduler=kind), cost_model=model)
-    except PlanningError as exc:  # e.g. static packing with a sample longer than static CP holds
-        return Row(distribution, size, SCHEDULER_NAMES[kind], None, note=f"refused: {exc}"), None
+    except PlanningError as refused:  # e.g. static packing: a sample longer than CP x the budget
+        return Row(distribution, size, SCHEDULER_NAMES[kind], None, note=f"refused: {refused}"), None
     s = plan.statistics
     mix = ", ".join(f"{cp}:{samples}" for cp, samples, _ in s.cp_size_mix)
     return Row(
@@ -137,12 +138,12 @@ def plot_cost_ratios(rows: list[Row], sizes, path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharey=False)
     names = list(dict.fromkeys(r.name for r in rows if r.cost_over_bound is not None))
-    missing = sorted({r.name for r in rows if r.cost_over_bound is None and r.note.startswith("not available")})
+    missing = sorted({r.name for r in rows} - set(names))
     colours = ["#4c72b0", "#dd8452", "#c44e52", "#8c564b", "#55a868", "#8172b3"]
     width = 0.8 / len(names)
     for ax, distribution in zip(axes.flat, DISTRIBUTION_NAMES):
         for k, name in enumerate(names):
-            values = [
+            values = [  # NaN: no bar where the scheduler refused this batch
                 next(r.cost_over_bound for r in rows if r.distribution == distribution and r.size == s and r.name == name)
                 or float("nan")  # refused for this cell (see the table's note)
                 for s in sizes
@@ -191,7 +192,8 @@ def plot_plan(plan: Plan, lengths: tuple[int, ...], path: Path) -> None:
         ax.set_ylim(0, max(top, MAX_SEQLEN_PER_DP_CP_RANK) * 1.05)
         ax.set_xticks([r + 0.5 for r in range(plan.dp_cp_size)], [f"rank {r}" for r in range(plan.dp_cp_size)])
         ax.set_ylabel(f"micro-batch {mb_index}\ntokens per rank")
-    handles = [Patch(color=CP_COLOURS.get(c, "#636363"), label=f"CP{c}" + (" (alone on its rank)" if c == 1 else f" (split over {c} ranks)")) for c in sorted(used)]
+    handles = [Patch(color=CP_COLOURS.get(c, "#636363"), label=f"CP{c}" + (" (alone on its rank)" if c == 1 else f" (split over {c} ranks)"))
+               for c in sorted(used)]
     handles.append(plt.Line2D([], [], color="#c44e52", linestyle=":", label=f"max_seqlen_per_dp_cp_rank {MAX_SEQLEN_PER_DP_CP_RANK:,} (per sample)"))
     axes[0, 0].legend(handles=handles, fontsize=8, loc="upper right")
     s = plan.statistics
@@ -208,7 +210,7 @@ def fmt(value: float | None, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
-def run(out: Path, smoke: bool = False) -> Path:
+def run(out: Path, smoke: bool = False) -> Report[Row]:
     sizes = SMOKE_SIZES if smoke else SIZES
     model = CostModel()
     rows, plans = measure(sizes, model)
@@ -236,12 +238,13 @@ def run(out: Path, smoke: bool = False) -> Path:
             ("Cost / lower bound per distribution", f"![cost over lower bound](quality_cost_ratio{suffix}.png)"),
             ("One plan at a glance", f"![a hybrid CP plan](plan_picture{suffix}.png)"),
         ],
+        rows=rows,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     args = argument_parser(__doc__.splitlines()[0]).parse_args(argv)
-    print(run(args.out, args.smoke).read_text())
+    print(run(args.out, args.smoke).path.read_text())
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Two real servers run side by side (`--workers 1` and `--workers 2`; nothing is p
 take turns: in each window, `clients` threads of this process send Plan requests back to back
 (no client-side decoding) to one server for `window` seconds; windows alternate between the
 servers, so both see the same background load. The ratio of each pair of adjacent windows is one
-sample of the scaling. Bar (issue 5): 2 workers / 1 worker >= 1.8x.
+sample of the scaling. Bar: 2 workers / 1 worker >= 1.8x.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from pathlib import Path
 
 from batch_planner.convert import request_to_proto
 from bench.common import (
+    Bar,
     BatchSize,
+    Report,
     Spread,
     argument_parser,
     make_request,
@@ -55,14 +57,30 @@ def plans_per_second(stub, requests, clients: int, seconds: float) -> float:
     return sum(counts) / (time.perf_counter() - started)
 
 
+BAR_RATIO, BAR = 1.8, ">= 1.8x"
+
+
 @dataclass(frozen=True)
 class Result:
-    one: list[float]
-    two: list[float]
+    one: list[float]  # plans per second of each window, --workers 1
+    two: list[float]  # the same, --workers 2
 
     @property
     def ratios(self) -> list[float]:
         return [b / a for a, b in zip(self.one, self.two)]
+
+
+@dataclass(frozen=True)
+class ScalingRow:
+    size: BatchSize
+    clients: int
+    windows: int
+    seconds: float
+    result: Result
+
+    @property
+    def met(self) -> bool:
+        return Spread.of(self.result.ratios).p50 >= BAR_RATIO
 
 
 def measure(address_1: str, address_2: str, size: BatchSize, clients: int, windows: int, seconds: float) -> Result:
@@ -93,18 +111,19 @@ def plot(result: Result, path: Path, size: BatchSize) -> None:
     save_figure(fig, path)
 
 
-def run(out: Path, smoke: bool = False, address_1: str | None = None, address_2: str | None = None) -> Path:
+def run(out: Path, smoke: bool = False, address_1: str | None = None, address_2: str | None = None) -> Report[ScalingRow]:
     size = SMOKE_SIZE if smoke else SIZE
     clients, windows, seconds = (2, 1, 0.5) if smoke else (CLIENTS, WINDOWS, WINDOW_S)
     with planner_server(address_1, workers=1) as a1, planner_server(address_2, workers=2) as a2:
         result = measure(a1, a2, size, clients, windows, seconds)
+    row = ScalingRow(size, clients, windows, seconds, result)
     one, two, ratio = Spread.of(result.one), Spread.of(result.two), Spread.of(result.ratios)
     suffix = "_smoke" if smoke else ""
     table = markdown_table(
         ["batch", "clients", "windows x seconds", "--workers 1 plans/s p50 (min..max)",
          "--workers 2 plans/s p50 (min..max)", "ratio p50 (min..max)", "bar", "verdict"],
         [[size.label, clients, f"{windows} x {seconds:g}", one.fmt(), two.fmt(), ratio.fmt() + "x",
-          ">= 1.8x", verdict(ratio.p50 >= 1.8)]],
+          BAR, verdict(row.met)]],
     )
     plot(result, out / f"scaling{suffix}.png", size)
     return write_report(
@@ -112,6 +131,8 @@ def run(out: Path, smoke: bool = False, address_1: str | None = None, address_2:
         (__doc__ or "").split("\n\n", 2)[2].strip()
         + f"\n\nBatch: {size.label} ranks, `{DISTRIBUTION}`, hybrid CP, 16 different seeds in turn.",
         [("Results", table + f"\n\n![scaling](scaling{suffix}.png)")],
+        rows=[row],
+        bars=[Bar(size.label, BAR, row.met)],
     )
 
 
@@ -120,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--address-1", help="a running planner with --workers 1 (else one is started)")
     parser.add_argument("--address-2", help="a running planner with --workers 2 (else one is started)")
     args = parser.parse_args(argv)
-    print(run(args.out, args.smoke, args.address_1, args.address_2).read_text())
+    print(run(args.out, args.smoke, args.address_1, args.address_2).path.read_text())
 
 
 if __name__ == "__main__":

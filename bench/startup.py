@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.common import Spread, argument_parser, markdown_table, pyplot, save_figure, write_report
+from bench.common import Report, Spread, argument_parser, markdown_table, pyplot, save_figure, write_report
 
 RUNS = 2
 
@@ -75,24 +75,42 @@ def start_once(workers: int) -> Startup:
         server.stop()
 
 
-def run(out: Path, smoke: bool = False) -> Path:
+@dataclass(frozen=True)
+class StartupRow:
+    """The start-ups of one `--workers` setting."""
+
+    workers: int
+    runs: int
+    seconds: Spread
+    worker_counts: tuple[int, ...]  # worker processes found, per distinct count
+    worker_rss_mib: Spread
+    worker_pss_mib: Spread
+    server_rss_mib: Spread
+
+    @classmethod
+    def of(cls, workers: int, mine: list[Startup]) -> StartupRow:
+        return cls(
+            workers, len(mine), Spread.of([r.seconds for r in mine]),
+            tuple(sorted({len(r.worker_memory) for r in mine})),
+            Spread.of([m[0] for r in mine for m in r.worker_memory]),
+            Spread.of([m[1] for r in mine for m in r.worker_memory]),
+            Spread.of([r.server[0] for r in mine]),
+        )
+
+    def cells(self) -> list[object]:
+        return [self.workers, self.runs, self.seconds.fmt(digits=1), ", ".join(map(str, self.worker_counts)),
+                self.worker_rss_mib.fmt(digits=0), self.worker_pss_mib.fmt(digits=0), self.server_rss_mib.fmt(digits=0)]
+
+
+def run(out: Path, smoke: bool = False) -> Report[StartupRow]:
     plan = [1] if smoke else [w for _ in range(RUNS) for w in (1, 2)]
     results = [start_once(w) for w in plan]
-    rows = []
-    for workers in sorted({r.workers for r in results}):
-        mine = [r for r in results if r.workers == workers]
-        seconds = Spread.of([r.seconds for r in mine])
-        rss = Spread.of([m[0] for r in mine for m in r.worker_memory])
-        pss = Spread.of([m[1] for r in mine for m in r.worker_memory])
-        server_rss = Spread.of([r.server[0] for r in mine])
-        counts = sorted({len(r.worker_memory) for r in mine})
-        rows.append([workers, len(mine), seconds.fmt(digits=1), ", ".join(map(str, counts)),
-                     rss.fmt(digits=0), pss.fmt(digits=0), server_rss.fmt(digits=0)])
+    rows = [StartupRow.of(w, [r for r in results if r.workers == w]) for w in sorted({r.workers for r in results})]
     table = markdown_table(
         ["--workers", "runs", "start to SERVING s p50 (min..max)", "worker processes found",
          "RSS per worker MiB p50 (min..max)", "PSS per worker MiB p50 (min..max)",
          "gRPC process RSS MiB p50 (min..max)"],
-        rows,
+        [r.cells() for r in rows],
     )
     suffix = "_smoke" if smoke else ""
     plt = pyplot()
@@ -108,12 +126,13 @@ def run(out: Path, smoke: bool = False) -> Path:
         out, f"startup{suffix}", "Start-up time and memory",
         (__doc__ or "").split("\n\n", 2)[2].strip(),
         [("Results", table + f"\n\n![start-up](startup{suffix}.png)")],
+        rows=rows,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     args = argument_parser(__doc__.splitlines()[0]).parse_args(argv)
-    print(run(args.out, args.smoke).read_text())
+    print(run(args.out, args.smoke).path.read_text())
 
 
 if __name__ == "__main__":

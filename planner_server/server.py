@@ -20,7 +20,6 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from batch_planner.schedulers import discover_schedulers, megatron_core_version
-from batch_planner.v1 import planner_pb2 as pb
 from planner_server import __version__
 from planner_server.config import ServerConfig
 from planner_server.metrics import PlannerMetrics

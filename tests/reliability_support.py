@@ -22,7 +22,7 @@ def raw_plan_method(channel: grpc.Channel):
     return channel.unary_unary(PLAN_METHOD, request_serializer=None, response_deserializer=None)
 
 
-# --- an independent check of a plan, written from the design (not from batch_planner.plan) ------
+# --- an independent check of a plan, written from docs/design.md (not from batch_planner.plan) --
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -30,7 +30,7 @@ def _is_power_of_two(n: int) -> bool:
 
 
 def assert_plan_well_formed(response: pb.PlanResponse, lengths: list[int], dp_cp: int) -> None:
-    """Plan invariants 1-3 of the design, checked on the wire format the trainer receives."""
+    """Plan invariants 1-3 (docs/design.md, Plan invariants), checked on the wire format the trainer receives."""
     assert response.dp_cp_size == dp_cp
     assert len(response.micro_batches) >= 1
     seen: Counter[int] = Counter()

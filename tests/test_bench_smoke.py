@@ -1,88 +1,123 @@
-"""Smoke runs of the benchmarks (bench/): each one runs end to end on a tiny input and writes a
-well-formed markdown table and its plots. No timing is asserted: speed is what the full
-benchmarks report (docs/benchmarks.md)."""
+"""Smoke runs of the benchmarks (bench/): each one runs end to end on a tiny input, returns its
+typed rows, writes a well-formed markdown table and its plots, and stores its bars as the data the
+summary is built from. No timing is asserted: speed is what the full benchmarks report
+(docs/benchmarks.md)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import re
 
 import pytest
 
 pytest.importorskip("matplotlib", reason="the benchmarks plot with matplotlib: install the `bench` extra")
 
 from bench import hidden, overhead, quality, scaling, startup, trainer_cost  # noqa: E402
-from bench.common import parse_markdown_tables  # noqa: E402
+from bench.__main__ import summary  # noqa: E402
+from bench.common import Bar, BatchSize, Report, read_bars, write_report  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALLEST = BatchSize(64, 8)
 
 
-def assert_report(path: Path, min_rows: int, required_columns: list[str]) -> list[dict[str, str]]:
-    """The report's first table has consistent rows and the columns asked for; every table is
-    well formed; the plots it shows exist as PNGs."""
-    text = path.read_text()
-    tables = parse_markdown_tables(text)
-    assert tables, f"{path.name}: no table"
-    for table in tables[1:]:
-        assert all(len(row) == len(table[0]) for row in table), f"{path.name}: ragged table {table}"
-    header, *rows = tables[0]
-    assert len(rows) >= min_rows, f"{path.name}: {len(rows)} rows"
-    for row in rows:
-        assert len(row) == len(header), f"{path.name}: row {row} does not match header {header}"
-        assert all(cell for cell in row), f"{path.name}: empty cell in {row}"
-    for column in required_columns:
-        assert column in header, f"{path.name}: no column {column!r} in {header}"
+def markdown_tables(text: str) -> list[list[list[str]]]:
+    """Every table in `text` as rows of cells (header first, separator dropped)."""
+    tables: list[list[list[str]]] = []
+    current: list[list[str]] = []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
+            if not all(c and set(c) <= {"-", ":"} for c in cells):
+                current.append(cells)
+        elif current:
+            tables.append(current)
+            current = []
+    return tables
+
+
+def assert_report(report: Report, min_rows: int) -> None:
+    """The report has the rows asked for; its markdown tables are well formed, with no empty cell
+    and a row per typed row in the first; the plots it shows exist as PNGs."""
+    assert len(report.rows) >= min_rows, f"{report.path.name}: {len(report.rows)} rows"
+    text = report.path.read_text()
+    tables = markdown_tables(text)
+    assert tables, f"{report.path.name}: no table"
+    for header, *rows in tables:
+        for row in rows:
+            assert len(row) == len(header), f"{report.path.name}: row {row} does not match header {header}"
+            assert all(cell for cell in row), f"{report.path.name}: empty cell in {row}"
     for line in text.splitlines():
         if line.startswith("!["):
-            image = path.parent / line[line.index("(") + 1 : line.index(")")]
+            image = report.path.parent / line[line.index("(") + 1 : line.index(")")]
             assert image.read_bytes()[:8] == PNG_MAGIC, f"{image} is not a PNG"
-    return [dict(zip(header, row)) for row in rows]
+
+
+def assert_bars_stored(report: Report) -> None:
+    """The summary's data: what the run returned is what it stored."""
+    assert read_bars(report.path) == (report.title, report.bars)
 
 
 def test_overhead_smoke(tmp_path, planner):
-    rows = assert_report(overhead.run(tmp_path, smoke=True, address=planner.address), 1, ["verdict"])
-    assert rows[0]["samples on ranks"] == "64 on 8"
-    assert rows[0]["runs"] == "5"
-    assert rows[0]["verdict"] in ("met", "**NOT MET**")
+    report = overhead.run(tmp_path, smoke=True, address=planner.address)
+    assert_report(report, 1)
+    assert report.rows[0].size == SMALLEST
+    assert report.rows[0].scheduler.runs == 5
+    assert [bar.case for bar in report.bars] == ["64 on 8"]  # the 64-sample bar: added time
+    assert_bars_stored(report)
 
 
 def test_scaling_smoke(tmp_path, planner):
     # Both arms on the session's server: the smoke checks the harness, not the scaling.
-    rows = assert_report(
-        scaling.run(tmp_path, smoke=True, address_1=planner.address, address_2=planner.address), 1, ["verdict"]
-    )
-    assert float(rows[0]["--workers 1 plans/s p50 (min..max)"].split()[0]) > 0
+    report = scaling.run(tmp_path, smoke=True, address_1=planner.address, address_2=planner.address)
+    assert_report(report, 1)
+    assert min(report.rows[0].result.one) > 0
+    assert_bars_stored(report)
 
 
 def test_hidden_smoke(tmp_path, planner):
-    rows = assert_report(hidden.run(tmp_path, smoke=True, address=planner.address), 1, ["plan-ahead wait ms p99"])
-    assert rows[0]["steps"] == "3"
+    report = hidden.run(tmp_path, smoke=True, address=planner.address)
+    assert_report(report, 1)
+    assert report.rows[0].waits.runs == 3
     # Every measured plan came from the service (the client's fallback is off in the benchmark).
-    assert rows[0]["plans from"] == "service: 3", rows[0]["plans from"]
+    assert report.rows[0].sources == {"service": 3}, report.rows[0].sources
+    assert_bars_stored(report)
 
 
 def test_trainer_cost_smoke(tmp_path):
-    rows = assert_report(trainer_cost.run(tmp_path, smoke=True), 5, ["ms p50 (min..max)"])
-    applies = [r for r in rows if r["what"].startswith("apply")]
+    report = trainer_cost.run(tmp_path, smoke=True)
+    assert_report(report, 5)
+    applies = [r for r in report.rows if r.what.startswith("apply")]
     assert len(applies) == 2  # default threads and one thread
     for apply in applies:
-        assert apply["runs"] == "8"  # one run per rank of the 8-rank plan
-        assert apply["verdict"] in ("met", "**NOT MET**")
+        assert apply.values.runs == 8  # one run per rank of the 8-rank plan
+        assert apply.met is not None
+    assert len(report.bars) == 2
+    assert_bars_stored(report)
 
 
 def test_quality_smoke(tmp_path):
-    rows = assert_report(quality.run(tmp_path, smoke=True), 4 * 6, ["cost / lower bound", "CP-size mix (cp:samples)"])
-    hybrid = [r for r in rows if r["plan"] == "hybrid CP"]
+    report = quality.run(tmp_path, smoke=True)
+    assert_report(report, 4 * 6)
+    hybrid = [r for r in report.rows if r.name == "hybrid CP"]
     assert len(hybrid) == 4
     # Nothing beats the lower bound under the cost model.
-    assert all(float(r["cost / lower bound"]) >= 0.999 for r in hybrid)
+    assert all(r.cost_over_bound >= 0.999 for r in hybrid)
     # Every sample appears in the CP-size mix of every plan.
-    assert all(sum(int(p.split(":")[1]) for p in r["CP-size mix (cp:samples)"].split(", ")) == 64 for r in hybrid)
-    for r in rows:
-        if r["cost / lower bound"] == "-":
-            assert r["note"].startswith("not available in Megatron-Core"), r
+    assert all(sum(int(p.split(":")[1]) for p in r.cp_mix.split(", ")) == 64 for r in hybrid)
+    for r in report.rows:
+        if r.cost_over_bound is None:
+            assert r.note.startswith(("not available in Megatron-Core", "refused: ")), r
 
 
 def test_startup_smoke(tmp_path):
-    rows = assert_report(startup.run(tmp_path, smoke=True), 1, ["start to SERVING s p50 (min..max)"])
-    assert rows[0]["--workers"] == "1"
-    assert rows[0]["worker processes found"] == "1"
+    report = startup.run(tmp_path, smoke=True)
+    assert_report(report, 1)
+    assert report.rows[0].workers == 1
+    assert report.rows[0].worker_counts == (1,)
+
+
+def test_summary_lists_the_stored_bars_of_every_report(tmp_path):
+    with_bars = write_report(tmp_path, "a", "Benchmark A", "intro", [], rows=[], bars=[Bar("64 on 8", "<= 1 ms", False)])
+    without = write_report(tmp_path, "b", "Benchmark B", "intro", [], rows=[])
+    text = summary(tmp_path, [with_bars.path], 1.0).read_text()
+    assert markdown_tables(text)[0][1:] == [["[Benchmark A](a.md)", "64 on 8", "<= 1 ms", "**NOT MET**"]]
+    assert not (tmp_path / "b.bars.json").exists() and without.bars == ()

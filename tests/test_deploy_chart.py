@@ -15,7 +15,7 @@ import yaml
 from planner_server.config import ServerConfig, build_parser, config_from_args
 from tests.deploy_tools import (
     ALERTS, ALL_ON_VALUES, CHART, DASHBOARD, ROOT, by_kind, crd_validator_modules, find_tool, render_chart,
-    render_chart_text, run,
+    run,
 )
 
 VALUE_SETS = {"default": None, "all-on": str(ALL_ON_VALUES)}

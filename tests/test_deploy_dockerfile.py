@@ -13,7 +13,7 @@ DOCKERFILE = ROOT / "Dockerfile"
 
 def instructions() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(l for l in DOCKERFILE.read_text().splitlines() if not l.lstrip().startswith("#")))
+    text = re.sub(r"\\\n", " ", "\n".join(line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#")))
     return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in text.splitlines() if line.strip()]
 
 
@@ -59,9 +59,9 @@ def test_megatron_core_is_a_build_argument_defaulting_to_the_pinned_dev_commit()
 
 
 def test_dockerignore_lets_in_what_the_build_copies_and_nothing_else():
-    ignore = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    ignore = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")]
     assert ignore[0] == "*"
-    allowed = {l[1:].rstrip("/") for l in ignore if l.startswith("!")}
+    allowed = {entry[1:].rstrip("/") for entry in ignore if entry.startswith("!")}
     copied = {src.rstrip("/") for op, args in instructions() if op == "COPY" and "--from" not in args
               for src in args.split()[:-1]}
     assert copied == allowed

@@ -17,7 +17,7 @@ from trainer_client.metrics import TrainerMetrics
 # Grafana's variables, replaced by what they stand for so promtool can parse the expressions.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$training_job": ".*"}
 METRIC_NAME = re.compile(r"\bbatch_planner_[a-zA-Z0-9_]+\b")
-# What the design asks the dashboard to show, by the metrics each needs.
+# What docs/design.md (Metrics) asks the dashboard to show, by the metrics each needs.
 REQUIRED_DASHBOARD_METRICS = {
     "batch_planner_padding_tokens_total", "batch_planner_client_padding_tokens_total",  # padding waste
     "batch_planner_client_tokens_total", "batch_planner_client_tokens_per_second",  # tokens per second

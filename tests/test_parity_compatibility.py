@@ -1,10 +1,13 @@
-"""The one central check of unsupported combinations (issue 9, item 4): one row per refusal, with
-Megatron-Core's real TransformerConfig (constructed on CPU), plain dicts/objects for the rest."""
+"""The unsupported-combination rules (trainer_client/compatibility.py, RULES): every rule refuses
+an example of its own, naming the option and the fix; supported combinations pass; the table in
+docs/trainer-client.md is the table of rules. Megatron-Core's real TransformerConfig (constructed
+on CPU), plain dicts/objects for the rest."""
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +18,7 @@ from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest, SchedulerKind
 from tests.megatron_builds import best_local_scheduler
 from trainer_client import BatchPlannerClient, PlannerClientConfig
-from trainer_client.compatibility import InstalledMegatron, UnsupportedCombinationError, check_dynamic_cp_support
+from trainer_client.compatibility import RULES, InstalledMegatron, UnsupportedCombinationError, check_dynamic_cp_support
 
 LENGTHS = (3000, 1500, 700, 500, 301, 97, 1000, 64)
 
@@ -56,64 +59,96 @@ VPP = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=
 VPP_READY = InstalledMegatron(vpp_aware_scheduler=True)
 DYNAMIC = dict(scheduler="dynamic_cp")
 
-# (row id, arguments of check_dynamic_cp_support, the option the refusal must name, a phrase of the fix)
+# (row id, arguments of check_dynamic_cp_support, (source, option) of the rule that must refuse,
+#  a phrase of the fix)
 REFUSED = [
-    ("remove padding off", lambda: dict(engine_config={"use_remove_padding": False}), "use_remove_padding", "set use_remove_padding=True"),
-    ("dense input_ids", lambda: dict(batch=TensorDict({"input_ids": torch.zeros(2, 8)}, batch_size=[2])), "input_ids", "jagged NestedTensor"),
-    ("value model (engine)", lambda: dict(engine_config=SimpleNamespace(is_value_model=True)), "is_value_model", "static CP"),
-    ("value model (model)", lambda: dict(model_config={"is_value_model": True}), "is_value_model", "critic"),
-    ("multimodal model", lambda: dict(model_config=SimpleNamespace(vision_config={"depth": 32})), "vision_config", "text-only"),
-    ("multimodal batch", lambda: dict(batch=batch(pixel_values=torch.zeros(len(LENGTHS), 3))), "batch field", "multimodal"),
-    ("distillation", lambda: dict(engine_config={"distillation": {"teacher": "big"}}), "distillation", "disable it"),
-    ("fp8 engine", lambda: dict(engine_config={"fp8": "e4m3"}), "fp8", "null"),
-    ("fp8 transformer", lambda: dict(transformer_config=transformer(fp8="hybrid")), "fp8", "fp8=None"),
-    ("megatron fsdp", lambda: dict(engine_config={"use_megatron_fsdp": True}), "use_megatron_fsdp", "DDP"),
-    ("no per-token loss", lambda: dict(transformer_config=transformer(calculate_per_token_loss=False)), "calculate_per_token_loss", "calculate_per_token_loss=True"),
-    ("cuda graphs", lambda: dict(transformer_config=transformer(cuda_graph_impl="local")), "cuda_graph_impl", "cuda_graph_impl='none'"),
-    ("cuda graphs (legacy flag)", lambda: dict(transformer_config=transformer(enable_cuda_graph=True)), "enable_cuda_graph", "enable_cuda_graph=False"),
+    ("remove padding off", lambda: dict(engine_config={"use_remove_padding": False}), ("engine", "use_remove_padding"), "set use_remove_padding=True"),
+    ("dense input_ids", lambda: dict(batch=TensorDict({"input_ids": torch.zeros(2, 8)}, batch_size=[2])), ("batch", "input_ids"), "jagged NestedTensor"),
+    ("value model (engine)", lambda: dict(engine_config=SimpleNamespace(is_value_model=True)), ("engine", "is_value_model"), "static CP"),
+    ("value model (model)", lambda: dict(model_config={"is_value_model": True}), ("model", "is_value_model"), "critic"),
+    ("multimodal model", lambda: dict(model_config=SimpleNamespace(vision_config={"depth": 32})), ("model", "vision_config"), "text-only"),
+    ("multimodal flag", lambda: dict(model_config={"is_multimodal": True}), ("model", "is_multimodal"), "text-only"),
+    ("multimodal batch", lambda: dict(batch=batch(pixel_values=torch.zeros(len(LENGTHS), 3))), ("batch", "batch field"), "multimodal"),
+    ("distillation", lambda: dict(engine_config={"distillation": {"teacher": "big"}}), ("engine", "distillation"), "disable it"),
+    ("fp8 engine", lambda: dict(engine_config={"fp8": "e4m3"}), ("engine", "fp8"), "null"),
+    ("fp8 transformer", lambda: dict(transformer_config=transformer(fp8="hybrid")), ("transformer", "fp8"), "fp8=None"),
+    ("megatron fsdp", lambda: dict(engine_config={"use_megatron_fsdp": True}), ("engine", "use_megatron_fsdp"), "DDP"),
+    ("no per-token loss", lambda: dict(transformer_config=transformer(calculate_per_token_loss=False)),
+     ("transformer", "calculate_per_token_loss"), "calculate_per_token_loss=True"),
+    ("cuda graphs", lambda: dict(transformer_config=transformer(cuda_graph_impl="local")), ("transformer", "cuda_graph_impl"), "cuda_graph_impl='none'"),
+    ("cuda graphs (legacy flag)", lambda: dict(transformer_config=transformer(enable_cuda_graph=True)),
+     ("transformer", "enable_cuda_graph"), "enable_cuda_graph=False"),
+    ("external cuda graphs", lambda: dict(transformer_config={"calculate_per_token_loss": True, "external_cuda_graph": True}),
+     ("transformer", "external_cuda_graph"), "external_cuda_graph=False"),
     ("router replay + fused router", lambda: dict(transformer_config=transformer(
         num_moe_experts=4, moe_token_dispatcher_type="alltoall", moe_enable_routing_replay=True, moe_router_fusion=True)),
-     "moe_router_fusion", "moe_router_fusion=False"),
+     ("transformer", "moe_router_fusion"), "moe_router_fusion=False"),
     ("MoE allgather dispatcher with packing", lambda: dict(transformer_config=transformer(num_moe_experts=4), planner_config=planner(**DYNAMIC)),
-     "moe_token_dispatcher_type", "'alltoall' or 'flex'"),
+     ("transformer", "moe_token_dispatcher_type"), "'alltoall' or 'flex'"),
     ("MLA on hybrid CP", lambda: dict(transformer_config=transformer(multi_latent_attention=True), plan=hybrid_plan()),
-     "multi_latent_attention", "dynamic_cp"),
-    ("MLA contiguous", lambda: dict(transformer_config=transformer(multi_latent_attention=True), planner_config=planner(cp_layout="contiguous", **DYNAMIC)),
-     "cp_layout", "zigzag"),
+     ("transformer", "multi_latent_attention"), "dynamic_cp"),
+    ("MLA contiguous", lambda: dict(transformer_config=transformer(multi_latent_attention=True),
+                                    planner_config=planner(cp_layout="contiguous", **DYNAMIC)),
+     ("planner config", "cp_layout"), "MLA requires the zigzag"),
     ("MTP + TP + SP contiguous", lambda: dict(transformer_config=transformer(mtp_num_layers=1, tensor_model_parallel_size=2, sequence_parallel=True),
-     planner_config=planner(cp_layout="contiguous", tensor_parallel_size=2, **DYNAMIC)), "cp_layout", "zigzag"),
+     planner_config=planner(cp_layout="contiguous", tensor_parallel_size=2, **DYNAMIC)), ("planner config", "cp_layout"), "multi-token prediction"),
     ("TP differs from planner", lambda: dict(transformer_config=transformer(tensor_model_parallel_size=2), planner_config=planner()),
-     "tensor_parallel_size", "set tensor_parallel_size=2"),
+     ("planner config", "tensor_parallel_size"), "set tensor_parallel_size=2"),
     ("TP differs from plan", lambda: dict(transformer_config=transformer(tensor_model_parallel_size=2), plan=hybrid_plan()),
-     "tensor_parallel_size", "set tensor_parallel_size=2"),
+     ("plan", "tensor_parallel_size"), "set tensor_parallel_size=2"),
     ("CP differs from planner", lambda: dict(transformer_config=transformer(context_parallel_size=2), planner_config=planner()),
-     "context_parallel_size", "set them equal"),
+     ("planner config", "context_parallel_size"), "set them equal"),
     ("pipeline with hybrid CP", lambda: dict(transformer_config=transformer(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32),
-     planner_config=planner(scheduler=SchedulerKind.HYBRID_CP)), "pipeline_model_parallel_size", "pipeline_model_parallel_size=1"),
+     planner_config=planner(scheduler=SchedulerKind.HYBRID_CP)), ("transformer", "pipeline_model_parallel_size"), "pipeline_model_parallel_size=1"),
     ("VPP without a VPP-aware Megatron-Core", lambda: dict(transformer_config=transformer(**VPP), installed=InstalledMegatron(False)),
-     "virtual_pipeline_model_parallel_size", "dev-branch"),
+     ("transformer", "virtual_pipeline_model_parallel_size"), "dev-branch"),
     ("VPP, planner group size differs", lambda: dict(transformer_config=transformer(**VPP), planner_config=planner(micro_batch_group_size=2, **DYNAMIC),
-     installed=VPP_READY), "micro_batch_group_size", "set micro_batch_group_size=4"),
+     installed=VPP_READY), ("planner config", "micro_batch_group_size"), "set micro_batch_group_size=4"),
     ("CP plan on Megatron's local attention (no THD with a CP group)", lambda: dict(transformer_config=transformer(
-        transformer_impl="local"), plan=hybrid_plan()), "transformer_impl", "transformer_impl='transformer_engine'"),
+        transformer_impl="local"), plan=hybrid_plan()), ("transformer", "transformer_impl"), "transformer_impl='transformer_engine'"),
+    ("CP plan on a Transformer Engine without THD CP", lambda: dict(transformer_config=transformer(), plan=hybrid_plan(),
+        installed=InstalledMegatron(True, (1, 9))), ("transformer", "transformer_engine"), "Transformer Engine >= 1.10"),
     ("VPP, plan not made with the group size", lambda: dict(transformer_config=transformer(**VPP), plan=relabelled_plan(SchedulerKind.DYNAMIC_CP, 6),
-     installed=VPP_READY), "micro_batch_group_size", "plan with micro_batch_group_size=4"),
+     installed=VPP_READY), ("plan", "micro_batch_group_size"), "plan with micro_batch_group_size=4"),
 ]
+
+
+def refusal(arguments) -> UnsupportedCombinationError:
+    with pytest.raises(UnsupportedCombinationError) as caught:
+        check_dynamic_cp_support(**arguments())
+    return caught.value
 
 
 @pytest.mark.parametrize("row", REFUSED, ids=[r[0] for r in REFUSED])
 def test_each_unsupported_combination_is_refused_naming_the_option_and_the_fix(row):
-    _, arguments, option, fix = row
-    with pytest.raises(UnsupportedCombinationError) as caught:
-        check_dynamic_cp_support(**arguments())
-    assert caught.value.option == option
-    assert fix in str(caught.value) and option in str(caught.value)
+    _, arguments, (source, option), fix = row
+    error = refusal(arguments)
+    assert (error.rule.source, error.option) == (source, option)
+    assert fix in str(error) and option in str(error)
+
+
+def test_every_rule_refuses_an_example():
+    fired = {id(refusal(arguments).rule) for _, arguments, _, _ in REFUSED}
+    untested = [(rule.source, rule.option, rule.when) for rule in RULES if id(rule) not in fired]
+    assert not untested, f"rules without a refusing example: {untested}"
+
+
+def rules_table() -> str:
+    lines = ["| source | option | refused when | fix |", "|---|---|---|---|"]
+    lines += [f"| {r.source} | `{r.option}` | {r.when} | {r.fix} |" for r in RULES]
+    return "\n".join(lines)
+
+
+def test_the_documented_table_is_the_table_of_rules():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "trainer-client.md").read_text()
+    assert rules_table() in docs, "docs/trainer-client.md, Unsupported combinations, should hold:\n" + rules_table()
 
 
 ACCEPTED = [
     ("nothing known yet", lambda: dict()),
     ("verl-like engine + text model", lambda: dict(engine_config={"use_remove_padding": True, "fp8": None}, model_config={"vision_config": None})),
-    ("dense transformer, hybrid plan, jagged batch", lambda: dict(transformer_config=transformer(), planner_config=planner(), plan=hybrid_plan(), batch=batch())),
+    ("dense transformer, hybrid plan, jagged batch",
+     lambda: dict(transformer_config=transformer(), planner_config=planner(), plan=hybrid_plan(), batch=batch())),
     ("MoE alltoall + router replay unfused, dynamic CP", lambda: dict(transformer_config=transformer(
         num_moe_experts=4, moe_token_dispatcher_type="alltoall", moe_enable_routing_replay=True), planner_config=planner(**DYNAMIC))),
     ("MoE allgather on hybrid CP", lambda: dict(transformer_config=transformer(num_moe_experts=4), planner_config=planner(scheduler=SchedulerKind.HYBRID_CP))),

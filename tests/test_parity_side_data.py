@@ -1,4 +1,4 @@
-"""Per-sample side data travels with its sample (issue 9, items 1 and 2), one process, rank by rank:
+"""Per-sample side data travels with its sample, one process, rank by rank:
 a 3-D per-token field and a scalar field land in their sample's micro-batch, padded along the
 sequence only; router-replay routes are aligned to the input; per-token outputs of any trailing
 shape come back whole and in sample order."""

@@ -124,7 +124,7 @@ def metrics(server: PlannerProcess) -> dict[tuple[str, tuple], float]:
 
 
 def total(values: dict, name: str, **labels) -> float:
-    return sum(v for (n, l), v in values.items() if n == name and set(labels.items()) <= set(l))
+    return sum(v for (n, sample_labels), v in values.items() if n == name and set(labels.items()) <= set(sample_labels))
 
 
 def test_an_inline_request_holds_a_slot_of_the_overload_bound(server):

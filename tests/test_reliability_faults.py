@@ -1,4 +1,4 @@
-"""Overload and faults (issue 6, parts 4 and 5), against one real planner with 2 workers and a queue
+"""Overload and faults, against one real planner with 2 workers and a queue
 bound of 2 (so at most 4 requests in flight):
 
 - past the bound the server answers RESOURCE_EXHAUSTED at once instead of queueing;

@@ -1,4 +1,4 @@
-"""Hostile input (issue 6, part 2): bytes that are not a PlanRequest, truncated messages, huge
+"""Hostile input: bytes that are not a PlanRequest, truncated messages, huge
 repeated fields near and over the message size limit, maximum integer values, absurd layouts and
 job names. The server answers each with a clear error (INVALID_ARGUMENT, or RESOURCE_EXHAUSTED for
 an oversized message), never INTERNAL or UNKNOWN, stays SERVING, and its resident memory (server,

@@ -1,4 +1,4 @@
-"""Load, short CI version (issue 6, part 3): 16 concurrent clients for 10 s against the session's
+"""Load, short CI version: 16 concurrent clients for 10 s against the session's
 real planner, batches of up to 512 samples on 32 ranks. No unexpected error, latency percentiles reported, resident memory of the server
 (with forkserver and workers) does not grow without bound. The 60 s version is bench/load.py."""
 

@@ -1,9 +1,9 @@
-"""Random valid input (issue 6, part 1): every answer is a plan that satisfies every invariant, or a
+"""Random valid input: every answer is a plan that satisfies every invariant, or a
 clear InvalidRequestError - never a crash, a hang or an INTERNAL.
 
 Hypothesis draws layouts (DPxCP 2..256, powers of two or not; TP 1-8), server limits and batches
 (named long-tail distributions and arbitrary lengths, some past the capacity). An oracle written
-from the design says which requests must be planned, so over-rejection fails too. Most examples
+from docs/design.md says which requests must be planned, so over-rejection fails too. Most examples
 run `plan_batch` in-process; a smaller set goes through the real server and must equal the
 in-process plan. Upstream failures found this way are kept below as named regression cases.
 """
@@ -90,7 +90,7 @@ def requests(draw, max_samples: int = 512) -> tuple[PlanRequest, RequestLimits]:
 
 
 def must_plan(request: PlanRequest, limits: RequestLimits) -> bool:
-    """Oracle from the design ("Bad input" and the Megatron-Core facts), for hybrid CP."""
+    """Oracle from docs/design.md ("Bad input" and "What Megatron-Core does with bad or unusual input"), for hybrid CP."""
     lengths, dp_cp = request.sequence_lengths, request.dp_cp_size
     return (
         1 <= len(lengths) <= limits.max_samples_per_request
@@ -213,7 +213,7 @@ def test_regression_misaligned_batch_through_the_server(stub):
 @pytest.mark.parametrize(
     "lengths, dp, cp, per_rank",
     [
-        # The upstream crashes the design lists, at the edges our fuzzing reached: all must be
+        # The upstream crashes docs/design.md lists, at the edges our fuzzing reached: all must be
         # refused by validation (or planned), never reach Megatron-Core's IndexError/ValueError.
         ((30000,) + (100,) * 20, 5, 2, 4096),  # DPxCP 10: IndexError while filling empty ranks
         ((1,) * 64, 3, 4, 1),  # DPxCP 12, all samples at the per-rank budget

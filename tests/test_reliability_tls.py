@@ -1,4 +1,4 @@
-"""TLS and mutual TLS for the planner server (issue 6, part 6).
+"""TLS and mutual TLS for the planner server.
 
 Certificates are made in the test, in a temporary directory (tests/reliability_support.py); no key
 is ever written into the repository. Two real servers on loopback: one with TLS, one with mutual

@@ -23,15 +23,12 @@ from batch_planner.plan import Plan
 from batch_planner.request import PlanRequest
 from batch_planner.v1 import planner_pb2 as pb
 from trainer_client.config import WhoAsks
+from trainer_client.distributed import is_distributed
 from trainer_client.rpc_client import PlanRejectedError
 
 
 class PlanMismatchError(RuntimeError):
     """Ranks of one DPxCP group hold different plans or different batches."""
-
-
-def is_distributed(group: dist.ProcessGroup | None) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def request_digest(request: PlanRequest) -> str:

@@ -32,9 +32,10 @@ from trainer_client.megatron import (
     parallel_state_initialized,
 )
 from trainer_client.micro_batch import RankMicroBatch
-from trainer_client.broadcast import agree_on_plan, is_distributed
+from trainer_client.broadcast import agree_on_plan
 from trainer_client.compatibility import check_dynamic_cp_support
 from trainer_client.config import PlannerClientConfig, WhoAsks
+from trainer_client.distributed import is_distributed
 from trainer_client.metrics import TrainerMetrics
 from trainer_client.outputs import restore_outputs
 from trainer_client.plan_source import PlannerUnavailableError, PlanSource, SourcedPlan

@@ -1,10 +1,12 @@
 """The one place that refuses engine, model and batch features dynamic CP cannot run with.
 
-`check_dynamic_cp_support` is called as each piece of information becomes available (the client
-calls it at construction with the configs it was given, and again in `micro_batches()` with the
-batch and the plan); every argument is optional and only the rows whose inputs are present are
-checked. Configs may be dataclasses, plain objects or dicts; the transformer config is Megatron-Core's
-`TransformerConfig` (its attribute names are used as they are).
+`RULES` is the table of refusals, one `Rule` (source, option, condition, fix) per row; the table
+"Unsupported combinations" in docs/trainer-client.md is the same table, and a test keeps the two
+equal. `check_dynamic_cp_support` is called as each piece of information becomes available (the
+client calls it at construction with the configs it was given, and again in `micro_batches()` with
+the batch and the plan); every argument is optional and only the rules whose inputs are present
+are checked, in table order. Configs may be dataclasses, plain objects or dicts; the transformer
+config is Megatron-Core's `TransformerConfig` (its attribute names are used as they are).
 
 Each refusal raises `UnsupportedCombinationError` naming the option, its value and what to change.
 The rows come from the reference PR (verl #6555) and from Megatron-Core's own requirements for
@@ -15,7 +17,8 @@ dev branch; hybrid_cp_schedule and multi_latent_attention on 0.19).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from functools import cached_property
+from typing import Any, Callable, Mapping
 
 from batch_planner.request import CpLayout, SchedulerKind
 
@@ -24,10 +27,10 @@ MULTIMODAL_BATCH_FIELDS = ("pixel_values", "pixel_values_videos", "image_grid_th
 
 
 class UnsupportedCombinationError(ValueError):
-    """A feature dynamic CP cannot run with; `.option` names it."""
+    """A feature dynamic CP cannot run with; `.option` names it, `.rule` is the row that refused it."""
 
-    def __init__(self, option: str, value: Any, fix: str):
-        self.option, self.value, self.fix = option, value, fix
+    def __init__(self, option: str, value: Any, fix: str, rule: Rule | None = None):
+        self.option, self.value, self.fix, self.rule = option, value, fix, rule
         super().__init__(f"dynamic CP does not support {option}={value!r}: {fix}")
 
 
@@ -38,12 +41,18 @@ class InstalledMegatron:
     # The dev-branch packing schedulers (data_schedule.DefaultDynamicCPScheduler) align the number
     # of micro-batches to the VPP micro-batch group; 0.19's hybrid CP runs without pipelining only.
     vpp_aware_scheduler: bool
+    # The installed Transformer Engine's (major, minor); None when it is not installed.
+    transformer_engine: tuple[int, ...] | None = None
 
     @classmethod
     def detect(cls) -> InstalledMegatron:
         from batch_planner.schedulers import discover_schedulers
+        from trainer_client.megatron import transformer_engine_version
 
-        return cls(vpp_aware_scheduler=discover_schedulers()[SchedulerKind.DYNAMIC_CP].available)
+        return cls(
+            vpp_aware_scheduler=discover_schedulers()[SchedulerKind.DYNAMIC_CP].available,
+            transformer_engine=transformer_engine_version(),
+        )
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:
@@ -52,6 +61,221 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
     if isinstance(config, Mapping):
         return config.get(name, default)
     return getattr(config, name, default)
+
+
+class Inputs:
+    """What one call was given, and the facts the rules read from it."""
+
+    def __init__(self, *, engine: Any, model: Any, transformer: Any, planner: Any, plan: Any,
+                 batch: Mapping[str, Any] | None, installed: InstalledMegatron | None):
+        self.sources: dict[str, Any] = {
+            "engine": engine, "model": model, "transformer": transformer,
+            "planner config": planner, "plan": plan, "batch": batch,
+        }
+        self.transformer, self.plan, self.batch, self._installed = transformer, plan, batch, installed
+        # Read at once, so a bad scheduler or layout name fails whatever else is present.
+        scheduler = _get(plan, "scheduler") or _get(planner, "scheduler")
+        self.scheduler = SchedulerKind(scheduler) if scheduler is not None else None
+        layout = _get(plan, "cp_layout") or _get(planner, "cp_layout")
+        self.layout = CpLayout(layout) if layout is not None else None
+
+    def tc(self, name: str, default: Any = None) -> Any:
+        return _get(self.transformer, name, default)
+
+    @property
+    def tp(self) -> int:
+        return self.tc("tensor_model_parallel_size", 1) or 1
+
+    @property
+    def cp(self) -> int:
+        return self.tc("context_parallel_size", 1) or 1
+
+    @property
+    def vpp(self) -> int:
+        return self.tc("virtual_pipeline_model_parallel_size") or 1
+
+    @property
+    def group(self) -> int | None:
+        return self.tc("microbatch_group_size_per_vp_stage")
+
+    @cached_property
+    def installed(self) -> InstalledMegatron:
+        # Detected only when a rule asks (VPP in use): it imports Megatron-Core's schedulers.
+        return self._installed or InstalledMegatron.detect()
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One refusal: `option` of `source` is refused when `refused(value, inputs)` holds.
+
+    The rule is checked only when every input in `needs` (default: the source) was given. `value`
+    is the option read from the source (`default` when absent) unless `read` says otherwise.
+    `fix` may name {value}, {tp}, {cp} and {group} (the transformer's sizes)."""
+
+    source: str
+    option: str
+    when: str  # the condition in words, as docs/trainer-client.md shows it
+    fix: str
+    refused: Callable[[Any, Inputs], bool]
+    default: Any = None
+    read: Callable[[Inputs], Any] | None = None
+    also_needs: tuple[str, ...] = ()
+
+    def value(self, inputs: Inputs) -> Any:
+        if self.read is not None:
+            return self.read(inputs)
+        return _get(inputs.sources[self.source], self.option, self.default)
+
+    def applies(self, inputs: Inputs) -> bool:
+        return all(inputs.sources[name] is not None for name in (self.source, *self.also_needs))
+
+    def error(self, value: Any, inputs: Inputs) -> UnsupportedCombinationError:
+        fix = self.fix.format(value=value, tp=inputs.tp, cp=inputs.cp, group=inputs.group)
+        return UnsupportedCombinationError(self.option, value, fix, self)
+
+
+def _is_set(value: Any, _: Inputs) -> bool:
+    return bool(value)
+
+
+def _vision(inputs: Inputs) -> str | None:
+    return "set" if _get(inputs.sources["model"], "vision_config") is not None else None
+
+
+def _dense_input_ids(inputs: Inputs) -> str | None:
+    input_ids = inputs.batch["input_ids"] if "input_ids" in inputs.batch.keys() else None
+    if input_ids is None or getattr(input_ids, "is_nested", False):
+        return None
+    return f"dense tensor {tuple(input_ids.shape)}"
+
+
+def _first_multimodal_field(inputs: Inputs) -> str | None:
+    return next((k for k in inputs.batch.keys() if k in MULTIMODAL_BATCH_FIELDS), None)
+
+
+def _layout(inputs: Inputs) -> str | None:
+    return inputs.layout.value if inputs.layout is not None else None
+
+
+def _plan_micro_batches(inputs: Inputs) -> str:
+    return f"plan with {len(inputs.plan.micro_batches)} micro-batches"
+
+
+def _mtp_with_tp_and_sp(inputs: Inputs) -> bool:
+    return (inputs.tc("mtp_num_layers") or 0) > 0 and inputs.tp > 1 and bool(inputs.tc("sequence_parallel", False))
+
+
+def _packing_moe_dispatcher(value: Any, inputs: Inputs) -> bool:
+    return bool(inputs.tc("num_moe_experts")) and inputs.scheduler in PACKING_SCHEDULERS and value not in ("alltoall", "flex")
+
+
+def _plan_not_grouped(_: Any, inputs: Inputs) -> bool:
+    return inputs.vpp > 1 and bool(inputs.group) and len(inputs.plan.micro_batches) % inputs.group != 0
+
+
+def _plan_cp(inputs: Inputs) -> int:
+    """The largest CP group of the plan (1 when it has none larger)."""
+    return max((g.size for mb in _get(inputs.plan, "micro_batches", ()) for g in mb.cp_groups), default=1)
+
+
+def _transformer_engine(inputs: Inputs) -> str | None:
+    version = inputs.installed.transformer_engine if _plan_cp(inputs) > 1 else None
+    return ".".join(map(str, version)) if version is not None else None
+
+
+def _old_transformer_engine(value: Any, inputs: Inputs) -> bool:
+    from trainer_client.megatron import MIN_TE_VERSION_FOR_THD_CP
+
+    return value is not None and tuple(int(p) for p in value.split(".")) < MIN_TE_VERSION_FOR_THD_CP
+
+
+_THD_CP = "the plan runs CP groups on packed THD input, which only Transformer Engine's attention takes; "
+_NO_CUDA_GRAPHS = "Megatron-Core does not support CUDA graphs with dynamic CP; "
+_NOT_VALUE_MODEL = "value (critic) models are not supported; run the critic with static CP"
+_FP8 = "FP8 is not supported with dynamic CP; "
+
+RULES: tuple[Rule, ...] = (
+    Rule("engine", "use_remove_padding", "false",
+         "dynamic CP packs samples as THD (remove-padding) input; set use_remove_padding=True",
+         lambda v, _: v is False, default=True),
+    Rule("engine", "is_value_model", "true", _NOT_VALUE_MODEL, _is_set),
+    Rule("engine", "distillation", "set", "distillation is not supported; disable it or use static CP", _is_set),
+    Rule("engine", "use_megatron_fsdp", "true",
+         "Megatron-Core's dynamic CP does not support Megatron FSDP; use DDP/distributed optimizer", _is_set),
+    Rule("engine", "fp8", "set", _FP8 + "set fp8 to null", _is_set),
+    Rule("model", "is_value_model", "true", _NOT_VALUE_MODEL, _is_set),
+    Rule("model", "vision_config", "set", "multimodal models are not supported; use a text-only model or static CP",
+         _is_set, read=_vision),
+    Rule("model", "is_multimodal", "true", "multimodal models are not supported; use a text-only model or static CP", _is_set),
+    Rule("transformer", "calculate_per_token_loss", "false",
+         "Megatron-Core requires a per-token loss with dynamic CP (micro-batches hold different token "
+         "counts); set calculate_per_token_loss=True", lambda v, _: not v, default=False),
+    # (fp8_param needs fp8, so this refuses FP8 parameters too.)
+    Rule("transformer", "fp8", "set", _FP8 + "set fp8=None (and fp8_param=False)", lambda v, _: v is not None),
+    Rule("transformer", "enable_cuda_graph", "true", _NO_CUDA_GRAPHS + "set enable_cuda_graph=False", _is_set),
+    Rule("transformer", "external_cuda_graph", "true", _NO_CUDA_GRAPHS + "set external_cuda_graph=False", _is_set),
+    Rule("transformer", "cuda_graph_impl", "not 'none'", _NO_CUDA_GRAPHS + "set cuda_graph_impl='none'",
+         lambda v, _: v not in ("none", None), default="none"),
+    Rule("transformer", "moe_router_fusion", "true with moe_enable_routing_replay",
+         "router replay (moe_enable_routing_replay=True) needs the unfused router; set moe_router_fusion=False",
+         lambda v, i: bool(i.tc("moe_enable_routing_replay", False)) and bool(v)),
+    Rule("transformer", "moe_token_dispatcher_type", "not 'alltoall'/'flex' with MoE and a packing scheduler",
+         "Megatron-Core's sequence packing supports only the 'alltoall' or 'flex' MoE dispatcher; set one of them",
+         _packing_moe_dispatcher, default="allgather"),
+    Rule("transformer", "multi_latent_attention", "true with hybrid CP",
+         "Megatron-Core's hybrid CP (0.19) does not support MLA; use scheduler=dynamic_cp with a "
+         "dev-branch Megatron-Core, or static CP",
+         lambda v, i: bool(v) and i.scheduler is SchedulerKind.HYBRID_CP),
+    Rule("planner config", "cp_layout", "'contiguous' (planner config or plan) with multi_latent_attention",
+         "Megatron-Core's MLA requires the zigzag CP layout; set cp_layout=zigzag",
+         lambda v, i: v == "contiguous" and bool(i.tc("multi_latent_attention", False)),
+         read=_layout, also_needs=("transformer",)),
+    Rule("planner config", "cp_layout", "'contiguous' (planner config or plan) with MTP, TP > 1 and sequence parallelism",
+         "Megatron-Core refuses multi-token prediction with TP > 1, sequence parallelism and the "
+         "contiguous CP layout (a known padding-mask bug); set cp_layout=zigzag",
+         lambda v, i: v == "contiguous" and _mtp_with_tp_and_sp(i), read=_layout, also_needs=("transformer",)),
+    Rule("planner config", "tensor_parallel_size", "differs from the transformer's tensor_model_parallel_size",
+         "the planner config pads for TP={value} but the model runs tensor_model_parallel_size={tp}; "
+         "set tensor_parallel_size={tp} in the planner config",
+         lambda v, i: v is not None and v != i.tp, also_needs=("transformer",)),
+    Rule("plan", "tensor_parallel_size", "differs from the transformer's tensor_model_parallel_size",
+         "the plan pads for TP={value} but the model runs tensor_model_parallel_size={tp}; "
+         "set tensor_parallel_size={tp} in the planner config",
+         lambda v, i: v is not None and v != i.tp, also_needs=("transformer",)),
+    Rule("planner config", "context_parallel_size", "differs from the transformer's context_parallel_size",
+         "the planner config says CP={value} but the model runs context_parallel_size={cp}; set them equal",
+         lambda v, i: v is not None and v != i.cp, also_needs=("transformer",)),
+    Rule("transformer", "pipeline_model_parallel_size", "> 1 with hybrid CP",
+         "Megatron-Core's hybrid CP schedule runs without pipelining only; set "
+         "pipeline_model_parallel_size=1 or use scheduler=dynamic_cp with a dev-branch Megatron-Core",
+         lambda v, i: (v or 1) > 1 and i.scheduler is SchedulerKind.HYBRID_CP, default=1),
+    Rule("transformer", "virtual_pipeline_model_parallel_size", "> 1 on a Megatron-Core without a VPP-aware packing scheduler",
+         "the installed Megatron-Core has no VPP-aware packing scheduler (needs a dev-branch build "
+         "with data_schedule.DefaultDynamicCPScheduler); unset virtual pipeline parallelism",
+         lambda v, i: (v or 1) > 1 and not i.installed.vpp_aware_scheduler),
+    Rule("planner config", "micro_batch_group_size", "differs from microbatch_group_size_per_vp_stage under VPP",
+         "with virtual pipeline parallelism the plan must be made with the model's "
+         "microbatch_group_size_per_vp_stage={group}; set micro_batch_group_size={group} in the planner config",
+         lambda v, i: i.vpp > 1 and v != i.group, also_needs=("transformer",)),
+    Rule("plan", "micro_batch_group_size", "micro-batch count not a multiple of microbatch_group_size_per_vp_stage under VPP",
+         "the plan was not made with micro_batch_group_size={group} (its micro-batch count is not a "
+         "multiple of microbatch_group_size_per_vp_stage); plan with micro_batch_group_size={group}",
+         _plan_not_grouped, read=_plan_micro_batches, also_needs=("transformer",)),
+    Rule("transformer", "transformer_impl", "not 'transformer_engine' with a plan of CP groups > 1",
+         _THD_CP + "set transformer_impl='transformer_engine' and install the trainer-gpu extra (transformer-engine[pytorch])",
+         lambda v, i: v != "transformer_engine" and _plan_cp(i) > 1, default="transformer_engine", also_needs=("plan",)),
+    Rule("transformer", "transformer_engine", "installed older than 1.10 with a plan of CP groups > 1",
+         _THD_CP + "Transformer Engine >= 1.10 takes a CP group for THD attention: install the trainer-gpu extra "
+         "(transformer-engine[pytorch])",
+         _old_transformer_engine, read=_transformer_engine, also_needs=("plan",)),
+    Rule("batch", "input_ids", "a dense tensor",
+         "dynamic CP needs remove-padding (THD) input: pass input_ids as a jagged NestedTensor "
+         "(torch.nested.nested_tensor(..., layout=torch.jagged))",
+         lambda v, _: v is not None, read=_dense_input_ids),
+    Rule("batch", "batch field", "one of " + ", ".join(MULTIMODAL_BATCH_FIELDS),
+         "multimodal inputs are not supported with dynamic CP; drop them or use static CP",
+         lambda v, _: v is not None, read=_first_multimodal_field),
+)
 
 
 def check_dynamic_cp_support(
@@ -64,207 +288,12 @@ def check_dynamic_cp_support(
     plan: Any = None,
     installed: InstalledMegatron | None = None,
 ) -> None:
-    """Raises UnsupportedCombinationError for the first unsupported combination found."""
-    scheduler = _get(plan, "scheduler") or _get(planner_config, "scheduler")
-    scheduler = SchedulerKind(scheduler) if scheduler is not None else None
-    layout = _get(plan, "cp_layout") or _get(planner_config, "cp_layout")
-    layout = CpLayout(layout) if layout is not None else None
-    _check_engine(engine_config)
-    _check_model(engine_config, model_config)
-    if transformer_config is not None:
-        _check_transformer(transformer_config, scheduler, layout)
-        _check_parallel_sizes(transformer_config, planner_config, plan)
-        _check_pipeline(transformer_config, planner_config, plan, scheduler, installed)
-        _check_attention(transformer_config, plan)
-    if batch is not None:
-        _check_batch(batch)
-
-
-def _refuse(option: str, value: Any, fix: str) -> None:
-    raise UnsupportedCombinationError(option, value, fix)
-
-
-def _check_engine(engine: Any) -> None:
-    if engine is None:
-        return
-    if _get(engine, "use_remove_padding", True) is False:
-        _refuse("use_remove_padding", False, "dynamic CP packs samples as THD (remove-padding) input; set use_remove_padding=True")
-    if _get(engine, "is_value_model", False):
-        _refuse("is_value_model", True, "value (critic) models are not supported; run the critic with static CP")
-    if _get(engine, "distillation"):
-        _refuse("distillation", _get(engine, "distillation"), "distillation is not supported; disable it or use static CP")
-    if _get(engine, "use_megatron_fsdp", False):
-        _refuse("use_megatron_fsdp", True, "Megatron-Core's dynamic CP does not support Megatron FSDP; use DDP/distributed optimizer")
-    fp8 = _get(engine, "fp8")
-    if fp8:
-        _refuse("fp8", fp8, "FP8 is not supported with dynamic CP; set fp8 to null")
-
-
-def _check_model(engine: Any, model: Any) -> None:
-    if model is None:
-        return
-    if _get(model, "is_value_model", False):
-        _refuse("is_value_model", True, "value (critic) models are not supported; run the critic with static CP")
-    vision = _get(model, "vision_config")
-    if _get(model, "is_multimodal", False) or vision is not None:
-        _refuse(
-            "vision_config" if vision is not None else "is_multimodal",
-            "set" if vision is not None else True,
-            "multimodal models are not supported; use a text-only model or static CP",
-        )
-
-
-def _check_transformer(tc: Any, scheduler: SchedulerKind | None, layout: CpLayout | None) -> None:
-    if not _get(tc, "calculate_per_token_loss", False):
-        _refuse(
-            "calculate_per_token_loss",
-            _get(tc, "calculate_per_token_loss", False),
-            "Megatron-Core requires a per-token loss with dynamic CP (micro-batches hold different token "
-            "counts); set calculate_per_token_loss=True",
-        )
-    if _get(tc, "fp8") is not None:
-        # (fp8_param needs fp8, so this refuses FP8 parameters too.)
-        _refuse("fp8", _get(tc, "fp8"), "FP8 is not supported with dynamic CP; set fp8=None (and fp8_param=False)")
-    if _get(tc, "enable_cuda_graph", False):
-        _refuse("enable_cuda_graph", True, "Megatron-Core does not support CUDA graphs with dynamic CP; set enable_cuda_graph=False")
-    if _get(tc, "external_cuda_graph", False):
-        _refuse("external_cuda_graph", True, "Megatron-Core does not support CUDA graphs with dynamic CP; set external_cuda_graph=False")
-    if _get(tc, "cuda_graph_impl", "none") not in ("none", None):
-        _refuse("cuda_graph_impl", _get(tc, "cuda_graph_impl"), "Megatron-Core does not support CUDA graphs with dynamic CP; set cuda_graph_impl='none'")
-    if _get(tc, "moe_enable_routing_replay", False) and _get(tc, "moe_router_fusion", False):
-        _refuse(
-            "moe_router_fusion",
-            True,
-            "router replay (moe_enable_routing_replay=True) needs the unfused router; set moe_router_fusion=False",
-        )
-    if _get(tc, "num_moe_experts") and scheduler in PACKING_SCHEDULERS:
-        dispatcher = _get(tc, "moe_token_dispatcher_type", "allgather")
-        if dispatcher not in ("alltoall", "flex"):
-            _refuse(
-                "moe_token_dispatcher_type",
-                dispatcher,
-                "Megatron-Core's sequence packing supports only the 'alltoall' or 'flex' MoE dispatcher; set one of them",
-            )
-    if _get(tc, "multi_latent_attention", False):
-        if scheduler is SchedulerKind.HYBRID_CP:
-            _refuse(
-                "multi_latent_attention",
-                True,
-                "Megatron-Core's hybrid CP (0.19) does not support MLA; use scheduler=dynamic_cp with a "
-                "dev-branch Megatron-Core, or static CP",
-            )
-        if layout is CpLayout.CONTIGUOUS:
-            _refuse("cp_layout", "contiguous", "Megatron-Core's MLA requires the zigzag CP layout; set cp_layout=zigzag")
-    if (
-        layout is CpLayout.CONTIGUOUS
-        and (_get(tc, "mtp_num_layers") or 0) > 0
-        and (_get(tc, "tensor_model_parallel_size", 1) or 1) > 1
-        and _get(tc, "sequence_parallel", False)
-    ):
-        _refuse(
-            "cp_layout",
-            "contiguous",
-            "Megatron-Core refuses multi-token prediction with TP > 1, sequence parallelism and the "
-            "contiguous CP layout (a known padding-mask bug); set cp_layout=zigzag",
-        )
-
-
-def _check_parallel_sizes(tc: Any, planner_config: Any, plan: Any) -> None:
-    tp = _get(tc, "tensor_model_parallel_size", 1) or 1
-    for source, planned in (("planner config", _get(planner_config, "tensor_parallel_size")), ("plan", _get(plan, "tensor_parallel_size"))):
-        if planned is not None and planned != tp:
-            _refuse(
-                "tensor_parallel_size",
-                planned,
-                f"the {source} pads for TP={planned} but the model runs tensor_model_parallel_size={tp}; "
-                f"set tensor_parallel_size={tp} in the planner config",
-            )
-    cp = _get(tc, "context_parallel_size", 1) or 1
-    planned_cp = _get(planner_config, "context_parallel_size")
-    if planned_cp is not None and planned_cp != cp:
-        _refuse(
-            "context_parallel_size",
-            planned_cp,
-            f"the planner config says CP={planned_cp} but the model runs context_parallel_size={cp}; set them equal",
-        )
-
-
-def _check_pipeline(tc: Any, planner_config: Any, plan: Any, scheduler: SchedulerKind | None, installed: InstalledMegatron | None) -> None:
-    pp = _get(tc, "pipeline_model_parallel_size", 1) or 1
-    vpp = _get(tc, "virtual_pipeline_model_parallel_size") or 1
-    if pp > 1 and scheduler is SchedulerKind.HYBRID_CP:
-        _refuse(
-            "pipeline_model_parallel_size",
-            pp,
-            "Megatron-Core's hybrid CP schedule runs without pipelining only; set "
-            "pipeline_model_parallel_size=1 or use scheduler=dynamic_cp with a dev-branch Megatron-Core",
-        )
-    if vpp <= 1:
-        return
-    installed = installed or InstalledMegatron.detect()
-    if not installed.vpp_aware_scheduler:
-        _refuse(
-            "virtual_pipeline_model_parallel_size",
-            vpp,
-            "the installed Megatron-Core has no VPP-aware packing scheduler (needs a dev-branch build "
-            "with data_schedule.DefaultDynamicCPScheduler); unset virtual pipeline parallelism",
-        )
-    group = _get(tc, "microbatch_group_size_per_vp_stage")
-    planned_group = _get(planner_config, "micro_batch_group_size")
-    if planner_config is not None and planned_group != group:
-        _refuse(
-            "micro_batch_group_size",
-            planned_group,
-            f"with virtual pipeline parallelism the plan must be made with the model's "
-            f"microbatch_group_size_per_vp_stage={group}; set micro_batch_group_size={group} in the planner config",
-        )
-    if plan is not None and group:
-        count = len(plan.micro_batches)
-        if count % group:
-            _refuse(
-                "micro_batch_group_size",
-                f"plan with {count} micro-batches",
-                f"the plan was not made with micro_batch_group_size={group} (its micro-batch count is not a "
-                f"multiple of microbatch_group_size_per_vp_stage); plan with micro_batch_group_size={group}",
-            )
-
-
-def _check_attention(tc: Any, plan: Any) -> None:
-    """Packed THD micro-batches with a CP group run through Transformer Engine's attention only."""
-    cp_sizes = {g.size for mb in _get(plan, "micro_batches", ()) for g in mb.cp_groups}
-    if not cp_sizes or max(cp_sizes) <= 1:
-        return
-    impl = _get(tc, "transformer_impl", "transformer_engine")
-    if impl != "transformer_engine":
-        _refuse(
-            "transformer_impl",
-            impl,
-            f"the plan runs CP groups of size {max(cp_sizes)} on packed THD input, which only Transformer "
-            "Engine's attention takes; set transformer_impl='transformer_engine' and install the "
-            "trainer-gpu extra (transformer-engine[pytorch])",
-        )
-    from trainer_client.megatron import MIN_TE_VERSION_FOR_THD_CP, transformer_engine_version
-
-    version = transformer_engine_version()
-    if version is not None and version < MIN_TE_VERSION_FOR_THD_CP:
-        _refuse(
-            "transformer_engine",
-            ".".join(map(str, version)),
-            f"the plan runs CP groups of size {max(cp_sizes)} on packed THD input; Transformer Engine "
-            f">= {'.'.join(map(str, MIN_TE_VERSION_FOR_THD_CP))} takes a CP group for THD attention: "
-            "install the trainer-gpu extra (transformer-engine[pytorch])",
-        )
-
-
-def _check_batch(batch: Mapping[str, Any]) -> None:
-    keys = list(batch.keys())
-    if "input_ids" in keys and not getattr(batch["input_ids"], "is_nested", False):
-        _refuse(
-            "input_ids",
-            f"dense tensor {tuple(batch['input_ids'].shape)}",
-            "dynamic CP needs remove-padding (THD) input: pass input_ids as a jagged NestedTensor "
-            "(torch.nested.nested_tensor(..., layout=torch.jagged))",
-        )
-    multimodal = [k for k in keys if k in MULTIMODAL_BATCH_FIELDS]
-    if multimodal:
-        _refuse("batch field", multimodal[0], "multimodal inputs are not supported with dynamic CP; drop them or use static CP")
+    """Raises UnsupportedCombinationError for the first rule of `RULES` that refuses."""
+    inputs = Inputs(engine=engine_config, model=model_config, transformer=transformer_config,
+                    planner=planner_config, plan=plan, batch=batch, installed=installed)
+    for rule in RULES:
+        if not rule.applies(inputs):
+            continue
+        value = rule.value(inputs)
+        if rule.refused(value, inputs):
+            raise rule.error(value, inputs)

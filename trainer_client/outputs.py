@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from trainer_client.broadcast import is_distributed
+from trainer_client.distributed import is_distributed
 
 
 class OutputRestoreError(RuntimeError):

@@ -55,10 +55,6 @@ class PlanSource:
         self._outage_reason: str | None = None
         self._retry_service_at = 0.0
 
-    @property
-    def in_outage(self) -> bool:
-        return self._outage_reason is not None
-
     def close(self) -> None:
         if self.rpc is not None:
             self.rpc.close()

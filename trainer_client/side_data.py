@@ -9,7 +9,7 @@ step shards exactly like `input_ids`. Any other length mismatch is an error nami
 
 from __future__ import annotations
 
-from typing import Any, Mapping, MutableMapping, Sequence
+from typing import Any, MutableMapping, Sequence
 
 import torch
 
@@ -85,8 +85,3 @@ def attach_router_replay(
     batch[field] = torch.nested.nested_tensor(aligned, layout=torch.jagged)
     batch[mask_field] = torch.nested.nested_tensor(masks, layout=torch.jagged)
     return batch
-
-
-def sample_lengths(batch: Mapping[str, Any]) -> list[int]:
-    """Real lengths of the batch's samples (from its jagged `input_ids`)."""
-    return [int(t.shape[0]) for t in batch["input_ids"].unbind()]

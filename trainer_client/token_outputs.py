@@ -15,8 +15,8 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from trainer_client.distributed import is_distributed
 from trainer_client.micro_batch import RankMicroBatch
-from trainer_client.broadcast import is_distributed
 from trainer_client.outputs import OutputRestoreError
 
 

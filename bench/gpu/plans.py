@@ -34,7 +34,7 @@ class BenchPlan:
     def rank_schedule(self, rank: int) -> list[CpGroup | None]:
         """This rank's CP group in every micro-batch, in plan order (None: idle in that one).
 
-        Planner plans never leave a rank idle (invariant 2); a static plan whose pack count is
+        Planner plans never leave a rank idle (docs/design.md, Plan invariants, 2); a static plan whose pack count is
         not a multiple of DP leaves the last micro-batch short.
         """
         return [_group_of_rank_or_none(mb, rank) for mb in self.micro_batches]
