@@ -12,7 +12,7 @@ one run per cell, no spread to report.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from batch_planner.cost import CostModel, static_cp_step_cost
@@ -74,7 +74,7 @@ def static_cp_packs(request: PlanRequest) -> list[list[int]]:
 
 
 def static_cp_row(distribution: str, size: BatchSize, request: PlanRequest, cp: int, model: CostModel) -> Row:
-    static = replace(request, context_parallel_size=cp, data_parallel_size=size.ranks // cp)
+    static = request.replace(context_parallel_size=cp, data_parallel_size=size.ranks // cp)
     cost = static_cp_step_cost(static, model)
     packs = static_cp_packs(static)
     dp = static.data_parallel_size
@@ -122,7 +122,7 @@ def measure(sizes, model: CostModel) -> tuple[list[Row], dict[tuple[str, int], P
             request = make_request(distribution, size)
             static_rows = [static_cp_row(distribution, size, request, cp, model) for cp in STATIC_CP_SIZES]
             static_costs = [
-                static_cp_step_cost(replace(request, context_parallel_size=cp, data_parallel_size=size.ranks // cp), model)
+                static_cp_step_cost(request.replace(context_parallel_size=cp, data_parallel_size=size.ranks // cp), model)
                 for cp in STATIC_CP_SIZES
             ]
             for kind in SchedulerKind:
