@@ -113,6 +113,17 @@ def plan_candidate(candidate: Candidate, plan_one: Callable[[PlanRequest], Plan]
         return Outcome(candidate, None, error.code.value, str(error))
 
 
+def reprice(outcomes: Sequence[Outcome], cost_model: CostModel) -> list[Outcome]:
+    """The same candidates' plans priced under another cost model (what-if: presets, a fit)."""
+    from batch_planner.cost import plan_statistics
+
+    return [
+        o if o.plan is None else Outcome(o.candidate, replace(o.plan, statistics=plan_statistics(
+            o.plan.micro_batches, o.candidate.request, o.plan.capacity_bound, cost_model)))
+        for o in outcomes
+    ]
+
+
 def choose(outcomes: Sequence[Outcome]) -> Outcome | None:
     """The cheapest planned candidate; the earliest on a tie (the job's static CP comes first)."""
     best: Outcome | None = None
