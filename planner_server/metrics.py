@@ -76,15 +76,25 @@ class PlannerMetrics:
             ["scheduler", "invariant"], registry=r,
         )
         self.in_flight = Gauge(
-            "batch_planner_in_flight_requests", "Plan requests being planned or queued now.", registry=r,
+            "batch_planner_in_flight_requests",
+            "Slots of the in-flight bound held now: requests planned, queued, or whose worker is being stopped.",
+            registry=r,
+        )
+        self.busy_workers = Gauge(
+            "batch_planner_busy_workers", "Planning worker processes running a plan now.", registry=r,
         )
         self.queue_rejections = Counter(
             "batch_planner_overload_rejections_total",
             "Plan requests refused with RESOURCE_EXHAUSTED because the planning queue was full.", registry=r,
         )
         self.worker_restarts = Counter(
-            "batch_planner_worker_restarts_total", "Planning worker processes replaced after dying.", registry=r,
+            "batch_planner_worker_restarts_total",
+            "Planning worker processes replaced: reason=died (crashed, killed) or abandoned (killed because "
+            "the caller of the plan it ran went away).",
+            ["reason"], registry=r,
         )
+        for reason in ("died", "abandoned"):  # both series exist from the start, for rate()
+            self.worker_restarts.labels(reason)
         self.scheduler_available = Gauge(
             "batch_planner_scheduler_available", "1 if the installed Megatron-Core provides the scheduler.",
             ["scheduler"], registry=r,
@@ -92,6 +102,11 @@ class PlannerMetrics:
         self.build_info = Info(
             "batch_planner", "Server version, Megatron-Core version and available schedulers.", registry=r,
         )
+
+    def track_pool(self, pool) -> None:
+        """The pool's own counts, read at scrape time: what really holds a slot or a worker."""
+        self.in_flight.set_function(lambda: pool.in_flight)
+        self.busy_workers.set_function(lambda: pool.busy)
 
     def job_label(self, job: str) -> str:
         """Bounds the job label's cardinality: the first max_job_labels names, then 'other'."""

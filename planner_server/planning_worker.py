@@ -22,13 +22,9 @@ from batch_planner.validation import JOB_NAME_PATTERN, RequestLimits
 
 log = logging.getLogger(__name__)
 
-DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-OK = "OK"
-
-
 @dataclass(frozen=True)
 class WorkerResult:
-    code: str  # "OK" or a grpc.StatusCode name
+    code: ErrorCode
     response: bytes = b""  # serialized PlanResponse when OK
     message: str = ""
     scheduler: str = "unknown"
@@ -49,12 +45,12 @@ def plan_request_bytes(
 ) -> WorkerResult:
     """Plans one serialized PlanRequest; `deadline` is wall-clock seconds since the epoch."""
     if time.time() >= deadline:
-        return WorkerResult(DEADLINE_EXCEEDED, message="the request's deadline passed while it waited for a worker")
+        return WorkerResult(ErrorCode.DEADLINE_EXCEEDED, message="the request's deadline passed while it waited for a worker")
     message = pb.PlanRequest()
     try:
         message.ParseFromString(request_bytes)
     except (DecodeError, ValueError, RuntimeError) as exc:
-        return WorkerResult(ErrorCode.INVALID_ARGUMENT.value, message=f"request: not a valid PlanRequest message ({exc})")
+        return WorkerResult(ErrorCode.INVALID_ARGUMENT, message=f"request: not a valid PlanRequest message ({exc})")
     label = scheduler_label(message.scheduler)
     # The job name becomes a metric label even when the request is refused; a name validation
     # would refuse (100 kB, label syntax) must not reach the registry or every scrape.
@@ -66,20 +62,20 @@ def plan_request_bytes(
         elapsed = time.perf_counter() - started
     except InvariantViolationError as exc:
         log.error("withheld a plan: %s", exc)
-        return WorkerResult(exc.code.value, message=str(exc), scheduler=label, job=job, invariant=exc.invariant)
+        return WorkerResult(exc.code, message=str(exc), scheduler=label, job=job, invariant=exc.invariant)
     except PlanningError as exc:
-        return WorkerResult(exc.code.value, message=str(exc), scheduler=label, job=job)
+        return WorkerResult(exc.code, message=str(exc), scheduler=label, job=job)
     except Exception as exc:  # noqa: BLE001 - a bug of ours must not take the worker down
         log.exception("unexpected planning failure")
         return WorkerResult(
-            ErrorCode.INTERNAL.value, message=f"planner bug: {type(exc).__name__}: {exc}", scheduler=label, job=job
+            ErrorCode.INTERNAL, message=f"planner bug: {type(exc).__name__}: {exc}", scheduler=label, job=job
         )
     stats = plan.statistics
     samples: dict[int, int] = {}
     for size, count, _ in stats.cp_size_mix:
         samples[size] = samples.get(size, 0) + count
     return WorkerResult(
-        OK,
+        ErrorCode.OK,
         response=plan_to_proto(plan).SerializeToString(deterministic=True),
         scheduler=label,
         job=job,

@@ -67,7 +67,7 @@ class PlannerServer:
             config.limits,
             config.cost_model,
             config.log_level,
-            on_restart=self.metrics.worker_restarts.inc,
+            on_restart=lambda reason: self.metrics.worker_restarts.labels(reason).inc(),
             inline=InlineBound(config.inline_max_samples, config.inline_max_ranks),
         )
         # Handler threads only wait on workers; enough for every request the pool admits plus the
@@ -82,6 +82,7 @@ class PlannerServer:
             maximum_concurrent_rpcs=self.pool.capacity + 64,
         )
         self.servicer = PlannerServicer(config, self.pool, self.metrics)
+        self.metrics.track_pool(self.pool)
         self.grpc_server.add_generic_rpc_handlers((self.servicer.generic_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(

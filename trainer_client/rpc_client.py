@@ -1,9 +1,10 @@
 """The gRPC side of the client: one channel, Plan with a deadline, retries with exponential backoff.
 
-Which failures are retried follows who is at fault: the caller's (INVALID_ARGUMENT) is never
-retried and raises PlanRejectedError; the service's or the network's (UNAVAILABLE,
-DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, INTERNAL, ...) is retried, then reported as
-ServiceFailedError so that the plan source can fall back to in-process planning.
+What a failure leads to is `batch_planner.errors.CLIENT_ACTION`, one table keyed by status code:
+RETRY (transient: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...) is retried, then
+reported as ServiceFailedError so that the plan source falls back to in-process planning; FALLBACK
+(a retry gets the same answer) is reported at once; REJECT (INVALID_ARGUMENT: the caller's fault)
+raises PlanRejectedError and is never planned in-process.
 """
 
 from __future__ import annotations
@@ -14,22 +15,11 @@ from pathlib import Path
 
 import grpc
 
+from batch_planner.errors import CLIENT_ACTION, ClientAction, ErrorCode
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
 from trainer_client.config import PlannerClientConfig
 from trainer_client.metrics import TrainerMetrics
-
-RETRYABLE = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.ABORTED,
-    }
-)
-
 
 class PlanRejectedError(ValueError):
     """The planner (or the in-process planner) refused the request itself; retrying cannot help."""
@@ -73,15 +63,10 @@ class PlannerRpcClient:
                 return self._stub.Plan(request, timeout=c.deadline_seconds)
             except grpc.RpcError as error:
                 last = error
-                code = error.code()
-                if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise PlanRejectedError(code.name, error.details() or "") from None
-                if code not in RETRYABLE and code != grpc.StatusCode.FAILED_PRECONDITION:
-                    raise ServiceFailedError(code.name.lower(), error.details() or "") from None
-                # FAILED_PRECONDITION (this replica's Megatron-Core lacks the scheduler) will not
-                # change on a retry; hand it to the fallback, which has the trainer's own
-                # Megatron-Core (the one that runs the plan).
-                if code == grpc.StatusCode.FAILED_PRECONDITION:
+                action = client_action(error.code())
+                if action is ClientAction.REJECT:
+                    raise PlanRejectedError(error.code().name, error.details() or "") from None
+                if action is ClientAction.FALLBACK:
                     break
             finally:
                 self.metrics.rpc_latency.labels(self.metrics.job).observe(time.perf_counter() - started)
@@ -90,6 +75,13 @@ class PlannerRpcClient:
                 backoff = min(backoff * c.backoff_multiplier, c.max_backoff_seconds)
         assert last is not None
         raise ServiceFailedError(last.code().name.lower(), last.details() or "")
+
+
+def client_action(code: grpc.StatusCode) -> ClientAction:
+    try:
+        return CLIENT_ACTION.get(ErrorCode(code.name), ClientAction.FALLBACK)
+    except ValueError:
+        return ClientAction.FALLBACK
 
 
 def make_channel(config: PlannerClientConfig) -> grpc.Channel:
