@@ -76,7 +76,6 @@ def plan_batch(
         plan,
         request,
         valid_cp_sizes(request.scheduler, request.dp_cp_size, request.context_parallel_size, request.min_cp_size),
-        padding,
     )
     stats = plan_statistics(micro_batches, request, spec.capacity_bound, cost_model or CostModel(), padding)
     return replace(plan, statistics=stats)

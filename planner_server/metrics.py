@@ -1,14 +1,27 @@
 """The planner's Prometheus metrics (served on their own HTTP port).
 
-Labels stay bounded: scheduler (3 values), code (gRPC status names), job (bounded by
---max-job-labels; later jobs are counted under job="other").
+Labels stay bounded: scheduler (3 values), code (gRPC status names), training_job (bounded by
+--max-job-labels; later jobs are counted under training_job="other"). Not `job`: that is
+Prometheus's own target label, and a clash would rename ours to exported_job.
 """
 
 from __future__ import annotations
 
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
+
+# A `_created` series per counter and histogram doubles the series and no query of ours reads it.
+disable_created_metrics()
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 RATIO_BUCKETS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
@@ -23,12 +36,15 @@ class PlannerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, max_job_labels: int = 64):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # Resident memory, CPU time and open files of the gRPC process, as every exporter has them.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         self.max_job_labels = max_job_labels
         self._jobs: set[str] = set()
         self._jobs_lock = threading.Lock()
         self.requests = Counter(
             "batch_planner_requests_total", "Plan requests answered, by scheduler and gRPC status code.",
-            ["scheduler", "code", "job"], registry=r,
+            ["scheduler", "code", "training_job"], registry=r,
         )
         self.plan_latency = Histogram(
             "batch_planner_plan_latency_seconds", "Time from receiving a Plan request to answering it.",
@@ -40,11 +56,11 @@ class PlannerMetrics:
         )
         self.planned_tokens = Counter(
             "batch_planner_planned_tokens_total", "Real (unpadded) tokens in the plans served.",
-            ["scheduler", "job"], registry=r,
+            ["scheduler", "training_job"], registry=r,
         )
         self.padding_tokens = Counter(
             "batch_planner_padding_tokens_total", "Padding tokens the plans served add (padded minus real).",
-            ["scheduler", "job"], registry=r,
+            ["scheduler", "training_job"], registry=r,
         )
         self.planned_samples = Counter(
             "batch_planner_planned_samples_total", "Samples in the plans served, by the CP size they got.",
@@ -68,7 +84,7 @@ class PlannerMetrics:
         )
         self.last_speedup = Gauge(
             "batch_planner_last_predicted_speedup_over_static_cp_ratio",
-            "Predicted speedup over static CP of the latest plan, per job.", ["scheduler", "job"], registry=r,
+            "Predicted speedup over static CP of the latest plan, per job.", ["scheduler", "training_job"], registry=r,
         )
         self.invariant_violations = Counter(
             "batch_planner_invariant_violations_total",
@@ -86,6 +102,11 @@ class PlannerMetrics:
         self.queue_rejections = Counter(
             "batch_planner_overload_rejections_total",
             "Plan requests refused with RESOURCE_EXHAUSTED because the planning queue was full.", registry=r,
+        )
+        self.rpc_limit_rejections = Counter(
+            "batch_planner_rpc_limit_rejections_total",
+            "Calls gRPC refused with RESOURCE_EXHAUSTED \"Concurrent RPC limit exceeded!\" before any "
+            "handler ran (any method, health checks included).", registry=r,
         )
         self.worker_restarts = Counter(
             "batch_planner_worker_restarts_total",

@@ -24,6 +24,7 @@ from batch_planner.v1 import planner_pb2 as pb
 from planner_server import __version__
 from planner_server.config import ServerConfig
 from planner_server.metrics import PlannerMetrics
+from planner_server.rpc_limit import RpcLimitCounter
 from planner_server.servicer import SERVICE_NAME, PlannerServicer
 from planner_server.worker_pool import InlineBound, PlanningPool
 
@@ -43,6 +44,19 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
     )
+
+
+def connection_age_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """Trainers balance over the replicas a DNS name resolves to, and gRPC resolves it again only
+    when a connection drops: closing each connection after --max-connection-age-seconds is what
+    lets replicas the autoscaler adds receive traffic. A call in progress on a closing connection
+    gets the default deadline to finish."""
+    if config.max_connection_age_seconds <= 0:
+        return []
+    return [
+        ("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000)),
+        ("grpc.max_connection_age_grace_ms", int(config.default_deadline_seconds * 1000)),
+    ]
 
 
 class PlannerServer:
@@ -72,15 +86,19 @@ class PlannerServer:
         )
         # Handler threads only wait on workers; enough for every request the pool admits plus the
         # ones it refuses at once, health checks and capability calls.
+        rpc_limit = RpcLimitCounter(self.metrics.rpc_limit_rejections.inc)
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self.pool.capacity + 16, thread_name_prefix="grpc"),
+            interceptors=(rpc_limit,),
             options=[
                 ("grpc.max_receive_message_length", config.max_receive_message_bytes),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
                 ("grpc.so_reuseport", 0),
+                *connection_age_options(config),
             ],
-            maximum_concurrent_rpcs=self.pool.capacity + 64,
+            maximum_concurrent_rpcs=self.pool.capacity + config.extra_concurrent_rpcs,
         )
+        rpc_limit.watch(self.grpc_server)
         self.servicer = PlannerServicer(config, self.pool, self.metrics)
         self.metrics.track_pool(self.pool)
         self.grpc_server.add_generic_rpc_handlers((self.servicer.generic_handler(),))
@@ -124,8 +142,9 @@ class PlannerServer:
     def _start_metrics(self) -> None:
         if self.config.metrics_port < 0:
             return
-        server, _ = start_http_server(self.config.metrics_port, addr="::" if ":" in self.config.host else "0.0.0.0",
-                                      registry=self.metrics.registry)
+        # The same interface as gRPC: --host 127.0.0.1 keeps /metrics off the network too.
+        host = self.config.host.strip("[]")
+        server, _ = start_http_server(self.config.metrics_port, addr=host, registry=self.metrics.registry)
         self.metrics_port = server.server_port
 
     def _set_health(self, status) -> None:

@@ -120,6 +120,7 @@ def capabilities(config: ServerConfig) -> pb.Capabilities:
             max_sequence_length=limits.max_sequence_length,
             max_receive_message_bytes=config.max_receive_message_bytes,
             max_tensor_parallel_size=limits.max_tensor_parallel_size,
+            max_micro_batch_group_size=limits.max_micro_batch_group_size,
         ),
         cost_model=cost_model_to_proto(config.cost_model),
     )

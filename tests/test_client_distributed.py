@@ -57,7 +57,7 @@ def _run_rank(rank: int, store_path: str, endpoint: str, out_dir: str) -> None:
             plan = client.plan_step(step, LENGTHS)
             # Only the asking rank(s) called the service.
             asked = client.metrics.registry.get_sample_value(
-                "batch_planner_client_plans_total", {"job": "unnamed", "source": "service"}
+                "batch_planner_client_plans_total", {"training_job": "unnamed", "source": "service"}
             ) or 0
             assert asked == (1 if (who_asks == "all_ranks" or rank == 0) else 0)
             units = client.micro_batches(plan, _batch())

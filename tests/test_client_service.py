@@ -25,7 +25,7 @@ def client_for(endpoint: str, **overrides) -> BatchPlannerClient:
 
 
 def metric(client: BatchPlannerClient, name: str, **labels) -> float:
-    return client.metrics.registry.get_sample_value(name, {"job": "test", **labels}) or 0.0
+    return client.metrics.registry.get_sample_value(name, {"training_job": "test", **labels}) or 0.0
 
 
 def unused_port() -> int:

@@ -221,7 +221,7 @@ def test_values_schema_lists_every_server_setting_with_its_type():
     schema = json.loads((CHART / "values.schema.json").read_text())
     config_schema = schema["properties"]["config"]["properties"]
     json_type = {int: "integer", float: "number", str: "string"}
-    flags = {a.dest: a.type for a in build_parser()._actions if a.dest != "help"}
+    flags = {a.dest: a.type for a in build_parser()._actions if a.dest not in ("help", "version")}
     assert set(config_schema) == set(flags) - SET_BY_CHART
     for name, schema_entry in config_schema.items():
         assert schema_entry["type"] == json_type[flags[name]], name
@@ -232,7 +232,7 @@ def test_every_server_setting_reaches_the_server_from_values():
     config code: every setting must arrive with the value the values file gave it."""
     values = yaml.safe_load(ALL_ON_VALUES.read_text())
     env = env_of(render_chart(str(ALL_ON_VALUES)))
-    flags = {a.dest for a in build_parser()._actions if a.dest != "help"}
+    flags = {a.dest for a in build_parser()._actions if a.dest not in ("help", "version")}
     assert {"PLANNER_" + flag.upper() for flag in flags} <= set(env)
     code = (
         "import json, dataclasses; from planner_server.config import config_from_args; "
@@ -267,6 +267,6 @@ def test_default_config_values_match_the_server_defaults():
 def test_deployment_doc_lists_every_server_setting():
     doc = (ROOT / "docs" / "deployment.md").read_text()
     for action in build_parser()._actions:
-        if action.dest == "help" or action.dest in SET_BY_CHART:
+        if action.dest in ("help", "version") or action.dest in SET_BY_CHART:
             continue
         assert f"| `config.{action.dest}` | `PLANNER_{action.dest.upper()}` |" in doc, action.dest
