@@ -121,6 +121,8 @@ class PlannerServer:
             self.port, "TLS" if credentials else "plaintext", workers, megatron_core_version(),
         )
         self.pool.warm_up()
+        if self._stopped.is_set():
+            return  # SIGTERM while warming up: the drain has already stopped everything
         available = [k.value for k, a in discover_schedulers().items() if a.available]
         for kind, availability in discover_schedulers().items():
             self.metrics.scheduler_available.labels(kind.value).set(1 if availability.available else 0)

@@ -330,8 +330,11 @@ class PlanningPool:
         if self.inline.max_samples > 0:
             planning_worker.warm_up()
         end = time.monotonic() + timeout
-        for _ in range(self.workers):
-            if not self._ready.acquire(timeout=max(0.0, end - time.monotonic())):
+        started = 0
+        while started < self.workers and not self._stopping:
+            if self._ready.acquire(timeout=0.1):
+                started += 1
+            elif time.monotonic() > end:
                 raise RuntimeError(f"planning workers did not start within {timeout:.0f} s")
 
     def admit(self, slots: int = 1) -> Work:

@@ -108,3 +108,62 @@ def test_half_configured_tls_refuses_to_start_instead_of_serving_plaintext(pki, 
     done = subprocess.run(cmd, cwd=ROOT, env=planner_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert words in done.stderr and "SERVING" not in done.stderr
+
+
+# --- the trainer client's TLS setting against the server's (issue 16.3) ----------------------------
+
+def plan_source(address: str, **settings):
+    from trainer_client.config import PlannerClientConfig
+    from trainer_client.metrics import TrainerMetrics
+    from trainer_client.plan_source import PlanSource
+
+    config = PlannerClientConfig(planner_endpoint=address, max_seqlen_per_dp_cp_rank=4096, **settings)
+    return PlanSource(config, TrainerMetrics())
+
+
+def small_request():
+    from batch_planner.request import PlanRequest
+
+    return PlanRequest(tuple(REQUEST.sequence_lengths), 4, 2, 4096)
+
+
+def test_a_client_with_only_the_endpoint_set_uses_the_charts_default_plaintext_server(planner):
+    """The client's default and the chart's agree: no silent fallback for every step."""
+    source = plan_source(planner.address)
+    try:
+        assert source.plan(small_request()).source == "service"
+    finally:
+        source.close()
+
+
+def test_a_tls_client_against_a_plaintext_server_raises_with_the_fix(planner, pki):
+    from trainer_client.rpc_client import TlsMismatchError
+
+    source = plan_source(planner.address, tls=True, tls_ca_file=str(pki.ca_cert))
+    try:
+        with pytest.raises(TlsMismatchError, match="tls: false"):
+            source.plan(small_request())
+    finally:
+        source.close()
+
+
+def test_a_plaintext_client_against_a_tls_server_raises_with_the_fix(servers):
+    from trainer_client.rpc_client import TlsMismatchError
+
+    source = plan_source(servers["tls"].address)
+    try:
+        with pytest.raises(TlsMismatchError, match="tls: true"):
+            source.plan(small_request())
+    finally:
+        source.close()
+    assert source.metrics.registry.get_sample_value(
+        "batch_planner_client_plans_total", {"training_job": "unnamed", "source": "fallback"}
+    ) is None
+
+
+def test_a_tls_client_that_trusts_the_ca_plans_through_the_service(servers, pki):
+    source = plan_source(servers["tls"].address, tls=True, tls_ca_file=str(pki.ca_cert))
+    try:
+        assert source.plan(small_request()).source == "service"
+    finally:
+        source.close()

@@ -69,9 +69,11 @@ class PlannerClientConfig:
     # How fast the gRPC channel reconnects to a planner that comes back.
     max_reconnect_backoff_seconds: float = 1.0
 
-    # TLS: on unless tls=False. ca_file: the CA that signed the server (empty: system roots).
-    # cert_file + key_file: this client's certificate for mutual TLS.
-    tls: bool = True
+    # TLS: off by default, like the chart's server (helm values tls.enabled); a mismatch with the
+    # server raises TlsMismatchError on the first call instead of falling back. ca_file: the CA
+    # that signed the server (empty: system roots). cert_file + key_file: this client's
+    # certificate for mutual TLS.
+    tls: bool = False
     tls_ca_file: str = ""
     tls_cert_file: str = ""
     tls_key_file: str = ""

@@ -10,6 +10,8 @@ raises PlanRejectedError and is never planned in-process.
 from __future__ import annotations
 
 import json
+import socket
+import ssl
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import grpc
 from batch_planner.errors import CLIENT_ACTION, ClientAction, ErrorCode
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
-from trainer_client.config import PlannerClientConfig
+from trainer_client.config import ConfigError, PlannerClientConfig
 from trainer_client.metrics import TrainerMetrics
 
 class PlanRejectedError(ValueError):
@@ -36,6 +38,11 @@ class ServiceFailedError(RuntimeError):
     def __init__(self, reason: str, message: str):
         super().__init__(f"batch planner service failed ({reason}): {message}")
         self.reason = reason
+
+
+class TlsMismatchError(ConfigError):
+    """The client's `tls` setting does not match the server's: a configuration error that no retry
+    or fallback would fix, so it is raised (with the fix) instead of planning in-process for ever."""
 
 
 class PlannerRpcClient:
@@ -63,6 +70,7 @@ class PlannerRpcClient:
                 return self._stub.Plan(request, timeout=c.deadline_seconds)
             except grpc.RpcError as error:
                 last = error
+                _raise_on_tls_mismatch(c, error)
                 action = client_action(error.code())
                 if action is ClientAction.REJECT:
                     raise PlanRejectedError(error.code().name, error.details() or "") from None
@@ -84,9 +92,49 @@ def client_action(code: grpc.StatusCode) -> ClientAction:
         return ClientAction.FALLBACK
 
 
+def _raise_on_tls_mismatch(config: PlannerClientConfig, error: grpc.RpcError) -> None:
+    if error.code() != grpc.StatusCode.UNAVAILABLE:
+        return
+    details = error.details() or ""
+    endpoint = config.planner_endpoint
+    if config.tls and "WRONG_VERSION_NUMBER" in details:
+        raise TlsMismatchError(
+            f"tls: true, but the planner at {endpoint} answers in plaintext; set tls: false (the chart's "
+            "default), or give the server a certificate (chart: tls.enabled) - the handshake failed: " + details
+        )
+    if config.tls and "CERTIFICATE_VERIFY_FAILED" in details:
+        raise TlsMismatchError(
+            f"the planner at {endpoint} presents a certificate tls_ca_file ({config.tls_ca_file or 'system roots'}) "
+            "does not trust, or for another name (tls_server_name_override); fix either - " + details
+        )
+    if not config.tls and "Socket closed" in details and speaks_tls(endpoint):
+        raise TlsMismatchError(
+            f"tls: false, but the planner at {endpoint} requires TLS; set tls: true and tls_ca_file to the CA "
+            "that signed its certificate (plus tls_cert_file/tls_key_file for mutual TLS)"
+        )
+
+
+def speaks_tls(endpoint: str, timeout: float = 2.0) -> bool:
+    """Whether the server at `endpoint` answers a TLS handshake: tells a TLS server that closed a
+    plaintext connection from one that is going away."""
+    target = endpoint.removeprefix("dns:///")
+    host, _, port = target.rpartition(":")
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw:
+            with context.wrap_socket(raw):
+                return True
+    except ssl.SSLError as exc:
+        return "WRONG_VERSION_NUMBER" not in str(exc)  # e.g. a client certificate required: still TLS
+    except (OSError, ValueError):
+        return False
+
+
 def make_channel(config: PlannerClientConfig) -> grpc.Channel:
     """A channel to `planner_endpoint`: round-robin over all resolved addresses, quick reconnects,
-    TLS unless `tls` is off."""
+    TLS when `tls` is on."""
     reconnect_ms = int(config.max_reconnect_backoff_seconds * 1000)
     options = [
         # Every replica behind a dns:/// name gets requests, not just the first address.
