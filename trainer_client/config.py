@@ -53,8 +53,8 @@ class PlannerClientConfig:
 
     # One RPC attempt may take this long before it counts as failed.
     deadline_seconds: float = 2.0
-    # Attempts per plan, the first included, on UNAVAILABLE / DEADLINE_EXCEEDED /
-    # RESOURCE_EXHAUSTED / INTERNAL; never on INVALID_ARGUMENT.
+    # Attempts per plan, the first included, on the codes batch_planner.errors.CLIENT_ACTION marks
+    # RETRY (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...); never on INVALID_ARGUMENT.
     max_attempts: int = 2
     initial_backoff_seconds: float = 0.05
     max_backoff_seconds: float = 1.0
