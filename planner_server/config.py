@@ -32,6 +32,9 @@ class ServerConfig:
     extra_concurrent_rpcs: int = 64  # calls gRPC accepts beyond the in-flight bound
     max_connection_age_seconds: float = 300.0  # 0 = connections live for ever
     log_level: str = "INFO"
+    log_format: str = "text"  # or json: one object per line
+    violations_dir: str = "/tmp/batch-planner-violations"  # "" = keep none
+    violations_kept: int = 32
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""  # set to require client certificates (mutual TLS)
@@ -65,6 +68,11 @@ _HELP = {
     "max_connection_age_seconds": "close each client connection after about this long (clients reconnect "
     "at once and re-resolve DNS, so replicas added by the autoscaler get traffic; 0 = never)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_format": "text or json (one JSON object per line; each request's line carries plan_id, "
+    "request_digest, training_job, scheduler, samples, ranks, latency_ms and status as fields)",
+    "violations_dir": "where the requests whose plans broke an invariant are kept, as <digest>.pb with "
+    "the violation in <digest>.txt (empty: kept nowhere)",
+    "violations_kept": "how many such requests violations_dir keeps (the newest)",
     "tls_cert_file": "PEM server certificate chain; with --tls-key-file enables TLS",
     "tls_key_file": "PEM server private key",
     "tls_client_ca_file": "PEM CA bundle; when set, clients must present a certificate it signed (mTLS)",
@@ -119,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
 _PORT = (0, 65535)
 _COUNT = (0, 1 << 31)
 _AT_LEAST_ONE = (1, 1 << 62)
@@ -137,6 +146,7 @@ _RANGES = {
     "max_job_labels": _COUNT,
     "extra_concurrent_rpcs": _COUNT,
     "max_connection_age_seconds": (0.0, 86400.0 * 365),
+    "violations_kept": (0, 100_000),
     **{f.name: _AT_LEAST_ONE for f in fields(RequestLimits)},
 }
 
@@ -146,6 +156,10 @@ def _range_error(name: str, value) -> str | None:
     if name == "log_level":
         if value.upper() not in LOG_LEVELS:
             return f"{flag}: {value!r} is not a log level; allowed: {', '.join(LOG_LEVELS)}"
+        return None
+    if name == "log_format":
+        if value not in LOG_FORMATS:
+            return f"{flag}: {value!r} is not a log format; allowed: {', '.join(LOG_FORMATS)}"
         return None
     if not isinstance(value, (int, float)):
         return None

@@ -83,6 +83,7 @@ class PlannerServer:
             config.log_level,
             on_restart=lambda reason: self.metrics.worker_restarts.labels(reason).inc(),
             inline=InlineBound(config.inline_max_samples, config.inline_max_ranks),
+            log_format=config.log_format,
         )
         # Handler threads only wait on workers; enough for every request the pool admits plus the
         # ones it refuses at once, health checks and capability calls.

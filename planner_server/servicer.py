@@ -21,6 +21,7 @@ from planner_server import __version__
 from planner_server.config import ServerConfig
 from planner_server.metrics import PlannerMetrics
 from planner_server.planning_worker import WorkerResult
+from planner_server.request_log import ViolationDump, log_request
 from planner_server.worker_pool import PlanningPool, PoolOverloaded, WorkersLost
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class PlannerServicer:
         # Set when the drain starts, before health goes NOT_SERVING: a request that arrives after
         # a client saw NOT_SERVING, but before gRPC stops accepting, is refused too.
         self.draining = threading.Event()
+        self.violations = ViolationDump(config.violations_dir, config.violations_kept)
 
     def plan(self, request_bytes: bytes, context: grpc.ServicerContext) -> bytes:
         started = time.perf_counter()
@@ -44,6 +46,8 @@ class PlannerServicer:
         else:
             result = self._plan(request_bytes, context)
         self._record(result, time.perf_counter() - started)
+        if result.invariant:
+            self.violations.write(request_bytes, result)
         if result.code is not ErrorCode.OK:
             context.abort(grpc.StatusCode[result.code.value], result.message)
         return result.response
@@ -75,6 +79,7 @@ class PlannerServicer:
         scheduler = result.scheduler
         m.requests.labels(scheduler, result.code.value, job).inc()
         m.plan_latency.labels(scheduler).observe(seconds)
+        log_request(result, seconds, job)
         if result.invariant:
             m.invariant_violations.labels(scheduler, result.invariant).inc()
         if result.code is not ErrorCode.OK:

@@ -284,13 +284,14 @@ class PlanningPool:
         log_level: str = "INFO",
         on_restart=None,
         inline: InlineBound = InlineBound(),
+        log_format: str = "text",
     ):
         self.workers = workers
         self.admission = Admission(workers + max_queued)
         self.limits = limits
         self.cost_model = cost_model
         self.inline = inline
-        self._initargs = (log_level, limits, cost_model)
+        self._initargs = (log_level, limits, cost_model, log_format)
         self._on_restart = on_restart or (lambda reason: None)
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(_PRELOAD)
