@@ -21,6 +21,7 @@ class ServerConfig:
     host: str = "[::]"
     port: int = 50051
     metrics_port: int = 9400
+    probe_port: int = 50052  # plaintext health only, for the kubelet; -1 = none
     workers: int = 0  # planning processes; 0 = one per available core
     max_queued_requests: int = 64  # beyond workers; more in flight gets RESOURCE_EXHAUSTED
     max_receive_message_bytes: int = 4 * 1024 * 1024
@@ -52,6 +53,9 @@ _HELP = {
     "host": "address to listen on",
     "port": "gRPC port (0 picks a free port)",
     "metrics_port": "Prometheus /metrics HTTP port (0 picks a free port, -1 disables)",
+    "probe_port": "plaintext port serving only grpc.health.v1 for Kubernetes probes, even with TLS: service "
+    "'' is readiness (SERVING once warmed up, NOT_SERVING while draining), 'liveness' is liveness "
+    "(0 picks a free port, -1 disables)",
     "workers": "planning worker processes (0 = one per available core)",
     "max_queued_requests": "requests that may wait for a worker before new ones get RESOURCE_EXHAUSTED",
     "max_receive_message_bytes": "largest request message accepted, in bytes",
@@ -136,6 +140,7 @@ _AT_LEAST_ONE = (1, 1 << 62)
 _RANGES = {
     "port": _PORT,
     "metrics_port": (-1, 65535),
+    "probe_port": (-1, 65535),
     "workers": (0, 4096),
     "max_queued_requests": _COUNT,
     "max_receive_message_bytes": (1, (1 << 31) - 1),

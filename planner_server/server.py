@@ -30,6 +30,11 @@ from planner_server.worker_pool import InlineBound, PlanningPool
 
 log = logging.getLogger(__name__)
 
+# Health service names. Readiness is "" (and the BatchPlanner service): SERVING once warmed up,
+# NOT_SERVING while warming up and draining. Liveness: SERVING for as long as the process answers
+# at all - a draining pod is not dead.
+LIVENESS_SERVICE = "liveness"
+
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     if not (config.tls_cert_file or config.tls_key_file):
@@ -38,12 +43,45 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
         return None
     if not (config.tls_cert_file and config.tls_key_file):
         raise ValueError("TLS needs both --tls-cert-file and --tls-key-file")
-    key = Path(config.tls_key_file).read_bytes()
-    cert = Path(config.tls_cert_file).read_bytes()
-    client_ca = Path(config.tls_client_ca_file).read_bytes() if config.tls_client_ca_file else None
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    files = CertificateFiles(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
+    return grpc.dynamic_ssl_server_credentials(
+        files.load(), files.reload_if_changed, require_client_authentication=bool(config.tls_client_ca_file)
     )
+
+
+class CertificateFiles:
+    """The server's certificate, key and client CA, read again when a file changes, so that a
+    renewed certificate (cert-manager rewriting the mounted secret) is served without a restart.
+    gRPC asks `reload_if_changed` before each new TLS handshake; a stat of three files is cheap."""
+
+    def __init__(self, cert: str, key: str, client_ca: str):
+        self.paths = [Path(p) for p in (cert, key, client_ca) if p]
+        self.cert, self.key = Path(cert), Path(key)
+        self.client_ca = Path(client_ca) if client_ca else None
+        self._seen = self._versions()
+
+    def _versions(self) -> tuple:
+        # A Kubernetes secret volume swaps a symlink: stat follows it, so inode and mtime change.
+        return tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in (p.stat() for p in self.paths))
+
+    def load(self) -> grpc.ServerCertificateConfiguration:
+        client_ca = self.client_ca.read_bytes() if self.client_ca else None
+        return grpc.ssl_server_certificate_configuration(
+            [(self.key.read_bytes(), self.cert.read_bytes())], root_certificates=client_ca
+        )
+
+    def reload_if_changed(self) -> grpc.ServerCertificateConfiguration | None:
+        try:
+            versions = self._versions()
+            if versions == self._seen:
+                return None
+            configuration = self.load()
+        except (OSError, ValueError) as exc:  # half-written files: keep serving the old ones
+            log.warning("could not reload the TLS files (%s); serving the previous certificate", exc)
+            return None
+        self._seen = versions
+        log.info("TLS certificate files changed; serving the new certificate to new connections")
+        return configuration
 
 
 def connection_age_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -69,12 +107,16 @@ class PlannerServer:
         self.servicer: PlannerServicer | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.probe_server: grpc.Server | None = None
+        self.probe_port: int | None = None
         self._stopped = threading.Event()
 
     def start(self) -> None:
         config = self.config
         workers = config.worker_count
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self._start_probes()
         self.pool = PlanningPool(
             workers,
             config.max_queued_requests,
@@ -118,8 +160,9 @@ class PlannerServer:
         self.grpc_server.start()
         self._start_metrics()
         log.info(
-            "listening on %s (%s), %d planning workers, warming up Megatron-Core %s",
-            self.port, "TLS" if credentials else "plaintext", workers, megatron_core_version(),
+            "listening on %s (%s), probes on %s (plaintext, health only), %d planning workers, warming up "
+            "Megatron-Core %s", self.port, "TLS" if credentials else "plaintext", self.probe_port, workers,
+            megatron_core_version(),
         )
         self.pool.warm_up()
         if self._stopped.is_set():
@@ -138,9 +181,22 @@ class PlannerServer:
         )
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "SERVING on port %s (metrics port %s); schedulers available: %s",
-            self.port, self.metrics_port, ", ".join(available) or "none",
+            "SERVING on port %s (metrics port %s); probe port %s; schedulers available: %s",
+            self.port, self.metrics_port, self.probe_port, ", ".join(available) or "none",
         )
+
+    def _start_probes(self) -> None:
+        """A plaintext listener with the health service only, for the kubelet's gRPC probes: they
+        cannot speak TLS, and a TCP check passes long before the planner can plan."""
+        if self.config.probe_port < 0:
+            return
+        self.probe_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="probe"))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.probe_server)
+        address = f"{self.config.host}:{self.config.probe_port}"
+        self.probe_port = self.probe_server.add_insecure_port(address)
+        if self.probe_port == 0:
+            raise RuntimeError(f"could not listen on {address} for probes")
+        self.probe_server.start()
 
     def _start_metrics(self) -> None:
         if self.config.metrics_port < 0:
@@ -173,6 +229,8 @@ class PlannerServer:
             self.grpc_server.stop(max(0.5, deadline - time.monotonic())).wait()
         if self.pool is not None:
             self.pool.shutdown()
+        if self.probe_server is not None:
+            self.probe_server.stop(0)
         self._stopped.set()
         log.info("stopped")
 

@@ -22,7 +22,7 @@ VALUE_SETS = {"default": None, "all-on": str(ALL_ON_VALUES)}
 # Oldest Kubernetes the chart supports (native gRPC probes are GA in 1.27) and a current one.
 KUBERNETES_VERSIONS = ("1.27.0", "1.34.0")
 PROMETHEUS_OPERATOR_KINDS = {"ServiceMonitor", "PrometheusRule"}
-SET_BY_CHART = {"host", "port", "metrics_port", "tls_cert_file", "tls_key_file", "tls_client_ca_file"}
+SET_BY_CHART = {"host", "port", "metrics_port", "probe_port", "tls_cert_file", "tls_key_file", "tls_client_ca_file"}
 
 
 def container(docs: list[dict]) -> dict:
@@ -133,18 +133,21 @@ def test_pod_runs_non_root_read_only_without_privileges(values):
     assert {c["topologyKey"] for c in pod["topologySpreadConstraints"]} >= {"kubernetes.io/hostname"}
 
 
-def test_plaintext_server_gets_native_grpc_probes_on_the_health_service():
-    planner = container(render_chart())
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert planner[probe]["grpc"] == {"port": 50051}, probe
+def test_probes_ask_the_plaintext_probe_port_for_readiness_and_liveness_apart():
+    """Issue 16.6: probes are gRPC health checks on the probe port with TLS on or off (never a TCP
+    check that passes before the server can plan); liveness is its own service."""
+    for docs in (render_chart(), render_chart(str(ALL_ON_VALUES))):
+        planner = container(docs)
+        for probe in ("startupProbe", "readinessProbe"):
+            assert planner[probe]["grpc"] == {"port": 50052}, probe
+        assert planner["livenessProbe"]["grpc"] == {"port": 50052, "service": "liveness"}
+        assert env_of(docs)["PLANNER_PROBE_PORT"] == "50052"
+        assert {"name": "probe", "containerPort": 50052, "protocol": "TCP"} in planner["ports"]
 
 
-def test_tls_server_gets_tcp_probes_and_its_certificates_mounted():
-    """Kubernetes' gRPC probes speak plaintext only: with TLS they would always fail."""
+def test_tls_server_gets_its_certificates_mounted():
     docs = render_chart(str(ALL_ON_VALUES))
     planner = container(docs)
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert planner[probe]["tcpSocket"] == {"port": "grpc"}, probe
     env = env_of(docs)
     mounts = {m["name"]: m["mountPath"] for m in planner["volumeMounts"]}
     assert env["PLANNER_TLS_CERT_FILE"] == mounts["tls"] + "/tls.crt"

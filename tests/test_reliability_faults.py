@@ -248,8 +248,12 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(server):
         late = grpc.insecure_channel(server.address)
         code, seconds, _ = timed_plan(planner_pb2_grpc.BatchPlannerStub(late), slow_request(99), timeout=10)
         assert code == "UNAVAILABLE", code
-        assert health_status(late) == "NOT_SERVING"  # what a readiness probe sees during the drain
+        assert health_status(late) == "NOT_SERVING"
         late.close()
+        # What the kubelet sees on the probe port: not ready, but alive (issue 16.6).
+        with grpc.insecure_channel(f"127.0.0.1:{server.probe_port}") as probes:
+            assert health_status(probes) == "NOT_SERVING"
+            assert health_status(probes, "liveness") == "SERVING"
         # ... and every request admitted before the signal completes with its plan.
         results = [future.result() for future in in_flight]
     assert [code for code, _, _ in results] == ["OK"] * admitted
