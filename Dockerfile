@@ -52,9 +52,21 @@ RUN pip install --no-cache-dir "${MEGATRON_CORE_SPEC}" . \
     && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +
 
 FROM ${PYTHON_IMAGE} AS runtime
+# OCI annotations; a release build passes the commit and the build time:
+#   --build-arg REVISION="$(git rev-parse HEAD)" --build-arg CREATED="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+ARG PYTHON_IMAGE
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG CREATED=unknown
+ARG MEGATRON_CORE_SPEC=megatron-core==0.19.2
 LABEL org.opencontainers.image.title="batch-planner" \
       org.opencontainers.image.description="Megatron-Core context-parallel schedulers behind a gRPC service" \
-      org.opencontainers.image.licenses="Apache-2.0"
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.created="${CREATED}" \
+      org.opencontainers.image.base.name="${PYTHON_IMAGE}" \
+      io.github.megatron-batch-planner.megatron-core="${MEGATRON_CORE_SPEC}"
 RUN groupadd --system --gid 10001 planner \
     && useradd --system --uid 10001 --gid planner --home-dir /home/planner --create-home --shell /usr/sbin/nologin planner
 COPY --from=build /opt/venv /opt/venv
@@ -70,8 +82,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     PLANNER_METRICS_PORT=9400
 USER 10001:10001
 WORKDIR /home/planner
-# 50051: gRPC (Plan, GetCapabilities, grpc.health.v1, reflection); 9400: Prometheus /metrics.
-EXPOSE 50051 9400
-# No HEALTHCHECK: Kubernetes probes the gRPC health service itself (helm/batch-planner), and a
-# plaintext check here would report a TLS-enabled server as unhealthy.
+# 50051: gRPC (Plan, GetCapabilities, grpc.health.v1, reflection); 9400: Prometheus /metrics;
+# 50052: plaintext grpc.health.v1 only, for Kubernetes probes.
+EXPOSE 50051 9400 50052
+# No HEALTHCHECK: Kubernetes probes the gRPC health service on the probe port itself
+# (helm/batch-planner).
 ENTRYPOINT ["planner-server"]

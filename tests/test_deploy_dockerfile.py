@@ -43,7 +43,7 @@ def test_image_is_multi_stage_pinned_and_runs_as_non_root():
     assert users and users[-1].split(":")[0] not in ("0", "root")
     assert ("ENTRYPOINT", '["planner-server"]') in runtime
     exposed = {port for op, args in runtime if op == "EXPOSE" for port in args.split()}
-    assert exposed == {"50051", "9400"}
+    assert exposed == {"50051", "9400", "50052"}  # gRPC, metrics, probes
 
 
 def test_megatron_core_is_a_build_argument_defaulting_to_the_tested_release():
@@ -64,3 +64,14 @@ def test_dockerignore_lets_in_what_the_build_copies_and_nothing_else():
     assert copied == allowed
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     assert {p.rstrip("*") for p in packages} <= copied
+
+
+def test_image_carries_oci_labels_and_the_license_matches_pyproject():
+    """Issue 16.9: OCI annotations in the image; LICENSE is the license pyproject declares."""
+    text = (ROOT / "Dockerfile").read_text()
+    for key in ("title", "description", "licenses", "version", "revision", "created", "base.name"):
+        assert f"org.opencontainers.image.{key}=" in text, key
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"]
+    assert declared == "Apache-2.0" and f'org.opencontainers.image.licenses="{declared}"' in text
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text

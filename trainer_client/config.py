@@ -174,9 +174,10 @@ def _check(c: PlannerClientConfig) -> None:
         raise ConfigError(f"backoff_multiplier: {c.backoff_multiplier!r} is not allowed; expected >= 1")
     endpoint = c.planner_endpoint
     if endpoint:
-        target = endpoint[len("dns:///"):] if endpoint.startswith("dns:///") else endpoint
+        # dns://AUTHORITY/name:port asks that DNS server (gRPC's syntax); dns:///name:port the system's.
+        target = endpoint.removeprefix("dns://").partition("/")[2] if endpoint.startswith("dns://") else endpoint
         host, sep, port = target.rpartition(":")
-        if "://" in endpoint and not endpoint.startswith("dns:///"):
+        if "://" in endpoint and not endpoint.startswith("dns://"):
             raise ConfigError(
                 f"planner_endpoint: {endpoint!r} is not allowed; expected 'host:port' or 'dns:///name:port'"
             )

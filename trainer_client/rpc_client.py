@@ -117,7 +117,7 @@ def _raise_on_tls_mismatch(config: PlannerClientConfig, error: grpc.RpcError) ->
 def speaks_tls(endpoint: str, timeout: float = 2.0) -> bool:
     """Whether the server at `endpoint` answers a TLS handshake: tells a TLS server that closed a
     plaintext connection from one that is going away."""
-    target = endpoint.removeprefix("dns:///")
+    target = endpoint.removeprefix("dns://").partition("/")[2] if endpoint.startswith("dns://") else endpoint
     host, _, port = target.rpartition(":")
     context = ssl.create_default_context()
     context.check_hostname = False
@@ -144,6 +144,9 @@ def make_channel(config: PlannerClientConfig) -> grpc.Channel:
         ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_ms)),
         ("grpc.min_reconnect_backoff_ms", min(100, reconnect_ms)),
         ("grpc.max_reconnect_backoff_ms", reconnect_ms),
+        # When the server closes a connection at its maximum age, the name is resolved again at
+        # once (gRPC's default waits up to 30 s between resolutions), so new replicas show up.
+        ("grpc.dns_min_time_between_resolutions_ms", 1000),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ]
     if not config.tls:
