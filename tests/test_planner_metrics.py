@@ -117,3 +117,32 @@ def _listening_addresses(port: int) -> set[str]:
 def test_metrics_port_binds_the_grpc_host_only(fresh_planner):
     """Issue 16.4: with --host 127.0.0.1 /metrics listens on loopback, not on every interface."""
     assert _listening_addresses(fresh_planner.metrics_port) == {"0100007F"}  # 127.0.0.1
+
+
+def test_calls_grpc_refuses_past_its_concurrency_limit_are_counted():
+    """Issue 16.4: gRPC's own "Concurrent RPC limit exceeded!" refusals show in a metric."""
+    from batch_planner.v1 import planner_pb2 as pb
+    from tests.reliability_support import wait_until
+
+    # One worker, no queue, no extra calls: gRPC accepts one call at a time.
+    server = start_planner("--max-queued-requests", "0", "--extra-concurrent-rpcs", "0", workers=1)
+    slow = pb.PlanRequest(
+        sequence_lengths=sample_lengths("long_tail_16k", 16384, seed=1),
+        layout=pb.ParallelLayout(data_parallel_size=1024, context_parallel_size=1),
+        max_seqlen_per_dp_cp_rank=8192, scheduler=pb.SCHEDULER_HYBRID_CP,
+    )
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = planner_pb2_grpc.BatchPlannerStub(channel)
+            running = stub.Plan.future(slow, timeout=120)
+            wait_until(lambda: sample_value(scrape(server.metrics_url), "batch_planner_busy_workers") == 1,
+                       30, "the one call gRPC allows being planned")
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "Concurrent RPC limit" in refused.value.details()
+            running.cancel()
+        wait_until(lambda: sample_value(scrape(server.metrics_url), "batch_planner_rpc_limit_rejections_total") == 1,
+                   30, "the refusal counted")
+    finally:
+        server.stop()
