@@ -41,13 +41,19 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 WORKDIR /src
+# Everything else at the versions and hashes of requirements/image.lock (the project's own
+# dependencies stay ranges in pyproject.toml); torch is the one package outside it (above).
+COPY requirements/image.lock ./requirements/image.lock
+RUN pip install --no-cache-dir --require-hashes --no-deps -r requirements/image.lock
 COPY pyproject.toml README.md ./
 COPY batch_planner ./batch_planner
 COPY planner_server ./planner_server
 COPY trainer_client ./trainer_client
 # Megatron-Core's optional C++ dataset helper is skipped without a compiler; the planner does not
 # use it. The planner package itself is installed non-editable, so /src is not needed at run time.
-RUN pip install --no-cache-dir "${MEGATRON_CORE_SPEC}" . \
+# --no-deps: the lock has every dependency; a MEGATRON_CORE_SPEC other than the locked release
+# replaces only Megatron-Core itself.
+RUN pip install --no-cache-dir --no-deps "${MEGATRON_CORE_SPEC}" . \
     && python -c "import torch, megatron.core, planner_server.server; assert torch.version.cuda is None, 'not the CPU build of torch'" \
     && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +
 

@@ -52,7 +52,7 @@ def test_megatron_core_is_a_build_argument_defaulting_to_the_tested_release():
     # torch comes from the CPU-only wheel index, before anything that depends on it.
     assert args["TORCH_INDEX_URL"].endswith("/whl/cpu")
     text = DOCKERFILE.read_text()
-    assert text.index('--index-url "${TORCH_INDEX_URL}"') < text.index('pip install --no-cache-dir "${MEGATRON_CORE_SPEC}" .')
+    assert text.index('--index-url "${TORCH_INDEX_URL}"') < text.index('pip install --no-cache-dir --no-deps "${MEGATRON_CORE_SPEC}" .')
 
 
 def test_dockerignore_lets_in_what_the_build_copies_and_nothing_else():
@@ -75,3 +75,28 @@ def test_image_carries_oci_labels_and_the_license_matches_pyproject():
     assert declared == "Apache-2.0" and f'org.opencontainers.image.licenses="{declared}"' in text
     license_text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+
+
+def test_the_image_installs_a_hash_locked_set_that_satisfies_pyproject():
+    """Issue 16.9: requirements/image.lock pins every runtime dependency but torch with hashes,
+    at versions pyproject's ranges allow, and the image installs it with --require-hashes."""
+    from packaging.requirements import Requirement
+
+    locked: dict[str, str] = {}
+    hashed: set[str] = set()
+    name = None
+    for line in (ROOT / "requirements" / "image.lock").read_text().splitlines():
+        if match := re.match(r"^([A-Za-z0-9_.-]+)==([^ ]+)", line):
+            name = match.group(1).lower().replace("_", "-")
+            locked[name] = match.group(2)
+        elif "--hash=sha256:" in line and name:
+            hashed.add(name)
+    assert locked and set(locked) == hashed, set(locked) - hashed
+    for spec in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]:
+        requirement = Requirement(spec)
+        key = requirement.name.lower()
+        if key == "torch":
+            assert key not in locked  # the CPU build, from the CPU index (Dockerfile)
+            continue
+        assert key in locked and requirement.specifier.contains(locked[key]), (spec, locked.get(key))
+    assert "--require-hashes --no-deps -r requirements/image.lock" in DOCKERFILE.read_text()
