@@ -117,8 +117,9 @@ class Task:
     """One function call on a worker. States: queued -> running -> settled (result, error or
     cancelled). `settled` fires once the task costs nothing any more."""
 
-    def __init__(self, fn, args: tuple, on_settled):
+    def __init__(self, fn, args: tuple, on_settled, drop_queued):
         self.fn, self.args = fn, args
+        self._drop_queued = drop_queued
         self.attempts = 0
         self._lock = threading.Lock()
         self._settled = threading.Event()
@@ -149,6 +150,8 @@ class Task:
             worker = self._worker
         if worker is not None:
             worker.kill()  # its slot thread sees the death and settles the task
+        else:
+            self._drop_queued(self)  # its slot comes back now, not when a worker is next free
 
     # --- used by the pool ---
 
@@ -183,7 +186,7 @@ class Work:
         with self._lock:
             if len(self._tasks) >= self._slots:
                 raise RuntimeError(f"this request reserved {self._slots} slot(s) and used them all")
-            task = Task(fn, args, self._task_settled)
+            task = Task(fn, args, self._task_settled, self._pool._drop)
             self._tasks.append(task)
         self._pool._enqueue(task)
         return task
@@ -396,6 +399,16 @@ class PlanningPool:
                 return
             (self._queue.appendleft if front else self._queue.append)(task)
             self._wakeup.notify()
+
+    def _drop(self, task: Task) -> None:
+        """A queued task was cancelled: out of the queue and settled (if a slot thread has just
+        taken it, that thread settles it instead)."""
+        with self._wakeup:
+            try:
+                self._queue.remove(task)
+            except ValueError:
+                return
+        task._settle(error=TaskCancelled())
 
     def _next_task(self) -> Task | None:
         with self._wakeup:
