@@ -7,6 +7,7 @@ process only moves bytes.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -22,17 +23,17 @@ from batch_planner.validation import JOB_NAME_PATTERN, RequestLimits
 
 log = logging.getLogger(__name__)
 
-DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-OK = "OK"
-
-
 @dataclass(frozen=True)
 class WorkerResult:
-    code: str  # "OK" or a grpc.StatusCode name
+    code: ErrorCode
     response: bytes = b""  # serialized PlanResponse when OK
     message: str = ""
     scheduler: str = "unknown"
     job: str = ""
+    request_digest: str = ""  # names the request in logs and in a withheld plan's request file
+    plan_id: str = ""
+    samples: int = 0
+    ranks: int = 0
     invariant: str = ""
     scheduler_seconds: float = 0.0
     real_tokens: int = 0
@@ -44,45 +45,54 @@ class WorkerResult:
     cp_size_samples: tuple[tuple[int, int], ...] = ()
 
 
+def request_digest(request_bytes: bytes) -> str:
+    return hashlib.sha256(request_bytes).hexdigest()[:16]
+
+
 def plan_request_bytes(
     request_bytes: bytes, deadline: float, limits: RequestLimits, cost_model: CostModel
 ) -> WorkerResult:
     """Plans one serialized PlanRequest; `deadline` is wall-clock seconds since the epoch."""
+    digest = request_digest(request_bytes)
     if time.time() >= deadline:
-        return WorkerResult(DEADLINE_EXCEEDED, message="the request's deadline passed while it waited for a worker")
+        return WorkerResult(ErrorCode.DEADLINE_EXCEEDED, message="the request's deadline passed while it waited for a worker",
+                            request_digest=digest)
     message = pb.PlanRequest()
     try:
         message.ParseFromString(request_bytes)
     except (DecodeError, ValueError, RuntimeError) as exc:
-        return WorkerResult(ErrorCode.INVALID_ARGUMENT.value, message=f"request: not a valid PlanRequest message ({exc})")
-    label = scheduler_label(message.scheduler)
+        return WorkerResult(ErrorCode.INVALID_ARGUMENT, message=f"request: not a valid PlanRequest message ({exc})",
+                            request_digest=digest)
     # The job name becomes a metric label even when the request is refused; a name validation
     # would refuse (100 kB, label syntax) must not reach the registry or every scrape.
-    job = message.job if JOB_NAME_PATTERN.match(message.job) else ""
+    about = dict(
+        scheduler=scheduler_label(message.scheduler),
+        job=message.job if JOB_NAME_PATTERN.match(message.job) else "",
+        request_digest=digest,
+        samples=len(message.sequence_lengths),
+        ranks=message.layout.data_parallel_size * max(1, message.layout.context_parallel_size),
+    )
     try:
         request = request_from_proto(message)
         started = time.perf_counter()
         plan = plan_batch(request, limits, cost_model)
         elapsed = time.perf_counter() - started
     except InvariantViolationError as exc:
-        log.error("withheld a plan: %s", exc)
-        return WorkerResult(exc.code.value, message=str(exc), scheduler=label, job=job, invariant=exc.invariant)
+        log.error("withheld a plan of request %s: %s", digest, exc)
+        return WorkerResult(exc.code, message=str(exc), invariant=exc.invariant, **about)
     except PlanningError as exc:
-        return WorkerResult(exc.code.value, message=str(exc), scheduler=label, job=job)
+        return WorkerResult(exc.code, message=str(exc), **about)
     except Exception as exc:  # noqa: BLE001 - a bug of ours must not take the worker down
         log.exception("unexpected planning failure")
-        return WorkerResult(
-            ErrorCode.INTERNAL.value, message=f"planner bug: {type(exc).__name__}: {exc}", scheduler=label, job=job
-        )
+        return WorkerResult(ErrorCode.INTERNAL, message=f"planner bug: {type(exc).__name__}: {exc}", **about)
     stats = plan.statistics
     samples: dict[int, int] = {}
     for size, count, _ in stats.cp_size_mix:
         samples[size] = samples.get(size, 0) + count
     return WorkerResult(
-        OK,
+        ErrorCode.OK,
         response=plan_to_proto(plan).SerializeToString(deterministic=True),
-        scheduler=label,
-        job=job,
+        plan_id=plan.plan_id,
         scheduler_seconds=elapsed,
         real_tokens=stats.real_tokens,
         padded_tokens=stats.padded_tokens,
@@ -91,6 +101,7 @@ def plan_request_bytes(
         speedup=stats.predicted_speedup_over_static_cp,
         micro_batches=stats.micro_batch_count,
         cp_size_samples=tuple(sorted(samples.items())),
+        **about,
     )
 
 
@@ -112,11 +123,18 @@ class _WorkerSettings:
 _settings = _WorkerSettings(RequestLimits(), CostModel())
 
 
-def worker_initializer(log_level: str, limits: RequestLimits, cost_model: CostModel) -> None:
+def worker_initializer(log_level: str, limits: RequestLimits, cost_model: CostModel, log_format: str = "text") -> None:
     """Runs once in each worker: the server's limits and cost model arrive here rather than being
     pickled with every request."""
     global _settings
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [worker] %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    if log_format == "json":
+        from planner_server.request_log import JsonFormatter
+
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [worker] %(name)s: %(message)s"))
+    logging.basicConfig(level=log_level, handlers=[handler])
     _settings = _WorkerSettings(limits, cost_model)
     warm_up()
 
