@@ -16,11 +16,14 @@
 # with the digest your registry reports (docs/deployment.md).
 
 ARG PYTHON_IMAGE=python:3.12.12-slim-bookworm
+# Declared before the first stage, so that both stages (the install and the image's label) read
+# the same value.
+ARG MEGATRON_CORE_SPEC="megatron-core @ https://github.com/NVIDIA/Megatron-LM/archive/d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1.tar.gz"
 
 FROM ${PYTHON_IMAGE} AS build
 ARG TORCH_VERSION=2.14.1
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG MEGATRON_CORE_SPEC="megatron-core @ https://github.com/NVIDIA/Megatron-LM/archive/d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1.tar.gz"
+ARG MEGATRON_CORE_SPEC
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
@@ -53,8 +56,8 @@ COPY planner_server ./planner_server
 COPY trainer_client ./trainer_client
 # Megatron-Core's optional C++ dataset helper is skipped without a compiler; the planner does not
 # use it. The planner package itself is installed non-editable, so /src is not needed at run time.
-# --no-deps: the lock has every dependency; a MEGATRON_CORE_SPEC other than the locked release
-# replaces only Megatron-Core itself.
+# --no-deps: the lock has every dependency (it resolves them with the 0.19.2 release, whose
+# dependencies the dev build shares); MEGATRON_CORE_SPEC then replaces only Megatron-Core itself.
 RUN pip install --no-cache-dir --no-deps "${MEGATRON_CORE_SPEC}" . \
     && python -c "import torch, megatron.core, planner_server.server; assert torch.version.cuda is None, 'not the CPU build of torch'" \
     && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +
@@ -66,7 +69,7 @@ ARG PYTHON_IMAGE
 ARG VERSION=0.1.0
 ARG REVISION=unknown
 ARG CREATED=unknown
-ARG MEGATRON_CORE_SPEC=megatron-core==0.19.2
+ARG MEGATRON_CORE_SPEC
 LABEL org.opencontainers.image.title="batch-planner" \
       org.opencontainers.image.description="Megatron-Core context-parallel schedulers behind a gRPC service" \
       org.opencontainers.image.licenses="Apache-2.0" \
