@@ -86,6 +86,15 @@ class PlannerMetrics:
             "batch_planner_last_predicted_speedup_over_static_cp_ratio",
             "Predicted speedup over static CP of the latest plan, per job.", ["scheduler", "training_job"], registry=r,
         )
+        self.auto_winners = Counter(
+            "batch_planner_auto_winners_total",
+            "auto requests answered, by the Megatron-Core scheduler of the plan served.", ["scheduler"], registry=r,
+        )
+        self.auto_not_planned = Counter(
+            "batch_planner_auto_candidates_not_planned_total",
+            "auto candidates dropped (refused, failed or breaking an invariant), by their scheduler.", ["scheduler"],
+            registry=r,
+        )
         self.invariant_violations = Counter(
             "batch_planner_invariant_violations_total",
             "Plans withheld because Megatron-Core's output broke a plan invariant.",

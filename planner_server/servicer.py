@@ -95,6 +95,10 @@ class PlannerServicer:
         m.balance_efficiency.labels(scheduler).observe(result.balance_efficiency)
         m.speedup.labels(scheduler).observe(result.speedup)
         m.last_speedup.labels(scheduler, job).set(result.speedup)
+        if result.auto_winner:
+            m.auto_winners.labels(result.auto_winner).inc()
+            for dropped in result.auto_not_planned:
+                m.auto_not_planned.labels(dropped).inc()
 
     def get_capabilities(self, request_bytes: bytes, context: grpc.ServicerContext) -> bytes:
         # Parsed here rather than by a registered deserializer: gRPC answers a deserializer's

@@ -40,7 +40,13 @@ from batch_planner.cost import CostModel
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.validation import RequestLimits
 from planner_server import planning_worker
-from planner_server.planning_worker import WorkerResult, plan_in_worker, plan_request_bytes, worker_initializer
+from planner_server.planning_worker import (
+    WorkerResult,
+    assemble_auto,
+    plan_part_in_worker,
+    plan_request_bytes,
+    worker_initializer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +90,8 @@ class Admission:
     def reserve(self, slots: int = 1) -> None:
         with self._lock:
             if self._used + slots > self.capacity:
-                raise PoolOverloaded(f"{self._used} requests in flight, the server's bound is {self.capacity}")
+                need = f"; this request needs {slots} (one per auto candidate)" if slots > 1 else ""
+                raise PoolOverloaded(f"{self._used} slots in flight{need}, the server's bound is {self.capacity}")
             self._used += slots
 
     def release(self, slots: int = 1) -> None:
@@ -356,17 +363,42 @@ class PlanningPool:
                 return self._plan_inline(request_bytes, deadline, timeout)
             finally:
                 self.admission.release(1)
+        end = time.monotonic() + timeout
         work = self.admit(1)
+        try:
+            result, part = self._run(work, plan_part_in_worker, request_bytes, deadline, 0, timeout=timeout, on_abandon=on_abandon)
+        finally:
+            work.close()
+        if part is None:
+            return result  # not auto, or refused as a whole
+        return self._plan_auto_rest(request_bytes, deadline, end, on_abandon, (result, part))
+
+    def _plan_auto_rest(self, request_bytes: bytes, deadline: float, end: float, on_abandon, first) -> WorkerResult:
+        """auto's other candidates, side by side on the workers: the request holds a slot for each
+        (the work it really causes), all stopped together when its caller goes away."""
+        work = self.admit(first[1].count - 1)
         try:
             if on_abandon is not None and on_abandon(work.cancel) is False:
                 work.cancel()  # the RPC has already ended
-            task = work.submit(plan_in_worker, request_bytes, deadline)
-            try:
-                return task.result(timeout)
-            except TaskCancelled:
-                raise TimeoutError from None  # the caller is gone; whatever we answer is unseen
+            tasks = [work.submit(plan_part_in_worker, request_bytes, deadline, k) for k in range(1, first[1].count)]
+            parts = [first]
+            for task in tasks:
+                try:
+                    parts.append(task.result(max(0.0, end - time.monotonic())))
+                except TaskCancelled:
+                    raise TimeoutError from None
         finally:
             work.close()
+        return assemble_auto(parts, job_cp=first[1].job_cp)
+
+    def _run(self, work: Work, fn, *args, timeout: float, on_abandon):
+        if on_abandon is not None and on_abandon(work.cancel) is False:
+            work.cancel()  # the RPC has already ended
+        task = work.submit(fn, *args)
+        try:
+            return task.result(timeout)
+        except TaskCancelled:
+            raise TimeoutError from None  # the caller is gone; whatever we answer is unseen
 
     def _plan_inline(self, request_bytes: bytes, deadline: float, timeout: float) -> WorkerResult:
         started = time.monotonic()
