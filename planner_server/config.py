@@ -11,6 +11,7 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 
+from batch_planner.cost_profiles import cost_model_for_preset, preset_names
 from batch_planner.cost import CostModel
 from batch_planner.validation import RequestLimits
 from planner_server import __version__
@@ -39,6 +40,9 @@ class ServerConfig:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""  # set to require client certificates (mutual TLS)
+    # The default cost model's preset (batch_planner/cost_profiles.py, e.g. llama3-8b-h200); empty:
+    # the coefficient flags below. Requests that carry their own cost model use theirs.
+    cost_model_preset: str = ""
     limits: RequestLimits = field(default_factory=RequestLimits)
     cost_model: CostModel = field(default_factory=CostModel)
 
@@ -85,6 +89,8 @@ _HELP = {
     "max_sequence_length": "longest sample (tokens) a request may carry",
     "max_tensor_parallel_size": "largest tensor-parallel size a request may ask for",
     "max_micro_batch_group_size": "largest virtual-pipeline micro-batch group size",
+    "cost_model_preset": "default cost model for requests that name none: a preset "
+    "(GetCapabilities lists them; e.g. llama3-8b-h200); empty: the coefficient flags",
     "seconds_per_token": "cost model: seconds per (padded) token per rank",
     "seconds_per_attention_token_pair": "cost model: seconds per L^2 attention unit per rank",
     "cp_seconds_per_micro_batch": "cost model: fixed seconds per forward pass over a CP group > 1",
@@ -162,6 +168,10 @@ def _range_error(name: str, value) -> str | None:
         if value.upper() not in LOG_LEVELS:
             return f"{flag}: {value!r} is not a log level; allowed: {', '.join(LOG_LEVELS)}"
         return None
+    if name == "cost_model_preset":
+        if value and value not in preset_names():
+            return f"{flag}: {value!r} is not a preset; allowed: {', '.join(preset_names())}"
+        return None
     if name == "log_format":
         if value not in LOG_FORMATS:
             return f"{flag}: {value!r} is not a log format; allowed: {', '.join(LOG_FORMATS)}"
@@ -186,4 +196,6 @@ def config_from_args(argv: list[str] | None = None) -> ServerConfig:
     args["log_level"] = args["log_level"].upper()
     limits = RequestLimits(**{f.name: args.pop(f.name) for f in fields(RequestLimits)})
     cost_model = CostModel(**{f.name: args.pop(f.name) for f in fields(CostModel)})
+    if args["cost_model_preset"]:
+        cost_model = cost_model_for_preset(args["cost_model_preset"])
     return ServerConfig(limits=limits, cost_model=cost_model, **args)
