@@ -119,6 +119,13 @@ class PlanRequest:
         )
         return cls(tuple(sequence_lengths), data_parallel_size, planning, job)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.options, PlanningOptions):
+            raise TypeError(
+                f"PlanRequest's third field is its PlanningOptions, got {self.options!r}: for flat values use "
+                "PlanRequest.of(lengths, dp, cp, max_seqlen_per_dp_cp_rank, scheduler=...)"
+            )
+
     def __getattr__(self, name: str) -> Any:
         # Only reached for names that are not fields of the request itself.
         if name in _OPTION_NAMES:

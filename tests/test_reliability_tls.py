@@ -124,7 +124,7 @@ def plan_source(address: str, **settings):
 def small_request():
     from batch_planner.request import PlanRequest
 
-    return PlanRequest(tuple(REQUEST.sequence_lengths), 4, 2, 4096)
+    return PlanRequest.of(tuple(REQUEST.sequence_lengths), 4, 2, 4096)
 
 
 def test_a_client_with_only_the_endpoint_set_uses_the_charts_default_plaintext_server(planner):
