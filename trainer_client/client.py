@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from batch_planner.plan import Plan
 from batch_planner.request import PlanRequest
-from trainer_client.ahead import PlanAhead
+from trainer_client.ahead import Fetched, PlanAhead
 from trainer_client.apply import micro_batches_for_rank
 from trainer_client.batch import GlobalBatch, unbind_batch
 from trainer_client.megatron import (
@@ -38,7 +38,7 @@ from trainer_client.config import PlannerClientConfig, WhoAsks
 from trainer_client.distributed import is_distributed
 from trainer_client.metrics import TrainerMetrics
 from trainer_client.outputs import restore_outputs
-from trainer_client.plan_source import PlannerUnavailableError, PlanSource, SourcedPlan
+from trainer_client.plan_source import PlannerUnavailableError, PlanSource
 from trainer_client.rpc_client import PlanRejectedError
 from trainer_client.token_outputs import TokenPiece, restore_token_outputs
 
@@ -100,7 +100,8 @@ class BatchPlannerClient:
             cp_groups = "megatron" if megatron_ready else None
         self._cp_groups = cp_groups
         self.source = PlanSource(config, self.metrics)
-        self.ahead = PlanAhead(self.source.plan)
+        self.ahead = PlanAhead(self.source.plan, depth=config.plan_ahead_depth)
+        self.metrics.plan_ahead_depth.labels(self.metrics.job).set(config.plan_ahead_depth)
         self.last_source: str | None = None
 
     @property
@@ -126,7 +127,8 @@ class BatchPlannerClient:
         )
 
     def prefetch(self, step: int, lengths: Sequence[int]) -> None:
-        """Start planning `step` in the background (call it while the previous step trains)."""
+        """Start planning `step` in the background: call it for steps step + 1 .. step +
+        `plan_ahead_depth` while a step trains, as soon as each batch's lengths are known."""
         if self.asks:
             self.ahead.prefetch(step, self.request_for(lengths))
 
@@ -137,9 +139,9 @@ class BatchPlannerClient:
         own: Plan | PlanRejectedError | None = None
         if self.asks:
             try:
-                sourced: SourcedPlan
-                sourced, _ = self.ahead.get(step, request)
-                own, self.last_source = sourced.plan, sourced.source
+                fetched = self.ahead.get(step, request)
+                self._record_lead(fetched)
+                own, self.last_source = fetched.sourced.plan, fetched.sourced.source
             except PlanRejectedError as error:
                 own = error
             except PlannerUnavailableError as error:
@@ -148,6 +150,12 @@ class BatchPlannerClient:
         self.metrics.plan_wait.labels(self.metrics.job).observe(time.perf_counter() - started)
         self.metrics.micro_batches.labels(self.metrics.job).set(len(plan.micro_batches))
         return plan
+
+    def _record_lead(self, fetched: Fetched) -> None:
+        m = self.metrics
+        m.plan_lead.labels(m.job).observe(fetched.lead_seconds)
+        if fetched.waited:
+            m.late_plans.labels(m.job).inc()
 
     def _request_for_step(self, step: int, lengths: Sequence[int]) -> PlanRequest:
         """The request `prefetch` built for `step` when the lengths are the same, else a new one."""
