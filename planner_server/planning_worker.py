@@ -42,12 +42,16 @@ class WorkerResult:
     speedup: float = 0.0
     micro_batches: int = 0
     cp_size_samples: tuple[tuple[int, int], ...] = ()
+    samples: int = 0  # the request's size, for the measured plan rates (GetCapabilities)
+    dp_cp_size: int = 0
+    planning_seconds: float = 0.0  # parse to serialized response, in the worker
 
 
 def plan_request_bytes(
     request_bytes: bytes, deadline: float, limits: RequestLimits, cost_model: CostModel
 ) -> WorkerResult:
     """Plans one serialized PlanRequest; `deadline` is wall-clock seconds since the epoch."""
+    received = time.perf_counter()
     if time.time() >= deadline:
         return WorkerResult(DEADLINE_EXCEEDED, message="the request's deadline passed while it waited for a worker")
     message = pb.PlanRequest()
@@ -78,9 +82,10 @@ def plan_request_bytes(
     samples: dict[int, int] = {}
     for size, count, _ in stats.cp_size_mix:
         samples[size] = samples.get(size, 0) + count
+    response = plan_to_proto(plan).SerializeToString(deterministic=True)
     return WorkerResult(
         OK,
-        response=plan_to_proto(plan).SerializeToString(deterministic=True),
+        response=response,
         scheduler=label,
         job=job,
         scheduler_seconds=elapsed,
@@ -91,6 +96,9 @@ def plan_request_bytes(
         speedup=stats.predicted_speedup_over_static_cp,
         micro_batches=stats.micro_batch_count,
         cp_size_samples=tuple(sorted(samples.items())),
+        samples=request.num_samples,
+        dp_cp_size=request.dp_cp_size,
+        planning_seconds=time.perf_counter() - received,
     )
 
 
