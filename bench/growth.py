@@ -233,13 +233,47 @@ def run(
     )
 
 
+def parse_cells(text: str) -> list[tuple[str, BatchSize]]:
+    """'dynamic_cp:4096x512,hybrid_cp:16384x1024' -> [(scheduler, size), ...]"""
+    cells = []
+    for item in text.split(","):
+        scheduler, size = item.split(":")
+        samples, ranks = size.split("x")
+        cells.append((SchedulerKind(scheduler).value, BatchSize(int(samples), int(ranks))))
+    return cells
+
+
+def run_cells(out: Path, cells: list[tuple[str, BatchSize]], jobs: int, max_runs: int) -> Report[Cell]:
+    """Named cells only, `jobs` at a time, each in its own one-thread timing process (one run each
+    unless --max-runs): for a machine with more cores than cells, to measure what the sequential
+    run can only extrapolate."""
+    names = tuple(sorted({name for name, _ in cells}))
+    with multiprocessing.get_context("spawn").Pool(jobs, timer_initializer, (names,), maxtasksperchild=1) as pool:
+        futures = [pool.apply_async(time_cell, ((n, b.samples, b.ranks, 0.0, max_runs),)) for n, b in cells]
+        results = [f.get() for f in futures]
+    rows = [Cell(n, b, Spread.of(t) if t and not e else None, None, e) for (n, b), (t, e) in zip(cells, results)]
+    table_rows = [[c.scheduler, c.size.label, cell_text(c)] for c in rows]
+    return write_report(
+        out, "growth_cells", "Scheduler time of named cells, measured in parallel",
+        f"Each cell in its own timing process with one torch thread, {jobs} cells at a time "
+        "(`python -m bench.growth --cells ...`), on the same inputs as docs/bench/growth.md.",
+        [("Results", markdown_table(["scheduler", "samples on ranks", "seconds per plan"], table_rows))],
+        rows=rows,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--cap-seconds", type=float, default=CAP_S, help="skip cells the fit predicts above this")
     parser.add_argument("--min-seconds", type=float, default=MIN_S, help="scheduler time to collect per cell")
     parser.add_argument("--max-runs", type=int, default=MAX_RUNS, help="most runs per cell")
     parser.add_argument("--schedulers", default="", help="comma-separated subset (default: all available)")
+    parser.add_argument("--cells", default="", help="measure only these, e.g. dynamic_cp:4096x512,hybrid_cp:64x8")
+    parser.add_argument("--jobs", type=int, default=1, help="with --cells: cells measured at once")
     args = parser.parse_args(argv)
+    if args.cells:
+        print(run_cells(args.out, parse_cells(args.cells), args.jobs, args.max_runs).path.read_text())
+        return
     kinds = tuple(SchedulerKind(s) for s in args.schedulers.split(",") if s) or None
     report = run(args.out, args.smoke, args.cap_seconds, args.min_seconds, args.max_runs, kinds)
     print(report.path.read_text())
