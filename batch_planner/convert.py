@@ -5,16 +5,23 @@ Uses protobuf only (no gRPC), so the trainer's fallback and the server share it.
 
 from __future__ import annotations
 
+from dataclasses import Field, fields
+from typing import Any, Callable
+
+from google.protobuf.message import Message as ProtoMessage
+
 from batch_planner.cost import CostModel
+from batch_planner.cost_profiles import CostModelSpec, spec_from_mapping
 from batch_planner.errors import InvalidRequestError
-from batch_planner.plan import CpGroup, MicroBatch, Plan, PlanStatistics
-from batch_planner.request import CapacityBound, CpLayout, PlanRequest, SchedulerKind
+from batch_planner.plan import CandidateSummary, CpGroup, MicroBatch, Plan, PlanStatistics
+from batch_planner.request import CapacityBound, CpLayout, PlanningOptions, PlanRequest, SchedulerKind
 from batch_planner.v1 import planner_pb2 as pb
 
 SCHEDULER_TO_PROTO = {
     SchedulerKind.HYBRID_CP: pb.SCHEDULER_HYBRID_CP,
     SchedulerKind.DYNAMIC_CP: pb.SCHEDULER_DYNAMIC_CP,
     SchedulerKind.STATIC_PACKING: pb.SCHEDULER_STATIC_PACKING,
+    SchedulerKind.AUTO: pb.SCHEDULER_AUTO,
 }
 SCHEDULER_FROM_PROTO: dict[int, SchedulerKind] = {v: k for k, v in SCHEDULER_TO_PROTO.items()}
 LAYOUT_TO_PROTO = {CpLayout.ZIGZAG: pb.CP_LAYOUT_ZIGZAG, CpLayout.CONTIGUOUS: pb.CP_LAYOUT_CONTIGUOUS}
@@ -32,34 +39,27 @@ def scheduler_label(value: int) -> str:
     return kind.value if kind else "unknown"
 
 
-def request_from_proto(message: pb.PlanRequest) -> PlanRequest:
-    if message.scheduler not in SCHEDULER_FROM_PROTO:
+def _scheduler_of(value: int, field: str) -> SchedulerKind:
+    if value not in SCHEDULER_FROM_PROTO:
         allowed = ", ".join(pb.Scheduler.Name(v) for v in SCHEDULER_TO_PROTO.values())
         raise InvalidRequestError(
-            f"scheduler: {_enum_name(pb.Scheduler, message.scheduler)} is not a scheduler; allowed: {allowed}",
-            field="scheduler",
+            f"{field}: {_enum_name(pb.Scheduler, value)} is not a scheduler; allowed: {allowed}", field=field
         )
+    return SCHEDULER_FROM_PROTO[value]
+
+
+def request_from_proto(message: pb.PlanRequest) -> PlanRequest:
+    _scheduler_of(message.scheduler, "scheduler")
     if message.cp_layout not in LAYOUT_FROM_PROTO:
         raise InvalidRequestError(
             f"cp_layout: {message.cp_layout} is unknown; allowed: CP_LAYOUT_ZIGZAG, CP_LAYOUT_CONTIGUOUS",
             field="cp_layout",
         )
-    layout = message.layout
+    options = {f.name: _read(message, f) for f in fields(PlanningOptions)}
     return PlanRequest(
         sequence_lengths=tuple(message.sequence_lengths),
-        data_parallel_size=layout.data_parallel_size,
-        context_parallel_size=layout.context_parallel_size,
-        tensor_parallel_size=layout.tensor_parallel_size or 1,
-        max_seqlen_per_dp_cp_rank=message.max_seqlen_per_dp_cp_rank,
-        scheduler=SCHEDULER_FROM_PROTO[message.scheduler],
-        cp_layout=LAYOUT_FROM_PROTO[message.cp_layout],
-        min_cp_size=message.min_cp_size if message.HasField("min_cp_size") else None,
-        max_seqs_per_micro_batch=(
-            message.max_seqs_per_micro_batch if message.HasField("max_seqs_per_micro_batch") else None
-        ),
-        micro_batch_group_size=(
-            message.micro_batch_group_size if message.HasField("micro_batch_group_size") else None
-        ),
+        data_parallel_size=message.layout.data_parallel_size,
+        options=PlanningOptions(**options),
         job=message.job,
     )
 
@@ -67,21 +67,85 @@ def request_from_proto(message: pb.PlanRequest) -> PlanRequest:
 def request_to_proto(request: PlanRequest) -> pb.PlanRequest:
     message = pb.PlanRequest(
         sequence_lengths=list(request.sequence_lengths),
-        layout=pb.ParallelLayout(
-            data_parallel_size=request.data_parallel_size,
-            context_parallel_size=request.context_parallel_size,
-            tensor_parallel_size=request.tensor_parallel_size,
-        ),
-        max_seqlen_per_dp_cp_rank=request.max_seqlen_per_dp_cp_rank,
-        scheduler=SCHEDULER_TO_PROTO[request.scheduler],
-        cp_layout=LAYOUT_TO_PROTO[request.cp_layout],
+        layout=pb.ParallelLayout(data_parallel_size=request.data_parallel_size),
         job=request.job,
     )
-    for name in ("min_cp_size", "max_seqs_per_micro_batch", "micro_batch_group_size"):
-        value = getattr(request, name)
+    for f in fields(PlanningOptions):
+        value = getattr(request.options, f.name)
         if value is not None:
-            setattr(message, name, value)
+            holder, name = _proto_place(message, f)
+            converted = _TO_PROTO.get(f.name, _same)(value)
+            if isinstance(converted, ProtoMessage):
+                getattr(holder, name).CopyFrom(converted)
+            elif isinstance(converted, list):
+                getattr(holder, name).extend(converted)
+            else:
+                setattr(holder, name, converted)
     return message
+
+
+def cost_spec_to_proto(spec: CostModelSpec) -> pb.CostModelSpec:
+    message = pb.CostModelSpec(preset=spec.preset)
+    if spec.coefficients is not None:
+        message.coefficients.CopyFrom(cost_model_to_proto(spec.coefficients))
+    for name in ("model", "hardware"):
+        profile = getattr(spec, name)
+        if profile is not None:
+            getattr(message, name).CopyFrom(getattr(pb, type(profile).__name__)(**_profile_values(profile)))
+    return message
+
+
+def cost_spec_from_proto(message: pb.CostModelSpec) -> CostModelSpec:
+    """The request's spec; a bad one is an InvalidRequestError naming the field (cost_profiles)."""
+    values: dict[str, Any] = {}
+    if message.preset:
+        values["preset"] = message.preset
+    if message.HasField("coefficients"):
+        # proto3 doubles have no presence: every coefficient is sent, 0 included.
+        values["coefficients"] = {f.name: getattr(message.coefficients, f.name) for f in message.coefficients.DESCRIPTOR.fields}
+    for name in ("model", "hardware"):
+        if message.HasField(name):
+            values[name] = {f.name: value for f, value in getattr(message, name).ListFields()}
+    return spec_from_mapping(values)
+
+
+def _profile_values(profile: Any) -> dict[str, Any]:
+    return {f.name: getattr(profile, f.name) for f in fields(profile) if f.name != "field_prefix"}
+
+
+# Options whose proto form differs from the Python value (enums, messages), and how 0 reads.
+_TO_PROTO: dict[str, Callable[[Any], Any]] = {
+    "scheduler": SCHEDULER_TO_PROTO.__getitem__,
+    "cp_layout": LAYOUT_TO_PROTO.__getitem__,
+    "cost_model": cost_spec_to_proto,
+    "auto_schedulers": lambda kinds: [SCHEDULER_TO_PROTO[k] for k in kinds],
+}
+_FROM_PROTO: dict[str, Callable[[Any], Any]] = {
+    "scheduler": SCHEDULER_FROM_PROTO.__getitem__,
+    "cp_layout": LAYOUT_FROM_PROTO.__getitem__,
+    "tensor_parallel_size": lambda value: value or 1,  # 0 is read as 1 (the proto's comment)
+    "cost_model": cost_spec_from_proto,
+    "auto_schedulers": lambda values: tuple(_scheduler_of(v, "auto_schedulers") for v in values),
+}
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _proto_place(message: Any, f: Field) -> tuple[Any, str]:
+    """The message holding option `f` (per its `proto` metadata) and the field name in it."""
+    *path, name = f.metadata["proto"].split(".")
+    for part in path:
+        message = getattr(message, part)
+    return message, name
+
+
+def _read(message: pb.PlanRequest, f: Field) -> Any:
+    holder, name = _proto_place(message, f)
+    if f.default is None and not holder.HasField(name):  # an optional field: unset is None, not 0
+        return None
+    return _FROM_PROTO.get(f.name, _same)(getattr(holder, name))
 
 
 def plan_to_proto(plan: Plan) -> pb.PlanResponse:
@@ -106,6 +170,13 @@ def plan_to_proto(plan: Plan) -> pb.PlanResponse:
                 real_tokens=group.real_tokens,
                 padded_tokens=group.padded_tokens,
             )
+    for c in plan.candidates:
+        response.candidates.add(
+            name=c.name, scheduler=SCHEDULER_TO_PROTO[c.scheduler], max_seqlen_per_dp_cp_rank=c.max_seqlen_per_dp_cp_rank,
+            context_parallel_size=c.context_parallel_size, planned=c.predicted_step_cost is not None,
+            predicted_step_cost=c.predicted_step_cost or 0.0, served=c.served, not_planned_reason=c.not_planned_reason,
+            **({"min_cp_size": c.min_cp_size} if c.min_cp_size is not None else {}),
+        )
     if stats is not None:
         s = response.statistics
         s.real_tokens = stats.real_tokens
@@ -155,6 +226,14 @@ def plan_from_proto(message: pb.PlanResponse) -> Plan:
             for mb in message.micro_batches
         ),
         statistics=stats,
+        candidates=tuple(
+            CandidateSummary(
+                c.name, SCHEDULER_FROM_PROTO[c.scheduler], c.max_seqlen_per_dp_cp_rank,
+                c.min_cp_size if c.HasField("min_cp_size") else None, c.context_parallel_size,
+                c.predicted_step_cost if c.planned else None, c.served, c.not_planned_reason,
+            )
+            for c in message.candidates
+        ),
     )
 
 

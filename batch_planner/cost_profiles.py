@@ -377,3 +377,82 @@ def cost_model_for_preset(name: str, tensor_parallel_size: int = 1) -> CostModel
         return CostModel()
     model, hardware = preset_profiles(name)
     return derive_cost_model(model, hardware, tensor_parallel_size)
+
+
+SPEC_FIELD = "cost_model"
+
+
+@dataclass(frozen=True)
+class CostModelSpec:
+    """Where one request's cost model comes from: exactly one of a preset name, raw coefficients
+    (measured or fitted by the job, trainer_client's calibration), or a model and a hardware
+    profile. The server keeps no per-job state: the spec travels in every request."""
+
+    preset: str = ""
+    coefficients: CostModel | None = None
+    model: ModelProfile | None = None
+    hardware: HardwareProfile | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("preset", "coefficients", "model") if getattr(self, name)]
+        if (self.model is None) != (self.hardware is None):
+            missing = "hardware" if self.hardware is None else "model"
+            raise InvalidRequestError(
+                f"{SPEC_FIELD}.{missing}: missing; a model profile needs a hardware profile and back", field=f"{SPEC_FIELD}.{missing}"
+            )
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"{SPEC_FIELD}: set exactly one of preset, coefficients, or model and hardware; got "
+                f"{', '.join(given) or 'none'}",
+                field=SPEC_FIELD,
+            )
+        if self.preset and self.preset not in preset_names():
+            raise InvalidRequestError(
+                f"{PRESET_FIELD}: unknown preset {self.preset!r}; known: {', '.join(preset_names())}", field=PRESET_FIELD
+            )
+        if self.coefficients is not None:
+            validate_coefficients(self.coefficients, f"{SPEC_FIELD}.coefficients")
+
+    def resolve(self, tensor_parallel_size: int = 1) -> CostModel:
+        """The coefficients this spec stands for, for a job of this TP size."""
+        if self.coefficients is not None:
+            return self.coefficients
+        if self.preset:
+            return cost_model_for_preset(self.preset, tensor_parallel_size)
+        assert self.model is not None and self.hardware is not None
+        return derive_cost_model(self.model, self.hardware, tensor_parallel_size)
+
+    def canonical(self) -> dict[str, Any]:
+        """Plain values (what a plan id and the ranks' digest hash)."""
+        def plain(obj: Any) -> Any:
+            return None if obj is None else {f.name: getattr(obj, f.name) for f in fields(obj) if f.name != "field_prefix"}
+
+        return {"preset": self.preset, "coefficients": plain(self.coefficients), "model": plain(self.model),
+                "hardware": plain(self.hardware)}
+
+
+def resolve_cost_model(spec: CostModelSpec | None, default: CostModel, tensor_parallel_size: int = 1) -> CostModel:
+    """A request's cost model: its own spec's, else the server's default."""
+    return default if spec is None else spec.resolve(tensor_parallel_size)
+
+
+def spec_from_mapping(values: Any, prefix: str = SPEC_FIELD) -> CostModelSpec:
+    """A spec from plain data (a trainer's YAML, a request's fields): a preset name as a string, or
+    a mapping with exactly one of `preset`, `coefficients`, or `model` and `hardware`."""
+    if isinstance(values, CostModelSpec):
+        return values
+    if isinstance(values, str):
+        return CostModelSpec(preset=values)
+    if not isinstance(values, Mapping):
+        raise InvalidRequestError(f"{prefix}: got {values!r}; expected a preset name or a mapping", field=prefix)
+    unknown = sorted(set(values) - {"preset", "coefficients", "model", "hardware"})
+    if unknown:
+        _reject(f"{prefix}.{unknown[0]}", values[unknown[0]], "unknown; known: preset, coefficients, model, hardware")
+    coefficients = values.get("coefficients")
+    model, hardware = values.get("model"), values.get("hardware")
+    return CostModelSpec(
+        preset=values.get("preset") or "",
+        coefficients=None if coefficients is None else cost_model_from_coefficients(coefficients, f"{prefix}.coefficients"),
+        model=None if model is None else ModelProfile.from_mapping(model, f"{prefix}.model"),
+        hardware=None if hardware is None else HardwareProfile.from_mapping(hardware, f"{prefix}.hardware"),
+    )

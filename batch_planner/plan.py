@@ -51,6 +51,20 @@ class PlanStatistics:
 
 
 @dataclass(frozen=True)
+class CandidateSummary:
+    """One of auto's candidates as the response lists it (batch_planner/auto.py)."""
+
+    name: str
+    scheduler: SchedulerKind
+    max_seqlen_per_dp_cp_rank: int
+    min_cp_size: int | None
+    context_parallel_size: int
+    predicted_step_cost: float | None  # None: not planned
+    served: bool = False
+    not_planned_reason: str = ""
+
+
+@dataclass(frozen=True)
 class Plan:
     plan_id: str
     scheduler: SchedulerKind
@@ -62,6 +76,8 @@ class Plan:
     capacity_bound: CapacityBound
     micro_batches: tuple[MicroBatch, ...]
     statistics: PlanStatistics | None = field(default=None, compare=False)
+    # SCHEDULER_AUTO: every candidate, in the order they were planned; empty otherwise.
+    candidates: tuple[CandidateSummary, ...] = ()
 
     def sample_cp_sizes(self) -> dict[int, int]:
         """Sample id -> the local CP size it runs with."""

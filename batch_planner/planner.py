@@ -8,11 +8,15 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import replace
+from functools import partial
+from typing import Any, Callable, Sequence
 
+from batch_planner.auto import Candidate, Outcome, candidates, plan_candidate, serve
 from batch_planner.cost import CostModel, plan_statistics
+from batch_planner.cost_profiles import resolve_cost_model
 from batch_planner.padding import PlanPadding
 from batch_planner.plan import MicroBatch, Plan, check_plan_invariants, groups_from_rank_assignment
-from batch_planner.request import PlanRequest
+from batch_planner.request import PlanRequest, SchedulerKind
 from batch_planner.schedulers import (
     SCHEDULER_SPECS,
     megatron_core_version,
@@ -22,41 +26,61 @@ from batch_planner.schedulers import (
 from batch_planner.validation import RequestLimits, validate_request
 
 # Bumped when the mapping from scheduler output to a plan changes, so plan ids change with it.
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
+
+
+def canonical_request(request: PlanRequest) -> dict[str, Any]:
+    """Every field that shapes the plan, as plain values: the batch (its lengths), the DP size and
+    the planning options; not the job name, which is only a metric label. The plan id and the
+    ranks' agreement digest (trainer_client/broadcast.py) both hash this."""
+    return {"lengths": list(request.sequence_lengths), "dp": request.data_parallel_size, **request.options.canonical()}
 
 
 def plan_id_for(request: PlanRequest) -> str:
     """Deterministic id of the plan for `request`: same request and scheduler, same id.
 
-    Covers every field that shapes the plan, the scheduler class and the Megatron-Core version;
-    not the job name, which is only a metric label.
+    Covers the canonical request, the scheduler class and the Megatron-Core version.
     """
-    spec = SCHEDULER_SPECS[request.scheduler]
     canonical = {
         "format": PLAN_FORMAT_VERSION,
-        "scheduler": spec.qualified_name,
+        "scheduler_class": SCHEDULER_SPECS[request.scheduler].qualified_name,
         "megatron_core": megatron_core_version(),
-        "lengths": list(request.sequence_lengths),
-        "dp": request.data_parallel_size,
-        "cp": request.context_parallel_size,
-        "tp": request.tensor_parallel_size,
-        "max_seqlen_per_dp_cp_rank": request.max_seqlen_per_dp_cp_rank,
-        "cp_layout": request.cp_layout.value,
-        "min_cp_size": request.min_cp_size,
-        "max_seqs_per_micro_batch": request.max_seqs_per_micro_batch,
-        "micro_batch_group_size": request.micro_batch_group_size,
+        **canonical_request(request),
     }
     digest = hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode())
     return digest.hexdigest()[:32]
+
+
+RunCandidates = Callable[[Sequence[Candidate], Callable[[PlanRequest], Plan]], list[Outcome]]
+
+
+def plan_serially(found: Sequence[Candidate], plan_one: Callable[[PlanRequest], Plan]) -> list[Outcome]:
+    return [plan_candidate(candidate, plan_one) for candidate in found]
 
 
 def plan_batch(
     request: PlanRequest,
     limits: RequestLimits | None = None,
     cost_model: CostModel | None = None,
+    run_candidates: RunCandidates = plan_serially,
 ) -> Plan:
-    """Plans one global batch with Megatron-Core, or raises a PlanningError saying why not."""
-    validate_request(request, limits or RequestLimits())
+    """Plans one global batch with Megatron-Core, or raises a PlanningError saying why not.
+
+    `cost_model`: the default when the request names none. `run_candidates`: how auto's candidates
+    are planned (in this process one after another; the server hands them to its workers).
+    """
+    limits = limits or RequestLimits()
+    validate_request(request, limits)
+    model = resolve_cost_model(request.cost_model, cost_model or CostModel(), request.tensor_parallel_size)
+    if request.scheduler is SchedulerKind.AUTO:
+        outcomes = run_candidates(candidates(request), partial(plan_one_scheduler, limits=limits, cost_model=model))
+        return serve(request, outcomes, model, megatron_core_version())
+    return plan_one_scheduler(request, limits, model)
+
+
+def plan_one_scheduler(request: PlanRequest, limits: RequestLimits, cost_model: CostModel) -> Plan:
+    """One Megatron-Core scheduler's plan: validation, the scheduler, invariants, statistics."""
+    validate_request(request, limits)
     spec = SCHEDULER_SPECS[request.scheduler]
     assignment = run_scheduler(request)
     padding = PlanPadding.for_request(request)  # shared by the groups, the invariants and the statistics
@@ -78,5 +102,5 @@ def plan_batch(
         valid_cp_sizes(request.scheduler, request.dp_cp_size, request.context_parallel_size, request.min_cp_size),
         padding,
     )
-    stats = plan_statistics(micro_batches, request, spec.capacity_bound, cost_model or CostModel(), padding)
+    stats = plan_statistics(micro_batches, request, spec.capacity_bound, cost_model, padding)
     return replace(plan, statistics=stats)

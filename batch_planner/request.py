@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:  # cost_profiles imports the cost model, which imports this module
+    from batch_planner.cost_profiles import CostModelSpec
 
 
 class SchedulerKind(str, Enum):
@@ -12,6 +16,8 @@ class SchedulerKind(str, Enum):
     HYBRID_CP = "hybrid_cp"
     DYNAMIC_CP = "dynamic_cp"
     STATIC_PACKING = "static_packing"
+    # Not a Megatron-Core class: the cheapest of their plans (batch_planner/auto.py).
+    AUTO = "auto"
 
 
 class CpLayout(str, Enum):
@@ -29,20 +35,102 @@ class CapacityBound(str, Enum):
 
 
 @dataclass(frozen=True)
+class PlanningOptions:
+    """How a job's batches are planned: everything of a request but the batch itself.
+
+    The one list of planning options. The request carries it, the trainer's config extends it
+    (trainer_client/config.py), the proto conversion, the plan id and the ranks' agreement digest
+    read it field by field (`canonical`); `proto` metadata names each field's place in
+    batch_planner.v1.PlanRequest.
+    """
+
+    # Tokens one DPxCP rank may hold in one micro-batch, after padding (Megatron's
+    # max_seqlen_per_dp_cp_rank); required.
+    max_seqlen_per_dp_cp_rank: int = field(default=0, metadata={"proto": "max_seqlen_per_dp_cp_rank"})
+    # The job's static CP size: the statistics compare against static CP at this size, and
+    # DP = DPxCP / CP.
+    context_parallel_size: int = field(default=1, metadata={"proto": "layout.context_parallel_size"})
+    # Which Megatron-Core scheduler plans the batch.
+    scheduler: SchedulerKind = field(default=SchedulerKind.HYBRID_CP, metadata={"proto": "scheduler"})
+    # Samples are padded to multiples of TP (sequence parallelism) times the CP layout's unit.
+    tensor_parallel_size: int = field(default=1, metadata={"proto": "layout.tensor_parallel_size"})
+    cp_layout: CpLayout = field(default=CpLayout.ZIGZAG, metadata={"proto": "cp_layout"})
+    # Smallest CP size dynamic CP may give a sample (a group size Megatron-Core builds).
+    min_cp_size: int | None = field(default=None, metadata={"proto": "min_cp_size"})
+    # Cap on sequences packed into one micro-batch (static packing).
+    max_seqs_per_micro_batch: int | None = field(default=None, metadata={"proto": "max_seqs_per_micro_batch"})
+    # Virtual pipeline: the micro-batch count becomes a multiple of this (packing schedulers).
+    micro_batch_group_size: int | None = field(default=None, metadata={"proto": "micro_batch_group_size"})
+    # The cost model that prices plans and ranks auto's candidates: a preset, coefficients or
+    # profiles (batch_planner.cost_profiles.CostModelSpec); None: the server's default.
+    cost_model: CostModelSpec | None = field(default=None, metadata={"proto": "cost_model"})
+    # auto only: the schedulers its candidates may use (static CP candidates are static_packing);
+    # empty: every one the server has.
+    auto_schedulers: tuple[SchedulerKind, ...] = field(default=(), metadata={"proto": "auto_schedulers"})
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(PlanningOptions))
+
+    @classmethod
+    def of(cls, source: Any) -> PlanningOptions:
+        """The options of any object that has them as attributes (a trainer config, a request)."""
+        return PlanningOptions(**{name: getattr(source, name) for name in PlanningOptions.names()})
+
+    def canonical(self) -> dict[str, Any]:
+        """Plain values by field name (enums by value): what the plan id and the digest hash."""
+        return {name: _plain(getattr(self, name)) for name in PlanningOptions.names()}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if hasattr(value, "canonical"):
+        return value.canonical()
+    return value.value if isinstance(value, Enum) else value
+
+
+@dataclass(frozen=True)
 class PlanRequest:
-    """One global batch to plan. Sample ids are indices into `sequence_lengths`."""
+    """One global batch to plan. Sample ids are indices into `sequence_lengths`.
+
+    Reads its planning options as attributes (`request.scheduler`), so that no second list of
+    them is needed here.
+    """
 
     sequence_lengths: tuple[int, ...]
     data_parallel_size: int
-    context_parallel_size: int
-    max_seqlen_per_dp_cp_rank: int
-    scheduler: SchedulerKind = SchedulerKind.HYBRID_CP
-    tensor_parallel_size: int = 1
-    cp_layout: CpLayout = CpLayout.ZIGZAG
-    min_cp_size: int | None = None
-    max_seqs_per_micro_batch: int | None = None
-    micro_batch_group_size: int | None = None
-    job: str = ""
+    options: PlanningOptions
+    job: str = ""  # a metric label only; never part of the plan
+
+    @classmethod
+    def of(
+        cls,
+        sequence_lengths: Sequence[int],
+        data_parallel_size: int,
+        context_parallel_size: int = 1,
+        max_seqlen_per_dp_cp_rank: int = 0,
+        job: str = "",
+        **options: Any,
+    ) -> PlanRequest:
+        """A request from flat values: `PlanRequest.of(lengths, dp, cp, max_seqlen, scheduler=...)`."""
+        planning = PlanningOptions(
+            max_seqlen_per_dp_cp_rank=max_seqlen_per_dp_cp_rank, context_parallel_size=context_parallel_size, **options
+        )
+        return cls(tuple(sequence_lengths), data_parallel_size, planning, job)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names that are not fields of the request itself.
+        if name in _OPTION_NAMES:
+            return getattr(self.options, name)
+        raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
+
+    def replace(self, **changes: Any) -> PlanRequest:
+        """A copy with some fields changed; option names change the options."""
+        own = {k: v for k, v in changes.items() if k not in _OPTION_NAMES}
+        option_changes = {k: v for k, v in changes.items() if k in _OPTION_NAMES}
+        options = replace(self.options, **option_changes) if option_changes else self.options
+        return replace(self, options=options, **own)
 
     @property
     def dp_cp_size(self) -> int:
@@ -51,3 +139,6 @@ class PlanRequest:
     @property
     def num_samples(self) -> int:
         return len(self.sequence_lengths)
+
+
+_OPTION_NAMES = frozenset(PlanningOptions.names())

@@ -78,6 +78,8 @@ def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
     if not isinstance(kind, SchedulerKind):
         _reject("scheduler", f"{kind!r} is unknown; allowed: {', '.join(k.value for k in SchedulerKind)}")
     _reject_unsupported_options(request, limits)
+    if kind is SchedulerKind.AUTO:
+        return  # each of auto's candidates is a concrete request, validated on its own
     require_scheduler(kind)
 
     if kind is SchedulerKind.HYBRID_CP:
@@ -126,9 +128,14 @@ def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
 
 def _reject_unsupported_options(request: PlanRequest, limits: RequestLimits) -> None:
     kind = request.scheduler
+    if request.auto_schedulers:
+        if kind is not SchedulerKind.AUTO:
+            _reject("auto_schedulers", f"only auto chooses among schedulers; leave it empty for {kind.value}")
+        if SchedulerKind.AUTO in request.auto_schedulers:
+            _reject("auto_schedulers", "lists auto itself; allowed: hybrid_cp, dynamic_cp, static_packing")
     if request.min_cp_size is not None:
-        if kind is not SchedulerKind.DYNAMIC_CP:
-            _reject("min_cp_size", f"only dynamic_cp takes a minimum CP size; leave it unset for {kind.value}")
+        if kind not in (SchedulerKind.DYNAMIC_CP, SchedulerKind.AUTO):
+            _reject("min_cp_size", f"only dynamic_cp (and auto) take a minimum CP size; leave it unset for {kind.value}")
         buildable = sorted(size for size in megatron_cp_group_sizes(request.dp_cp_size) if is_power_of_two(size))
         if request.min_cp_size not in buildable:
             _reject(
@@ -137,10 +144,10 @@ def _reject_unsupported_options(request: PlanRequest, limits: RequestLimits) -> 
                 f"DPxCP = {request.dp_cp_size} ranks: {', '.join(map(str, buildable))}",
             )
     if request.max_seqs_per_micro_batch is not None:
-        if kind is not SchedulerKind.STATIC_PACKING:
+        if kind not in (SchedulerKind.STATIC_PACKING, SchedulerKind.AUTO):
             _reject(
                 "max_seqs_per_micro_batch",
-                f"only static_packing caps sequences per micro-batch; leave it unset for {kind.value}",
+                f"only static_packing (and auto) cap sequences per micro-batch; leave it unset for {kind.value}",
             )
         if request.max_seqs_per_micro_batch < 1:
             _reject("max_seqs_per_micro_batch", f"got {request.max_seqs_per_micro_batch}; allowed: >= 1")

@@ -47,7 +47,7 @@ def make_request(
     cp: int = JOB_CP_SIZE,
     scheduler: SchedulerKind = SchedulerKind.HYBRID_CP,
 ) -> PlanRequest:
-    return PlanRequest(
+    return PlanRequest.of(
         sequence_lengths=tuple(sample_lengths(distribution, size.samples, seed)),
         data_parallel_size=size.ranks // cp,
         context_parallel_size=cp,

@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from batch_planner.planner import plan_batch
 from batch_planner.request import SchedulerKind
 from bench.common import (
     BatchSize,
+    Report,
     Spread,
     argument_parser,
     make_request,
@@ -118,9 +120,24 @@ def bytes_received(request) -> dict[str, float]:
     }
 
 
-def run(out: Path, smoke: bool = False, address: str | None = None) -> Path:
+@dataclass(frozen=True)
+class DropInRow:
+    """One scheduler and distribution: planning on the critical path, and bytes per rank."""
+
+    scheduler: str
+    distribution: str
+    in_process: Spread  # Megatron-Core's scheduler in-process (what every rank pays today), s
+    wait: Spread  # the drop-in's trainer-visible planning wait, s
+    step_seconds: float  # the simulated step
+    global_mib: float
+    received_mean_mib: float
+    received_max_mib: float
+    dev_gather_mib: float
+
+
+def run(out: Path, smoke: bool = False, address: str | None = None) -> Report[DropInRow]:
     size, steps = (SMOKE_SIZE, SMOKE_STEPS) if smoke else (SIZE, STEPS)
-    timing_rows, bytes_rows = [], []
+    rows: list[DropInRow] = []
     with planner_server(address, workers=2) as server:
         for scheduler in (SchedulerKind.HYBRID_CP, SchedulerKind.DYNAMIC_CP):
             for distribution in DISTRIBUTIONS:
@@ -128,26 +145,23 @@ def run(out: Path, smoke: bool = False, address: str | None = None) -> Path:
                 in_process = megatron_in_process_seconds(requests[0], repeats=2 if smoke else 5)
                 step_seconds = max(0.05, 2 * in_process.max + 0.1)
                 wait = drop_in_wait_seconds(server, requests, step_seconds)
-                timing_rows.append([
-                    scheduler.value, distribution, f"{in_process.p50 * 1e3:.1f} ({in_process.min * 1e3:.1f}-{in_process.max * 1e3:.1f})",
-                    f"{wait.p50 * 1e3:.2f}", f"{wait.max * 1e3:.2f}", f"{step_seconds:.2f}",
-                    f"{in_process.p50 / max(wait.p50, 1e-6):,.0f}x",
-                ])
                 b = bytes_received(requests[0])
-                bytes_rows.append([
-                    scheduler.value, distribution, f"{b['global'] / 2**20:.1f}", f"{b['drop_in_mean'] / 2**20:.2f}",
-                    f"{b['drop_in_max'] / 2**20:.2f}", f"{100 * b['drop_in_max'] / b['global']:.1f}%",
-                    f"{b['dev_gather'] / 2**20:.1f}",
-                ])
+                rows.append(DropInRow(
+                    scheduler.value, distribution, in_process, wait, step_seconds, b["global"] / 2**20,
+                    b["drop_in_mean"] / 2**20, b["drop_in_max"] / 2**20, b["dev_gather"] / 2**20,
+                ))
     timing = markdown_table(
         ["scheduler", "distribution", "Megatron-Core in-process scheduling, every rank, ms p50 (min-max)",
          "drop-in planning wait ms p50", "drop-in wait ms max", "simulated step s", "in-process / wait"],
-        timing_rows,
+        [[r.scheduler, r.distribution, f"{r.in_process.p50 * 1e3:.1f} ({r.in_process.min * 1e3:.1f}-{r.in_process.max * 1e3:.1f})",
+          f"{r.wait.p50 * 1e3:.2f}", f"{r.wait.max * 1e3:.2f}", f"{r.step_seconds:.2f}",
+          f"{r.in_process.p50 / max(r.wait.p50, 1e-6):,.0f}x"] for r in rows],
     )
     traffic = markdown_table(
         ["scheduler", "distribution", "global batch MiB", "drop-in received MiB per rank (mean)",
          "drop-in received MiB (max rank)", "max rank / global", "dev reroute gather buffer MiB per rank"],
-        bytes_rows,
+        [[r.scheduler, r.distribution, f"{r.global_mib:.1f}", f"{r.received_mean_mib:.2f}", f"{r.received_max_mib:.2f}",
+          f"{100 * r.received_max_mib / r.global_mib:.1f}%", f"{r.dev_gather_mib:.1f}"] for r in rows],
     )
     suffix = "_smoke" if smoke else ""
     return write_report(
@@ -155,12 +169,13 @@ def run(out: Path, smoke: bool = False, address: str | None = None) -> Path:
         f"{size.samples:,} samples on {size.ranks} DPxCP ranks (DP {size.ranks // 2} x CP 2), {steps} steps per row. "
         "See bench/dropin.py for what each column measures.",
         [("Planning on the critical path", timing), ("Bytes each rank receives per step", traffic)],
+        rows=rows,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     args = argument_parser(__doc__.splitlines()[0]).parse_args(argv)
-    print(run(args.out, args.smoke).read_text())
+    print(run(args.out, args.smoke).path.read_text())
 
 
 if __name__ == "__main__":

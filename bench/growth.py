@@ -94,30 +94,37 @@ def fit(cells: list[Cell]) -> Fit | None:
     return Fit(sz - b * sx - c * sy, b, c, n)
 
 
+def scheduler_call(scheduler: str):
+    """What a cell times: Megatron-Core's call alone; for `auto` (not one of Megatron-Core's
+    classes: every candidate scheduler, then priced) the whole of plan_batch."""
+    from batch_planner.planner import plan_batch
+    from batch_planner.schedulers import run_scheduler
+
+    return plan_batch if scheduler == "auto" else run_scheduler
+
+
 def timer_initializer(kinds: tuple[str, ...]) -> None:
     """The timing process: one torch thread, every scheduler imported and run once on a small
     batch (the first call imports Megatron-Core, seconds that are no part of planning)."""
     import torch
 
-    from batch_planner.schedulers import run_scheduler
-
     torch.set_num_threads(1)
     for kind in kinds:
-        run_scheduler(make_request(DISTRIBUTION, BatchSize(64, 8), seed=10_000, scheduler=SchedulerKind(kind)))
+        scheduler_call(kind)(make_request(DISTRIBUTION, BatchSize(64, 8), seed=10_000, scheduler=SchedulerKind(kind)))
 
 
 def time_cell(args: tuple[str, int, int, float, int]) -> tuple[list[float], str]:
     """In the timing process: the scheduler on new seeds until min_seconds or max_runs."""
     from batch_planner.errors import PlanningError
-    from batch_planner.schedulers import run_scheduler
 
     scheduler, samples, ranks, min_seconds, max_runs = args
+    plan = scheduler_call(scheduler)
     times: list[float] = []
     for seed in range(max_runs):
         request = make_request(DISTRIBUTION, BatchSize(samples, ranks), seed=seed, scheduler=SchedulerKind(scheduler))
         started = time.perf_counter()
         try:
-            run_scheduler(request)
+            plan(request)
         except PlanningError as error:
             return times, error.message.split(":")[0][:80]
         times.append(time.perf_counter() - started)
@@ -205,7 +212,7 @@ def run(
     samples, ranks = (SMOKE_SAMPLES, SMOKE_RANKS) if smoke else (SAMPLES, RANKS)
     if smoke:
         min_seconds, max_runs = 0.0, 1
-    available = {k for k, a in discover_schedulers().items() if a.available}
+    available = {k for k, a in discover_schedulers().items() if a.available} | set(schedulers()[2:])
     chosen = [k for k in (kinds or schedulers()) if k in available]
     sizes = grid(samples, ranks)
     names = tuple(k.value for k in chosen)

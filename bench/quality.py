@@ -12,14 +12,18 @@ one run per cell, no spread to report.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from batch_planner.cost import CostModel, static_cp_step_cost
 from batch_planner.errors import PlanningError
 from batch_planner.padding import padded_length
 from batch_planner.plan import Plan
-from batch_planner.planner import plan_batch
+from batch_planner.auto import candidates, reprice, serve
+from batch_planner.cost_profiles import CostModelSpec
+from batch_planner.planner import plan_batch, plan_one_scheduler, plan_serially
+from batch_planner.validation import RequestLimits
 from batch_planner.request import PlanRequest, SchedulerKind
 from batch_planner.schedulers import discover_schedulers, megatron_core_version
 from bench.common import (
@@ -42,7 +46,13 @@ SCHEDULER_NAMES = {
     SchedulerKind.HYBRID_CP: "hybrid CP",
     SchedulerKind.DYNAMIC_CP: "dynamic CP",
     SchedulerKind.STATIC_PACKING: "static packing",
+    SchedulerKind.AUTO: "auto",
 }
+# auto is shown under these cost models (batch_planner/cost_profiles.py): today's calibration of
+# the 4-layer benchmark model and three real model shapes on H200.
+AUTO_PRESETS = ("h200-bench-calibrated", "llama3-8b-h200", "llama3-70b-h200", "qwen3-30b-a3b-h200")
+BEST_STATIC_CP_SIZES = (1, 2, 4, 8)
+FAR_FROM_BOUND = 1.10
 CP_COLOURS = {1: "#9ecae1", 2: "#fdae6b", 4: "#e6550d", 8: "#a63603", 16: "#756bb1", 32: "#54278f"}
 PICTURE_DISTRIBUTION, PICTURE_SIZE = "lognormal_32k", BatchSize(64, 8)
 
@@ -74,7 +84,7 @@ def static_cp_packs(request: PlanRequest) -> list[list[int]]:
 
 
 def static_cp_row(distribution: str, size: BatchSize, request: PlanRequest, cp: int, model: CostModel) -> Row:
-    static = replace(request, context_parallel_size=cp, data_parallel_size=size.ranks // cp)
+    static = request.replace(context_parallel_size=cp, data_parallel_size=size.ranks // cp)
     cost = static_cp_step_cost(static, model)
     packs = static_cp_packs(static)
     dp = static.data_parallel_size
@@ -114,6 +124,42 @@ def scheduler_row(distribution: str, size: BatchSize, kind: SchedulerKind, stati
     ), plan
 
 
+@dataclass(frozen=True)
+class AutoRow:
+    """auto's plan for one batch under one preset, against the best static CP (1, 2, 4 or 8)."""
+
+    distribution: str
+    size: BatchSize
+    preset: str
+    winner: str
+    cost_over_bound: float
+    best_static: str  # the cheapest static-CP candidate, or "-" when none can run the batch
+    speedup_over_best_static: float | None
+    speedup_over_job_static: float
+
+
+def auto_rows(distribution: str, size: BatchSize) -> list[AutoRow]:
+    """auto's candidates planned once, then priced under each preset (the plans do not depend on
+    the cost model; only the choice does)."""
+    request = make_request(distribution, size, scheduler=SchedulerKind.AUTO)
+    outcomes = plan_serially(candidates(request), partial(plan_one_scheduler, limits=RequestLimits(), cost_model=CostModel()))
+    rows = []
+    for preset in AUTO_PRESETS:
+        model = CostModelSpec(preset=preset).resolve()
+        priced = reprice(outcomes, model)
+        plan = serve(request, priced, model, megatron_core_version())
+        s = plan.statistics
+        statics = [o for o in priced if o.cost is not None and o.candidate.name in {f"static_cp{c}" for c in BEST_STATIC_CP_SIZES}]
+        best = min(statics, key=lambda o: o.cost) if statics else None
+        winner = next(c.name for c in plan.candidates if c.served)
+        rows.append(AutoRow(
+            distribution, size, preset, winner, s.predicted_step_cost / s.lower_bound_cost,
+            best.candidate.name if best else "-", best.cost / s.predicted_step_cost if best else None,
+            s.predicted_speedup_over_static_cp,
+        ))
+    return rows
+
+
 def measure(sizes, model: CostModel) -> tuple[list[Row], dict[tuple[str, int], Plan]]:
     rows: list[Row] = []
     plans: dict[tuple[str, int], Plan] = {}
@@ -122,10 +168,10 @@ def measure(sizes, model: CostModel) -> tuple[list[Row], dict[tuple[str, int], P
             request = make_request(distribution, size)
             static_rows = [static_cp_row(distribution, size, request, cp, model) for cp in STATIC_CP_SIZES]
             static_costs = [
-                static_cp_step_cost(replace(request, context_parallel_size=cp, data_parallel_size=size.ranks // cp), model)
+                static_cp_step_cost(request.replace(context_parallel_size=cp, data_parallel_size=size.ranks // cp), model)
                 for cp in STATIC_CP_SIZES
             ]
-            for kind in SchedulerKind:
+            for kind in (k for k in SchedulerKind if k is not SchedulerKind.AUTO):  # auto: its own table
                 row, plan = scheduler_row(distribution, size, kind, static_costs, model)
                 rows.append(row)
                 if plan is not None:
@@ -198,9 +244,9 @@ def plot_plan(plan: Plan, lengths: tuple[int, ...], path: Path) -> None:
     axes[0, 0].legend(handles=handles, fontsize=8, loc="upper right")
     s = plan.statistics
     fig.suptitle(
-        f"Hybrid CP plan: {len(lengths)} samples ({PICTURE_DISTRIBUTION}) on {plan.dp_cp_size} ranks, "
+        f"{SCHEDULER_NAMES[plan.scheduler]} plan: {len(lengths)} samples ({PICTURE_DISTRIBUTION}) on {plan.dp_cp_size} ranks, "
         f"{len(plan.micro_batches)} micro-batches\n"
-        f"boxes = samples (#id, length), stacked = run one after another; "
+        f"boxes = samples (#id, length), stacked = {'packed into one pass' if plan.capacity_bound.value == 'per_rank_sum' else 'run one after another'}; "
         f"cost/lower bound {s.predicted_step_cost / s.lower_bound_cost:.2f}, padding {s.padding_ratio:.2%}"
     )
     save_figure(fig, path)
@@ -210,7 +256,7 @@ def fmt(value: float | None, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
-def run(out: Path, smoke: bool = False) -> Report[Row]:
+def run(out: Path, smoke: bool = False) -> Report[Row | AutoRow]:
     sizes = SMOKE_SIZES if smoke else SIZES
     model = CostModel()
     rows, plans = measure(sizes, model)
@@ -224,7 +270,16 @@ def run(out: Path, smoke: bool = False) -> Report[Row]:
         for r in rows
     ])
     plot_cost_ratios(rows, sizes, out / f"quality_cost_ratio{suffix}.png")
-    picture = plans[(PICTURE_DISTRIBUTION, PICTURE_SIZE.samples, SchedulerKind.HYBRID_CP)]
+    autos = [a for distribution in DISTRIBUTION_NAMES for size in sizes for a in auto_rows(distribution, size)]
+    auto_table = markdown_table(
+        ["distribution", "samples on ranks", "cost model (preset)", "auto serves", "cost / lower bound",
+         "best static CP (1/2/4/8)", "speedup over the best static CP", "speedup over the job's static CP2"],
+        [[a.distribution, a.size.label, a.preset, a.winner, f"{a.cost_over_bound:.2f}", a.best_static,
+          fmt(a.speedup_over_best_static, "{:.2f}x"), f"{a.speedup_over_job_static:.2f}x"] for a in autos],
+    )
+    far = [a for a in autos if a.cost_over_bound > FAR_FROM_BOUND]
+    picture_kind = SchedulerKind.DYNAMIC_CP if (PICTURE_DISTRIBUTION, PICTURE_SIZE.samples, SchedulerKind.DYNAMIC_CP) in plans else SchedulerKind.HYBRID_CP
+    picture = plans[(PICTURE_DISTRIBUTION, PICTURE_SIZE.samples, picture_kind)]
     plot_plan(picture, make_request(PICTURE_DISTRIBUTION, PICTURE_SIZE).sequence_lengths, out / f"plan_picture{suffix}.png")
     coefficients = ", ".join(f"{k} = {v:g}" for k, v in model.__dict__.items())
     return write_report(
@@ -235,10 +290,13 @@ def run(out: Path, smoke: bool = False) -> Report[Row]:
         "The lower bound is the total CP1 work spread evenly over all ranks.",
         [
             ("Results", table),
+            ("auto under model presets", auto_table + "\n\n" + (
+                f"{len(far)} of {len(autos)} auto cells are above {FAR_FROM_BOUND:.2f}x the lower bound "
+                "(docs/benchmarks.md says why)." if far else f"Every auto cell is within {FAR_FROM_BOUND:.2f}x the lower bound.")),
             ("Cost / lower bound per distribution", f"![cost over lower bound](quality_cost_ratio{suffix}.png)"),
-            ("One plan at a glance", f"![a hybrid CP plan](plan_picture{suffix}.png)"),
+            ("One plan at a glance", f"![a {picture_kind.value} plan](plan_picture{suffix}.png)"),
         ],
-        rows=rows,
+        rows=rows + autos,
     )
 
 

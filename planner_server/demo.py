@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         stub = planner_pb2_grpc.BatchPlannerStub(channel)
         try:
             caps = stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=args.timeout, wait_for_ready=True)
-            request = PlanRequest(
+            request = PlanRequest.of(
                 sequence_lengths=lengths,
                 data_parallel_size=args.dp,
                 context_parallel_size=args.cp,

@@ -108,7 +108,7 @@ def warm_up() -> None:
     from batch_planner.schedulers import discover_schedulers
 
     discover_schedulers()
-    plan_batch(PlanRequest((4096, 2048, 1024, 512, 512, 256, 128, 64), 4, 2, 4096))
+    plan_batch(PlanRequest.of((4096, 2048, 1024, 512, 512, 256, 128, 64), 4, 2, 4096))
 
 
 @dataclass(frozen=True)

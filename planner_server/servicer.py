@@ -14,6 +14,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from batch_planner.convert import SCHEDULER_TO_PROTO, cost_model_to_proto
+from batch_planner.cost_profiles import preset_names
 from batch_planner.request import SchedulerKind
 from batch_planner.schedulers import discover_schedulers, megatron_core_version
 from batch_planner.v1 import planner_pb2 as pb
@@ -139,4 +140,7 @@ def capabilities(config: ServerConfig, rates: PlanRates | None = None, workers: 
             megatron_core_class=availability.spec.qualified_name,
             unavailable_reason=availability.reason,
         )
+    # auto is not a Megatron-Core class: the cheapest of the schedulers above (batch_planner/auto.py).
+    result.schedulers.add(scheduler=pb.SCHEDULER_AUTO, available=True, megatron_core_class="")
+    result.cost_model_presets.extend(preset_names())
     return result

@@ -38,7 +38,9 @@ def assert_plan_well_formed(response: pb.PlanResponse, lengths: list[int], dp_cp
         owner = [-1] * dp_cp  # rank -> index of its group in this micro-batch
         for g_index, group in enumerate(micro_batch.cp_groups):
             where = f"micro-batch {mb_index} group {g_index} (first rank {group.first_rank}, size {group.size})"
-            assert _is_power_of_two(group.size), f"{where}: size is not a power of two"
+            # Megatron-Core builds power-of-two groups and the whole DPxCP group (24 ranks: 1-8, 24).
+            assert _is_power_of_two(group.size) or group.size == dp_cp, f"{where}: size is not a power of two"
+            assert group.size == dp_cp or group.size < 2 ** (dp_cp.bit_length() - 1), f"{where}: no such group is built"
             assert group.first_rank % group.size == 0, f"{where}: not aligned to its size"
             assert group.first_rank + group.size <= dp_cp, f"{where}: runs past rank {dp_cp - 1}"
             assert len(group.sample_ids) >= 1, f"{where}: idle ranks"

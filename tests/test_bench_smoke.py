@@ -126,15 +126,20 @@ def test_trainer_cost_smoke(tmp_path):
 def test_quality_smoke(tmp_path):
     report = quality.run(tmp_path, smoke=True)
     assert_report(report, 4 * 6)
-    hybrid = [r for r in report.rows if r.name == "hybrid CP"]
+    rows = [r for r in report.rows if isinstance(r, quality.Row)]
+    autos = [r for r in report.rows if isinstance(r, quality.AutoRow)]
+    hybrid = [r for r in rows if r.name == "hybrid CP"]
     assert len(hybrid) == 4
     # Nothing beats the lower bound under the cost model.
     assert all(r.cost_over_bound >= 0.999 for r in hybrid)
     # Every sample appears in the CP-size mix of every plan.
     assert all(sum(int(p.split(":")[1]) for p in r.cp_mix.split(", ")) == 64 for r in hybrid)
-    for r in report.rows:
+    for r in rows:
         if r.cost_over_bound is None:
             assert r.note.startswith(("not available in Megatron-Core", "refused: ")), r
+    # auto: every distribution under every preset, never slower than the best static CP it tried.
+    assert len(autos) == 4 * len(quality.AUTO_PRESETS)
+    assert all(a.cost_over_bound >= 0.999 and (a.speedup_over_best_static or 1.0) >= 1.0 for a in autos)
 
 
 def test_startup_smoke(tmp_path):

@@ -36,7 +36,7 @@ def make_batch(lengths, routes=True) -> TensorDict:
 @pytest.mark.parametrize("layout", [CpLayout.ZIGZAG, CpLayout.CONTIGUOUS])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_every_real_token_lands_on_exactly_one_rank(layout, tp):
-    request = PlanRequest(LENGTHS, 4, 1, 1024, tensor_parallel_size=tp, cp_layout=layout)
+    request = PlanRequest.of(LENGTHS, 4, 1, 1024, tensor_parallel_size=tp, cp_layout=layout)
     plan = plan_batch(request)
     assert {1, 2, 4} <= set(plan.sample_cp_sizes().values())
     batch = unbind_batch(make_batch(LENGTHS))
@@ -82,7 +82,7 @@ def test_zigzag_takes_chunks_r_and_2c_minus_1_minus_r():
 
 
 def test_hybrid_cp_runs_each_sample_of_a_group_as_its_own_unit_and_packing_packs_them():
-    plan = plan_batch(PlanRequest(LENGTHS, 4, 1, 1024))
+    plan = plan_batch(PlanRequest.of(LENGTHS, 4, 1, 1024))
     batch = unbind_batch(make_batch(LENGTHS, routes=False))
     for rank in range(4):
         units = micro_batches_for_rank(plan, batch, rank)
@@ -95,7 +95,7 @@ def test_hybrid_cp_runs_each_sample_of_a_group_as_its_own_unit_and_packing_packs
 
 
 def test_batch_that_does_not_match_the_plan_is_refused():
-    plan = plan_batch(PlanRequest(LENGTHS, 4, 1, 1024))
+    plan = plan_batch(PlanRequest.of(LENGTHS, 4, 1, 1024))
     with pytest.raises(BatchMismatchError, match="the plan covers 12 samples but the batch holds 11"):
         micro_batches_for_rank(plan, make_batch(LENGTHS[:11]), 0)
     bad = make_batch(LENGTHS, routes=False)

@@ -119,7 +119,7 @@ def prometheus_for(tmp_path):
 
 
 def plan_request(seed: int) -> PlanRequest:
-    return PlanRequest(
+    return PlanRequest.of(
         sequence_lengths=tuple(sample_lengths("long_tail_16k", 48, seed)),
         # TP=2 pads every odd-length sample: the padding series are not all zero.
         data_parallel_size=4, context_parallel_size=2, tensor_parallel_size=2, max_seqlen_per_dp_cp_rank=16384,

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 from bench import dropin
-from bench.common import parse_markdown_tables
 from tests.test_bench_smoke import assert_report
 
 
 def test_dropin_benchmark_smoke(tmp_path, planner):
-    path = dropin.run(tmp_path, smoke=True, address=planner.address)
-    assert_report(path, 4, ["drop-in planning wait ms p50"])
-    header, *rows = parse_markdown_tables(path.read_text())[1]
-    traffic = [dict(zip(header, row)) for row in rows]
-    assert len(traffic) == 4
-    assert all(float(r["drop-in received MiB (max rank)"]) <= float(r["global batch MiB"]) for r in traffic)
+    report = dropin.run(tmp_path, smoke=True, address=planner.address)
+    assert_report(report, 4)
+    assert all(row.received_max_mib <= row.global_mib for row in report.rows)

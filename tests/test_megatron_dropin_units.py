@@ -48,7 +48,7 @@ def test_inconsistent_cu_seqlens_are_named(cu_seqlens, phrase):
 
 
 def test_plan_in_megatron_cores_shape():
-    plan = plan_batch(PlanRequest((3000, 1500, 700, 500, 301, 97, 1000, 64), 2, 2, 1024))
+    plan = plan_batch(PlanRequest.of((3000, 1500, 700, 500, 301, 97, 1000, 64), 2, 2, 1024))
     groups = sample_id_groups(plan)
     assert len(groups) == len(plan.micro_batches) and all(len(mb) == 4 for mb in groups)
     assert sorted(i for mb in groups for ids in {tuple(r) for r in mb} for i in ids) == list(range(8))

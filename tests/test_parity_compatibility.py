@@ -44,7 +44,7 @@ def batch(**extra):
 
 
 def hybrid_plan():
-    return plan_batch(PlanRequest(LENGTHS, 4, 1, 1024))
+    return plan_batch(PlanRequest.of(LENGTHS, 4, 1, 1024))
 
 
 def relabelled_plan(scheduler, micro_batches):

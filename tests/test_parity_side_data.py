@@ -55,7 +55,7 @@ CASES = [
 def test_three_dimensional_token_field_and_scalar_travel_with_their_sample(layout, case, packed):
     lengths, dp, cp, budget = CASES[case]
     tp = 2 if case == 2 else 1
-    plan = plan_batch(PlanRequest(tuple(lengths), dp, cp, budget, tensor_parallel_size=tp, cp_layout=layout))
+    plan = plan_batch(PlanRequest.of(tuple(lengths), dp, cp, budget, tensor_parallel_size=tp, cp_layout=layout))
     sizes_used = set(plan.sample_cp_sizes().values())
     assert len(sizes_used) > 1, sizes_used  # a dynamic mix, not a static CP size
     batch = unbind_batch(_batch(lengths))
@@ -92,7 +92,7 @@ def test_per_sample_outputs_of_any_shape_come_back_in_order():
 
 def test_token_outputs_that_miss_or_repeat_a_token_are_refused():
     lengths = (10, 6)
-    plan = plan_batch(PlanRequest(lengths, 2, 1, 8))
+    plan = plan_batch(PlanRequest.of(lengths, 2, 1, 8))
     batch = unbind_batch(_batch(lengths))
     pieces = [p for r in range(2) for mb in micro_batches_for_rank(plan, batch, r) for p in token_pieces(mb, mb.input_ids)]
     assert [t.tolist() for t in restore_token_outputs(pieces, lengths)] == [list(range(1, 11)), list(range(1, 7))]
@@ -113,7 +113,7 @@ def test_router_replay_routes_get_one_ignored_placeholder_row_and_shard_with_the
     assert torch.equal(aligned[0][:8], recorded[0]) and bool((aligned[0][8] == 0).all())
     assert [v.tolist().count(False) for v in valid] == [1, 0, 1, 1] and not bool(valid[2][-1])
     batch = attach_router_replay(_batch(lengths).exclude("routes"), recorded)
-    plan = plan_batch(PlanRequest(lengths, 2, 1, 8, cp_layout=CpLayout.ZIGZAG))
+    plan = plan_batch(PlanRequest.of(lengths, 2, 1, 8, cp_layout=CpLayout.ZIGZAG))
     assert 2 in plan.sample_cp_sizes().values()
     seen_invalid = []
     for rank in range(2):

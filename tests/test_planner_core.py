@@ -52,7 +52,7 @@ def rank_view(plan: Plan) -> list[list[list[int]]]:
 @pytest.mark.parametrize("dp,cp,samples", [(4, 2, 64), (16, 4, 1024)])
 def test_plan_is_megatron_cores_schedule(dp, cp, samples):
     lengths = sample_lengths("long_tail_16k", samples, seed=3)
-    request = PlanRequest(tuple(lengths), dp, cp, max_seqlen_per_dp_cp_rank=4096)
+    request = PlanRequest.of(tuple(lengths), dp, cp, max_seqlen_per_dp_cp_rank=4096)
     plan = plan_batch(request)
     assert rank_view(plan) == megatron_hybrid_cp(lengths, dp * cp, 4096)
     assert plan.scheduler_class == "BalancedCPScheduler"
@@ -65,16 +65,16 @@ def test_plan_is_megatron_cores_schedule(dp, cp, samples):
 
 def test_same_request_same_plan_and_id():
     lengths = tuple(sample_lengths("lognormal_32k", 256, seed=1))
-    first = plan_batch(PlanRequest(lengths, 16, 2, 16384))
-    again = plan_batch(PlanRequest(lengths, 16, 2, 16384, job="another-job"))
+    first = plan_batch(PlanRequest.of(lengths, 16, 2, 16384))
+    again = plan_batch(PlanRequest.of(lengths, 16, 2, 16384, job="another-job"))
     assert first == again and first.plan_id == again.plan_id
-    other = plan_batch(PlanRequest(lengths, 16, 2, 16384, cp_layout=CpLayout.CONTIGUOUS))
+    other = plan_batch(PlanRequest.of(lengths, 16, 2, 16384, cp_layout=CpLayout.CONTIGUOUS))
     assert other.plan_id != first.plan_id
 
 
 def test_statistics_add_up():
     lengths = tuple(sample_lengths("long_tail_16k", 256, seed=2))
-    request = PlanRequest(lengths, 8, 4, 8192, tensor_parallel_size=2)
+    request = PlanRequest.of(lengths, 8, 4, 8192, tensor_parallel_size=2)
     plan = plan_batch(request)
     s = plan.statistics
     assert s.real_tokens == sum(lengths)
@@ -111,8 +111,8 @@ def test_static_cp_estimate_counts_cp_overhead():
     # One 32K sample + eight 4K samples on 2 ranks: static CP2 pays the CP fixed cost; CP1 does not.
     lengths = (32768,) + (4096,) * 8
     model = CostModel()
-    cp2 = static_cp_step_cost(PlanRequest(lengths, 1, 2, 65536), model)
-    cp1 = static_cp_step_cost(PlanRequest(lengths, 2, 1, 65536), model)
+    cp2 = static_cp_step_cost(PlanRequest.of(lengths, 1, 2, 65536), model)
+    cp1 = static_cp_step_cost(PlanRequest.of(lengths, 2, 1, 65536), model)
     assert cp2 > 0 and cp1 > 0 and cp2 != cp1
 
 
@@ -134,7 +134,7 @@ def test_static_cp_estimate_is_the_slowest_replicas_sum():
     # DP=2, CP1, budget 4096 per replica: packs [4096], [1024], [4096], [1024] go to replicas
     # 0, 1, 0, 1; no barrier between micro-batches, so replica 0's two packs set the step.
     model = CostModel(seconds_per_token=1e-6, seconds_per_attention_token_pair=0.0, seconds_per_pass=1e-3)
-    step = static_cp_step_cost(PlanRequest((4096, 1024, 4096, 1024), 2, 1, 4096), model)
+    step = static_cp_step_cost(PlanRequest.of((4096, 1024, 4096, 1024), 2, 1, 4096), model)
     assert step == pytest.approx(2 * (4096e-6 + 1e-3))
 
 
@@ -154,14 +154,14 @@ def _plan(groups_per_mb, dp_cp, bound=CapacityBound.PER_SAMPLE):
     ],
 )
 def test_invariant_violations_are_named(groups, invariant):
-    request = PlanRequest((10, 10, 10, 10), 2, 2, 100)
+    request = PlanRequest.of((10, 10, 10, 10), 2, 2, 100)
     with pytest.raises(InvariantViolationError) as err:
         check_plan_invariants(_plan(groups, 4), request, valid_cp_sizes(SchedulerKind.HYBRID_CP, 4, 2, None))
     assert err.value.invariant == invariant
 
 
 def test_capacity_invariant_matches_execution():
-    request = PlanRequest((100, 100), 1, 2, 80)
+    request = PlanRequest.of((100, 100), 1, 2, 80)
     groups = [[CpGroup(0, 2, (0, 1), 200, 200)]]
     sizes = valid_cp_sizes(SchedulerKind.HYBRID_CP, 2, 2, None)
     check_plan_invariants(_plan(groups, 2, CapacityBound.PER_SAMPLE), request, sizes)  # 50 per sample
@@ -173,7 +173,7 @@ def test_capacity_invariant_matches_execution():
 def test_dev_branch_schedulers(kind):
     require_scheduler(kind)
     lengths = tuple(sample_lengths("long_tail_16k", 256, seed=4))
-    plan = plan_batch(PlanRequest(lengths, 8, 4, 16384, scheduler=kind))
+    plan = plan_batch(PlanRequest.of(lengths, 8, 4, 16384, scheduler=kind))
     assert plan.capacity_bound is CapacityBound.PER_RANK_SUM
     assert sorted(plan.sample_cp_sizes()) == list(range(256))
 

@@ -39,12 +39,12 @@ COST_MODEL = CostModel(seconds_per_token=3e-6, seconds_per_pass=5e-3, cp_seconds
 
 def small_requests() -> list[PlanRequest]:
     requests = [
-        PlanRequest(tuple(sample_lengths(name, 64, seed=seed)), 4, 2, 8192)
+        PlanRequest.of(tuple(sample_lengths(name, 64, seed=seed)), 4, 2, 8192)
         for name in ("lognormal_32k", "megatron_dcp", "bimodal")
         for seed in range(2)
     ]
-    requests.append(PlanRequest((100, 0, 7), 4, 2, 8192))  # refused: a sample of length 0
-    requests.append(PlanRequest((40000,), 2, 1, 8192))  # refused: longer than DPxCP can hold
+    requests.append(PlanRequest.of((100, 0, 7), 4, 2, 8192))  # refused: a sample of length 0
+    requests.append(PlanRequest.of((40000,), 2, 1, 8192))  # refused: longer than DPxCP can hold
     return requests
 
 
@@ -74,7 +74,7 @@ def test_inline_and_worker_plans_are_the_same_bytes(pools):
     request = small_requests()[0]
     expected = plan_to_proto(plan_batch(request, LIMITS, COST_MODEL)).SerializeToString(deterministic=True)
     assert workers_only.plan(request_to_proto(request).SerializeToString(), time.time() + 60, 60).response == expected
-    too_many = request_to_proto(PlanRequest(tuple([512] * 301), 4, 2, 8192)).SerializeToString()
+    too_many = request_to_proto(PlanRequest.of(tuple([512] * 301), 4, 2, 8192)).SerializeToString()
     refused = workers_only.plan(too_many, time.time() + 60, timeout=60)
     assert refused.code == "INVALID_ARGUMENT" and "limit of 300" in refused.message
 
@@ -82,8 +82,8 @@ def test_inline_and_worker_plans_are_the_same_bytes(pools):
 def test_requests_past_the_inline_bound_go_to_a_worker(pools):
     inline, _ = pools
     bound = inline.inline
-    many_samples = PlanRequest(tuple(sample_lengths("lognormal_32k", 129, seed=1)), 8, 1, 8192)
-    many_ranks = PlanRequest(tuple(sample_lengths("lognormal_32k", 64, seed=1)), 16, 2, 8192)
+    many_samples = PlanRequest.of(tuple(sample_lengths("lognormal_32k", 129, seed=1)), 8, 1, 8192)
+    many_ranks = PlanRequest.of(tuple(sample_lengths("lognormal_32k", 64, seed=1)), 16, 2, 8192)
     small = small_requests()[0]
     assert bound.admits(request_to_proto(small).SerializeToString())
     assert not bound.admits(request_to_proto(many_samples).SerializeToString())

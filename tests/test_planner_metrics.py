@@ -43,7 +43,7 @@ def sample_value(text: str, name: str, **labels) -> float:
 def test_counters_move_by_known_amounts(fresh_planner):
     before = scrape(fresh_planner.metrics_url)
     lengths = tuple(sample_lengths("long_tail_16k", 128, seed=9))
-    request = PlanRequest(lengths, 8, 2, 4096, tensor_parallel_size=2, job="metrics-test")
+    request = PlanRequest.of(lengths, 8, 2, 4096, tensor_parallel_size=2, job="metrics-test")
     with grpc.insecure_channel(fresh_planner.address) as channel:
         stub = planner_pb2_grpc.BatchPlannerStub(channel)
         plans = [plan_from_proto(stub.Plan(request_to_proto(request), timeout=60)) for _ in range(3)]

@@ -21,7 +21,7 @@ from tests.test_planner_core import megatron_dynamic_cp, megatron_hybrid_cp, ran
 
 
 def long_tail_request(dp: int, cp: int, samples: int, seed: int = 11) -> PlanRequest:
-    return PlanRequest(tuple(sample_lengths("long_tail_16k", samples, seed)), dp, cp, 4096, job="test")
+    return PlanRequest.of(tuple(sample_lengths("long_tail_16k", samples, seed)), dp, cp, 4096, job="test")
 
 
 @pytest.mark.parametrize("dp,cp,samples", [(4, 2, 64), (32, 2, 1024)])
@@ -45,7 +45,7 @@ DYNAMIC_CP_LAYOUTS = [(4, 2, 64), (32, 2, 512), (64, 4, 1024), (12, 2, 256)]
 def test_served_dynamic_cp_plans_equal_megatron_core_across_two_servers(planner, stub):
     require_scheduler(SchedulerKind.DYNAMIC_CP)
     requests = [
-        PlanRequest(tuple(sample_lengths("lognormal_32k", n, seed=dp)), dp, cp, 8192, scheduler=SchedulerKind.DYNAMIC_CP)
+        PlanRequest.of(tuple(sample_lengths("lognormal_32k", n, seed=dp)), dp, cp, 8192, scheduler=SchedulerKind.DYNAMIC_CP)
         for dp, cp, n in DYNAMIC_CP_LAYOUTS
     ]
     first = [stub.Plan(request_to_proto(r), timeout=300) for r in requests]

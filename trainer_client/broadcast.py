@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import array
 import hashlib
+import json
 from typing import Any
 
 import torch.distributed as dist
 
 from batch_planner.convert import plan_from_proto, plan_to_proto
 from batch_planner.plan import Plan
+from batch_planner.planner import canonical_request
 from batch_planner.request import PlanRequest
 from batch_planner.v1 import planner_pb2 as pb
 from trainer_client.config import WhoAsks
@@ -32,13 +34,11 @@ class PlanMismatchError(RuntimeError):
 
 
 def request_digest(request: PlanRequest) -> str:
-    """A short fingerprint of the batch and layout a request plans, cheap for thousands of samples:
-    the lengths are hashed as an int64 array's bytes, not as text."""
-    digest = hashlib.blake2b(digest_size=8)
-    digest.update(array.array("q", request.sequence_lengths).tobytes())
-    layout = (request.data_parallel_size, request.context_parallel_size, request.tensor_parallel_size,
-              request.max_seqlen_per_dp_cp_rank, request.scheduler.value, request.cp_layout.value, request.min_cp_size)
-    digest.update(repr(layout).encode())
+    """A short fingerprint of everything the plan id covers of a request (`canonical_request`),
+    cheap for thousands of samples: the lengths are hashed as an int64 array's bytes, not as text."""
+    canonical = canonical_request(request)
+    digest = hashlib.blake2b(array.array("q", canonical.pop("lengths")).tobytes(), digest_size=8)
+    digest.update(json.dumps(canonical, sort_keys=True).encode())
     return digest.hexdigest()
 
 

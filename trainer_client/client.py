@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry, start_http_server
 
 from batch_planner.plan import Plan
-from batch_planner.request import PlanRequest
+from batch_planner.request import PlanningOptions, PlanRequest, SchedulerKind
 from trainer_client.ahead import Fetched, PlanAhead
 from trainer_client.apply import micro_batches_for_rank
 from trainer_client.batch import GlobalBatch, unbind_batch
@@ -33,7 +34,7 @@ from trainer_client.megatron import (
 )
 from trainer_client.micro_batch import RankMicroBatch
 from trainer_client.broadcast import agree_on_plan
-from trainer_client.compatibility import check_dynamic_cp_support
+from trainer_client.compatibility import check_dynamic_cp_support, schedulers_the_trainer_runs
 from trainer_client.config import PlannerClientConfig, WhoAsks
 from trainer_client.distributed import is_distributed
 from trainer_client.metrics import TrainerMetrics
@@ -99,6 +100,12 @@ class BatchPlannerClient:
         if cp_groups == "auto":
             cp_groups = "megatron" if megatron_ready else None
         self._cp_groups = cp_groups
+        self._options = PlanningOptions.of(config)
+        if config.scheduler is SchedulerKind.AUTO:  # only candidates this trainer can run
+            runs = schedulers_the_trainer_runs(config, **self._trainer_configs)
+            if config.auto_schedulers:  # the job's own restriction, within what it can run
+                runs = tuple(k for k in config.auto_schedulers if not runs or k in runs)
+            self._options = replace(self._options, auto_schedulers=runs)
         self.source = PlanSource(config, self.metrics)
         self.ahead = PlanAhead(self.source.plan, depth=config.plan_ahead_depth)
         self.metrics.plan_ahead_depth.labels(self.metrics.job).set(config.plan_ahead_depth)
@@ -110,20 +117,9 @@ class BatchPlannerClient:
         return self.config.who_asks is WhoAsks.ALL_RANKS or self.rank == 0
 
     def request_for(self, lengths: Sequence[int]) -> PlanRequest:
-        c = self.config
         values = lengths.tolist() if hasattr(lengths, "tolist") else lengths  # a tensor or numpy array
         return PlanRequest(
-            sequence_lengths=tuple(map(int, values)),
-            data_parallel_size=self.dp_cp_size // c.context_parallel_size,
-            context_parallel_size=c.context_parallel_size,
-            max_seqlen_per_dp_cp_rank=c.max_seqlen_per_dp_cp_rank,
-            scheduler=c.scheduler,
-            tensor_parallel_size=c.tensor_parallel_size,
-            cp_layout=c.cp_layout,
-            min_cp_size=c.min_cp_size,
-            max_seqs_per_micro_batch=c.max_seqs_per_micro_batch,
-            micro_batch_group_size=c.micro_batch_group_size,
-            job=c.job,
+            tuple(map(int, values)), self.dp_cp_size // self.config.context_parallel_size, self._options, self.config.job
         )
 
     def prefetch(self, step: int, lengths: Sequence[int]) -> None:

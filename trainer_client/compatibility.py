@@ -16,6 +16,7 @@ dev branch; hybrid_cp_schedule and multi_latent_attention on 0.19).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Mapping
@@ -297,3 +298,24 @@ def check_dynamic_cp_support(
         value = rule.value(inputs)
         if rule.refused(value, inputs):
             raise rule.error(value, inputs)
+
+
+CONCRETE_SCHEDULERS = (SchedulerKind.DYNAMIC_CP, SchedulerKind.HYBRID_CP, SchedulerKind.STATIC_PACKING)
+
+
+def schedulers_the_trainer_runs(planner_config: Any, **configs: Any) -> tuple[SchedulerKind, ...]:
+    """The schedulers whose plans this trainer's configs can run, for auto's `auto_schedulers`
+    (empty: every one), so that auto never serves a plan the trainer refuses. Raises the first
+    refusal when none is left."""
+    runs: list[SchedulerKind] = []
+    first: UnsupportedCombinationError | None = None
+    for kind in CONCRETE_SCHEDULERS:
+        try:
+            check_dynamic_cp_support(planner_config=dataclasses.replace(planner_config, scheduler=kind), **configs)
+            runs.append(kind)
+        except UnsupportedCombinationError as refused:
+            first = first or refused
+    if not runs:
+        assert first is not None
+        raise first
+    return () if len(runs) == len(CONCRETE_SCHEDULERS) else tuple(runs)

@@ -11,12 +11,14 @@ It drops into a trainer's config file as one section, e.g.
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from batch_planner.request import CpLayout, SchedulerKind
+from batch_planner.cost_profiles import spec_from_mapping
+from batch_planner.errors import InvalidRequestError
+from batch_planner.request import PlanningOptions, SchedulerKind
 
 
 class WhoAsks(str, Enum):
@@ -31,24 +33,19 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class PlannerClientConfig:
+class PlannerClientConfig(PlanningOptions):
+    """The planning options of the job (batch_planner.request.PlanningOptions: the per-rank token
+    budget, the static CP size, the scheduler, ...; each documented there) and how to reach the
+    planner. DPxCP comes from the process group, DP = DPxCP / CP."""
+
+    # The client asks for auto (the cheapest of Megatron-Core's plans and the job's static CP under
+    # the job's cost model) unless the config names one scheduler. `cost_model` names the job's
+    # model: a preset ("llama3-8b-h200"), or {coefficients: ...}, or {model: ..., hardware: ...}.
+    scheduler: SchedulerKind = SchedulerKind.AUTO
     # Where the planner listens: "host:port", or "dns:///name:port" to balance round-robin over
     # every address the name resolves to (all replicas behind a headless Kubernetes service).
     # Empty: never call a service, always plan in-process.
     planner_endpoint: str = ""
-    # The job's longest per-rank token budget for one micro-batch (Megatron's
-    # max_seqlen_per_dp_cp_rank); required.
-    max_seqlen_per_dp_cp_rank: int = 0
-    # Which Megatron-Core scheduler plans the job: dynamic CP (Megatron-LM dev) by default.
-    scheduler: SchedulerKind = SchedulerKind.DYNAMIC_CP
-    # The job's static CP size (the baseline the statistics compare against); DPxCP comes from
-    # the process group, DP = DPxCP / CP.
-    context_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-    cp_layout: CpLayout = CpLayout.ZIGZAG
-    min_cp_size: int | None = None
-    max_seqs_per_micro_batch: int | None = None
-    micro_batch_group_size: int | None = None
     job: str = ""
     who_asks: WhoAsks = WhoAsks.LEADER
     # How many future steps `prefetch` may have planned at once (1..MAX_PLAN_AHEAD_DEPTH): that
@@ -110,11 +107,13 @@ class PlannerClientConfig:
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: (v.value if isinstance(v, Enum) else v) for k, v in asdict(self).items()}
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: (v.value if isinstance(v, Enum) else v.canonical() if hasattr(v, "canonical") else v) for k, v in values.items()}
 
 
-_ENUMS = {"scheduler": SchedulerKind, "cp_layout": CpLayout, "who_asks": WhoAsks}
-_OPTIONAL_INTS = ("min_cp_size", "max_seqs_per_micro_batch", "micro_batch_group_size")
+# Read off the fields: every enum-typed setting, every optional count of the planning options.
+_ENUMS = {f.name: type(f.default) for f in fields(PlannerClientConfig) if isinstance(f.default, Enum)}
+_OPTIONAL_INTS = tuple(f.name for f in fields(PlanningOptions) if f.default is None and "int" in str(f.type))
 _POSITIVE_INTS = (
     "max_seqlen_per_dp_cp_rank", "context_parallel_size", "tensor_parallel_size", "max_attempts", "plan_ahead_depth",
 )
@@ -126,6 +125,17 @@ _NON_NEGATIVE_FLOATS = ("initial_backoff_seconds", "max_backoff_seconds", "fallb
 
 def _convert(f, value: Any) -> Any:
     name = f.name
+    if name == "auto_schedulers":
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"auto_schedulers: {value!r} is not a list of scheduler names")
+        return tuple(_convert(next(f for f in fields(PlanningOptions) if f.name == "scheduler"), v) for v in value)
+    if name == "cost_model":
+        if value is None:
+            return None
+        try:
+            return spec_from_mapping(value)
+        except InvalidRequestError as error:
+            raise ConfigError(str(error)) from None
     if name in _ENUMS:
         enum = _ENUMS[name]
         if isinstance(value, enum):
@@ -158,6 +168,9 @@ def _strict(name: str, value: Any, kind: type) -> Any:
 
 
 def _check(c: PlannerClientConfig) -> None:
+    object.__setattr__(c, "auto_schedulers", _convert(next(f for f in fields(c) if f.name == "auto_schedulers"), c.auto_schedulers))
+    if c.cost_model is not None:
+        object.__setattr__(c, "cost_model", _convert(next(f for f in fields(c) if f.name == "cost_model"), c.cost_model))
     for name in _ENUMS:
         if not isinstance(getattr(c, name), _ENUMS[name]):
             object.__setattr__(c, name, _convert(next(f for f in fields(c) if f.name == name), getattr(c, name)))

@@ -24,45 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x61tch_planner/v1/planner.proto\x12\x10\x62\x61tch_planner.v1\"i\n\x0eParallelLayout\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x01 \x01(\r\x12\x1d\n\x15\x63ontext_parallel_size\x18\x02 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\"\x96\x03\n\x0bPlanRequest\x12\x18\n\x10sequence_lengths\x18\x01 \x03(\x04\x12\x30\n\x06layout\x18\x02 \x01(\x0b\x32 .batch_planner.v1.ParallelLayout\x12!\n\x19max_seqlen_per_dp_cp_rank\x18\x03 \x01(\x04\x12.\n\tscheduler\x18\x04 \x01(\x0e\x32\x1b.batch_planner.v1.Scheduler\x12-\n\tcp_layout\x18\x05 \x01(\x0e\x32\x1a.batch_planner.v1.CpLayout\x12\x18\n\x0bmin_cp_size\x18\x06 \x01(\rH\x00\x88\x01\x01\x12%\n\x18max_seqs_per_micro_batch\x18\x07 \x01(\rH\x01\x88\x01\x01\x12#\n\x16micro_batch_group_size\x18\x08 \x01(\rH\x02\x88\x01\x01\x12\x0b\n\x03job\x18\t \x01(\tB\x0e\n\x0c_min_cp_sizeB\x1b\n\x19_max_seqs_per_micro_batchB\x19\n\x17_micro_batch_group_size\"k\n\x07\x43pGroup\x12\x12\n\nfirst_rank\x18\x01 \x01(\r\x12\x0c\n\x04size\x18\x02 \x01(\r\x12\x12\n\nsample_ids\x18\x03 \x03(\r\x12\x13\n\x0breal_tokens\x18\x04 \x01(\x04\x12\x15\n\rpadded_tokens\x18\x05 \x01(\x04\":\n\nMicroBatch\x12,\n\tcp_groups\x18\x01 \x03(\x0b\x32\x19.batch_planner.v1.CpGroup\"D\n\x0b\x43pSizeCount\x12\x0f\n\x07\x63p_size\x18\x01 \x01(\r\x12\x0f\n\x07samples\x18\x02 \x01(\r\x12\x13\n\x0breal_tokens\x18\x03 \x01(\x04\"\xbc\x02\n\x0ePlanStatistics\x12\x13\n\x0breal_tokens\x18\x01 \x01(\x04\x12\x15\n\rpadded_tokens\x18\x02 \x01(\x04\x12\x15\n\rpadding_ratio\x18\x03 \x01(\x01\x12\x19\n\x11micro_batch_count\x18\x04 \x01(\r\x12\x32\n\x0b\x63p_size_mix\x18\x05 \x03(\x0b\x32\x1d.batch_planner.v1.CpSizeCount\x12\x1b\n\x13predicted_step_cost\x18\x06 \x01(\x01\x12\x18\n\x10lower_bound_cost\x18\x07 \x01(\x01\x12\x1a\n\x12\x62\x61lance_efficiency\x18\x08 \x01(\x01\x12\x1b\n\x13static_cp_step_cost\x18\t \x01(\x01\x12(\n predicted_speedup_over_static_cp\x18\n \x01(\x01\"\x8c\x03\n\x0cPlanResponse\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12.\n\tscheduler\x18\x02 \x01(\x0e\x32\x1b.batch_planner.v1.Scheduler\x12\x17\n\x0fscheduler_class\x18\x03 \x01(\t\x12\x1d\n\x15megatron_core_version\x18\x04 \x01(\t\x12\x33\n\rmicro_batches\x18\x05 \x03(\x0b\x32\x1c.batch_planner.v1.MicroBatch\x12\x34\n\nstatistics\x18\x06 \x01(\x0b\x32 .batch_planner.v1.PlanStatistics\x12\x37\n\x0e\x63\x61pacity_bound\x18\x07 \x01(\x0e\x32\x1f.batch_planner.v1.CapacityBound\x12\x12\n\ndp_cp_size\x18\x08 \x01(\r\x12-\n\tcp_layout\x18\t \x01(\x0e\x32\x1a.batch_planner.v1.CpLayout\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\"\x18\n\x16GetCapabilitiesRequest\"\x8b\x01\n\rSchedulerInfo\x12.\n\tscheduler\x18\x01 \x01(\x0e\x32\x1b.batch_planner.v1.Scheduler\x12\x11\n\tavailable\x18\x02 \x01(\x08\x12\x1b\n\x13megatron_core_class\x18\x03 \x01(\t\x12\x1a\n\x12unavailable_reason\x18\x04 \x01(\t\"\xa3\x01\n\x06Limits\x12\x1f\n\x17max_samples_per_request\x18\x01 \x01(\r\x12\x16\n\x0emax_dp_cp_size\x18\x02 \x01(\r\x12\x1b\n\x13max_sequence_length\x18\x03 \x01(\x04\x12!\n\x19max_receive_message_bytes\x18\x04 \x01(\r\x12 \n\x18max_tensor_parallel_size\x18\x05 \x01(\r\"\xb8\x01\n\x15\x43ostModelCoefficients\x12\x19\n\x11seconds_per_token\x18\x01 \x01(\x01\x12(\n seconds_per_attention_token_pair\x18\x02 \x01(\x01\x12\"\n\x1a\x63p_seconds_per_micro_batch\x18\x03 \x01(\x01\x12\x1c\n\x14\x63p_seconds_per_token\x18\x04 \x01(\x01\x12\x18\n\x10seconds_per_pass\x18\x05 \x01(\x01\"\xab\x01\n\x08PlanRate\x12.\n\tscheduler\x18\x01 \x01(\x0e\x32\x1b.batch_planner.v1.Scheduler\x12\x0f\n\x07samples\x18\x02 \x01(\r\x12\x12\n\ndp_cp_size\x18\x03 \x01(\r\x12\x16\n\x0eplans_measured\x18\x04 \x01(\r\x12\x18\n\x10seconds_per_plan\x18\x05 \x01(\x01\x12\x18\n\x10plans_per_second\x18\x06 \x01(\x01\"\xab\x02\n\x0c\x43\x61pabilities\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x1d\n\x15megatron_core_version\x18\x02 \x01(\t\x12\x33\n\nschedulers\x18\x03 \x03(\x0b\x32\x1f.batch_planner.v1.SchedulerInfo\x12(\n\x06limits\x18\x04 \x01(\x0b\x32\x18.batch_planner.v1.Limits\x12;\n\ncost_model\x18\x05 \x01(\x0b\x32\'.batch_planner.v1.CostModelCoefficients\x12.\n\nplan_rates\x18\x06 \x03(\x0b\x32\x1a.batch_planner.v1.PlanRate\x12\x18\n\x10planning_workers\x18\x07 \x01(\r*w\n\tScheduler\x12\x19\n\x15SCHEDULER_UNSPECIFIED\x10\x00\x12\x17\n\x13SCHEDULER_HYBRID_CP\x10\x01\x12\x18\n\x14SCHEDULER_DYNAMIC_CP\x10\x02\x12\x1c\n\x18SCHEDULER_STATIC_PACKING\x10\x03*U\n\x08\x43pLayout\x12\x19\n\x15\x43P_LAYOUT_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43P_LAYOUT_ZIGZAG\x10\x01\x12\x18\n\x14\x43P_LAYOUT_CONTIGUOUS\x10\x02*o\n\rCapacityBound\x12\x1e\n\x1a\x43\x41PACITY_BOUND_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x43\x41PACITY_BOUND_PER_SAMPLE\x10\x01\x12\x1f\n\x1b\x43\x41PACITY_BOUND_PER_RANK_SUM\x10\x02\x32\xb2\x01\n\x0c\x42\x61tchPlanner\x12\x45\n\x04Plan\x12\x1d.batch_planner.v1.PlanRequest\x1a\x1e.batch_planner.v1.PlanResponse\x12[\n\x0fGetCapabilities\x12(.batch_planner.v1.GetCapabilitiesRequest\x1a\x1e.batch_planner.v1.Capabilitiesb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x61tch_planner/v1/planner.proto\x12\x10\x62\x61tch_planner.v1\"i\n\x0eParallelLayout\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x01 \x01(\r\x12\x1d\n\x15\x63ontext_parallel_size\x18\x02 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\"\x81\x04\n\x0bPlanRequest\x12\x18\n\x10sequence_lengths\x18\x01 \x03(\x04\x12\x30\n\x06layout\x18\x02 \x01(\x0b\x32 .batch_planner.v1.ParallelLayout\x12!\n\x19max_seqlen_per_dp_cp_rank\x18\x03 \x01(\x04\x12.\n\tscheduler\x18\x04 \x01(\x0e\x32\x1b.batch_planner.v1.Scheduler\x12-\n\tcp_layout\x18\x05 \x01(\x0e\x32\x1a.batch_planner.v1.CpLayout\x12\x18\n\x0bmin_cp_size\x18\x06 \x01(\rH\x00\x88\x01\x01\x12%\n\x18max_seqs_per_micro_batch\x18\x07 \x01(\rH\x01\x88\x01\x01\x12#\n\x16micro_batch_group_size\x18\x08 \x01(\rH\x02\x88\x01\x01\x12\x0b\n\x03job\x18\t \x01(\t\x12\x33\n\ncost_model\x18\n \x01(\x0b\x32\x1f.batch_planner.v1.CostModelSpec\x12\x34\n\x0f\x61uto_schedulers\x18\x0b \x03(\x0e\x32\x1b.batch_planner.v1.SchedulerB\x0e\n\x0c_min_cp_sizeB\x1b\n\x19_max_seqs_per_micro_batchB\x19\n\x17_micro_batch_group_size\"\xc2\x01\n\rCostModelSpec\x12\x0e\n\x06preset\x18\x01 \x01(\t\x12=\n\x0c\x63oefficients\x18\x02 \x01(\x0b\x32\'.batch_planner.v1.CostModelCoefficients\x12-\n\x05model\x18\x03 \x01(\x0b\x32\x1e.batch_planner.v1.ModelProfile\x12\x33\n\x08hardware\x18\x04 \x01(\x0b\x32!.batch_planner.v1.HardwareProfile\"\xa6\x04\n\x0cModelProfile\x12\x17\n\nnum_layers\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0bhidden_size\x18\x02 \x01(\rH\x01\x88\x01\x01\x12 \n\x13num_attention_heads\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x19\n\x0cnum_kv_heads\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x15\n\x08head_dim\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x1c\n\x0f\x66\x66n_hidden_size\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x17\n\nvocab_size\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x16\n\tgated_mlp\x18\x08 \x01(\rH\x07\x88\x01\x01\x12\x18\n\x0bnum_experts\x18\t \x01(\rH\x08\x88\x01\x01\x12\x16\n\tmoe_top_k\x18\n \x01(\rH\t\x88\x01\x01\x12 \n\x13moe_ffn_hidden_size\x18\x0b \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0f\x62ytes_per_value\x18\x0c \x01(\rH\x0b\x88\x01\x01\x42\r\n\x0b_num_layersB\x0e\n\x0c_hidden_sizeB\x16\n\x14_num_attention_headsB\x0f\n\r_num_kv_headsB\x0b\n\t_head_dimB\x12\n\x10_ffn_hidden_sizeB\r\n\x0b_vocab_sizeB\x0c\n\n_gated_mlpB\x0e\n\x0c_num_expertsB\x0c\n\n_moe_top_kB\x16\n\x14_moe_ffn_hidden_sizeB\x12\n\x10_bytes_per_value\"\x93\x04\n\x0fHardwareProfile\x12\x1c\n\x0fpeak_bf16_flops\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1f\n\x12sustained_fraction\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12)\n\x1c\x61ttention_sustained_fraction\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12*\n\x1d\x63p_bandwidth_bytes_per_second\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12 \n\x13\x63p_exposed_fraction\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12#\n\x16seconds_per_layer_pass\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\"\n\x15seconds_per_pass_base\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12&\n\x19\x63p_seconds_per_layer_pass\x18\x08 \x01(\x01H\x07\x88\x01\x01\x42\x12\n\x10_peak_bf16_flopsB\x15\n\x13_sustained_fractionB\x1f\n\x1d_attention_sustained_fractionB \n\x1e_cp_bandwidth_bytes_per_secondB\x16\n\x14_cp_exposed_fractionB\x19\n\x17_seconds_per_layer_passB\x18\n\x16_seconds_per_pass_baseB\x1c\n\x1a_cp_seconds_per_layer_pass\"k\n\x07\x43pGroup\x12\x12\n\nfirst_rank\x18\x01 \x01(\r\x12\x0c\n\x04size\x18\x02 \x01(\r\x12\x12\n\nsample_ids\x18\x03 \x03(\r\x12\x13\n\x0breal_tokens\x18\x04 \x01(\x04\x12\x15\n\rpadded_tokens\x18\x05 \x01(\x04\":\n\nMicroBatch\x12,\n\tcp_groups\x18\x01 \x03(\x0b\x32\x19.batch_planner.v1.CpGroup\"D\n\x0b\x43pSizeCount\x12\x0f\n\x07\x63p_size\x18\x01 \x01(\r\x12\x0f\n\x07samples\x18\x02 \x01(\r\x12\x13\n\x0breal_tokens\x18\x03 \x01(\x04\"\xbc\x02\n\x0ePlanStatistics\x12\x13\n\x0breal_tokens\x18\x01 \x01(\x04\x12\x15\n\rpadded_tokens\x18\x02 \x01(\x04\x12\x15\n\rpadding_ratio\x18\x03 \x01(\x01\x12\x19\n\x11micro_batch_count\x18\x04 \x01(\r\x12\x32\n\x0b\x63p_size_mix\x18\x05 \x03(\x0b\x32\x1d.batch_planner.v1.CpSizeCount\x12\x1b\n\x13predicted_step_cost\x18\x06 \x01(\x01\x12\x18\n\x10lower_bound_cost\x18\x07 \x01(\x01\x12\x1a\n\x12\x62\x61lance_efficiency\x18\x08 \x01(\x01\x12\x1b\n\x13static_cp_step_cost\x18\t \x01(\x01\x12(\n predicted_speedup_over_static_cp\x18\n \x01(\x01\"\xbd\x03\n\x0cPlanResponse\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12.\n\tscheduler\x18\x02 \x01(\x0e\x32\x1b.batch_planner.v1.Scheduler\x12\x17\n\x0fscheduler_class\x18\x03 \x01(\t\x12\x1d\n\x15megatron_core_version\x18\x04 \x01(\t\x12\x33\n\rmicro_batches\x18\x05 \x03(\x0b\x32\x1c.batch_planner.v1.MicroBatch\x12\x34\n\nstatistics\x18\x06 \x01(\x0b\x32 .batch_planner.v1.PlanStatistics\x12\x37\n\x0e\x63\x61pacity_bound\x18\x07 \x01(\x0e\x32\x1f.batch_planner.v1.CapacityBound\x12\x12\n\ndp_cp_size\x18\x08 \x01(\r\x12-\n\tcp_layout\x18\t \x01(\x0e\x32\x1a.batch_planner.v1.CpLayout\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12/\n\ncandidates\x18\x0b \x03(\x0b\x32\x1b.batch_planner.v1.Candidate\"\x8f\x02\n\tCandidate\x12\x0c\n\x04name\x18\x01 \x01(\t\x12.\n\tscheduler\x18\x02 \x01(\x0e\x32\x1b.batch_planner.v1.Scheduler\x12!\n\x19max_seqlen_per_dp_cp_rank\x18\x03 \x01(\x04\x12\x18\n\x0bmin_cp_size\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1d\n\x15\x63ontext_parallel_size\x18\x05 \x01(\r\x12\x0f\n\x07planned\x18\x06 \x01(\x08\x12\x1b\n\x13predicted_step_cost\x18\x07 \x01(\x01\x12\x0e\n\x06served\x18\x08 \x01(\x08\x12\x1a\n\x12not_planned_reason\x18\t \x01(\tB\x0e\n\x0c_min_cp_size\"\x18\n\x16GetCapabilitiesRequest\"\x8b\x01\n\rSchedulerInfo\x12.\n\tscheduler\x18\x01 \x01(\x0e\x32\x1b.batch_planner.v1.Scheduler\x12\x11\n\tavailable\x18\x02 \x01(\x08\x12\x1b\n\x13megatron_core_class\x18\x03 \x01(\t\x12\x1a\n\x12unavailable_reason\x18\x04 \x01(\t\"\xa3\x01\n\x06Limits\x12\x1f\n\x17max_samples_per_request\x18\x01 \x01(\r\x12\x16\n\x0emax_dp_cp_size\x18\x02 \x01(\r\x12\x1b\n\x13max_sequence_length\x18\x03 \x01(\x04\x12!\n\x19max_receive_message_bytes\x18\x04 \x01(\r\x12 \n\x18max_tensor_parallel_size\x18\x05 \x01(\r\"\xb8\x01\n\x15\x43ostModelCoefficients\x12\x19\n\x11seconds_per_token\x18\x01 \x01(\x01\x12(\n seconds_per_attention_token_pair\x18\x02 \x01(\x01\x12\"\n\x1a\x63p_seconds_per_micro_batch\x18\x03 \x01(\x01\x12\x1c\n\x14\x63p_seconds_per_token\x18\x04 \x01(\x01\x12\x18\n\x10seconds_per_pass\x18\x05 \x01(\x01\"\xab\x01\n\x08PlanRate\x12.\n\tscheduler\x18\x01 \x01(\x0e\x32\x1b.batch_planner.v1.Scheduler\x12\x0f\n\x07samples\x18\x02 \x01(\r\x12\x12\n\ndp_cp_size\x18\x03 \x01(\r\x12\x16\n\x0eplans_measured\x18\x04 \x01(\r\x12\x18\n\x10seconds_per_plan\x18\x05 \x01(\x01\x12\x18\n\x10plans_per_second\x18\x06 \x01(\x01\"\xc7\x02\n\x0c\x43\x61pabilities\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x1d\n\x15megatron_core_version\x18\x02 \x01(\t\x12\x33\n\nschedulers\x18\x03 \x03(\x0b\x32\x1f.batch_planner.v1.SchedulerInfo\x12(\n\x06limits\x18\x04 \x01(\x0b\x32\x18.batch_planner.v1.Limits\x12;\n\ncost_model\x18\x05 \x01(\x0b\x32\'.batch_planner.v1.CostModelCoefficients\x12\x1a\n\x12\x63ost_model_presets\x18\x06 \x03(\t\x12.\n\nplan_rates\x18\x07 \x03(\x0b\x32\x1a.batch_planner.v1.PlanRate\x12\x18\n\x10planning_workers\x18\x08 \x01(\r*\x8b\x01\n\tScheduler\x12\x19\n\x15SCHEDULER_UNSPECIFIED\x10\x00\x12\x17\n\x13SCHEDULER_HYBRID_CP\x10\x01\x12\x18\n\x14SCHEDULER_DYNAMIC_CP\x10\x02\x12\x1c\n\x18SCHEDULER_STATIC_PACKING\x10\x03\x12\x12\n\x0eSCHEDULER_AUTO\x10\x04*U\n\x08\x43pLayout\x12\x19\n\x15\x43P_LAYOUT_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43P_LAYOUT_ZIGZAG\x10\x01\x12\x18\n\x14\x43P_LAYOUT_CONTIGUOUS\x10\x02*o\n\rCapacityBound\x12\x1e\n\x1a\x43\x41PACITY_BOUND_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x43\x41PACITY_BOUND_PER_SAMPLE\x10\x01\x12\x1f\n\x1b\x43\x41PACITY_BOUND_PER_RANK_SUM\x10\x02\x32\xb2\x01\n\x0c\x42\x61tchPlanner\x12\x45\n\x04Plan\x12\x1d.batch_planner.v1.PlanRequest\x1a\x1e.batch_planner.v1.PlanResponse\x12[\n\x0fGetCapabilities\x12(.batch_planner.v1.GetCapabilitiesRequest\x1a\x1e.batch_planner.v1.Capabilitiesb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'batch_planner.v1.planner_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SCHEDULER']._serialized_start=2522
-  _globals['_SCHEDULER']._serialized_end=2641
-  _globals['_CPLAYOUT']._serialized_start=2643
-  _globals['_CPLAYOUT']._serialized_end=2728
-  _globals['_CAPACITYBOUND']._serialized_start=2730
-  _globals['_CAPACITYBOUND']._serialized_end=2841
+  _globals['_SCHEDULER']._serialized_start=4265
+  _globals['_SCHEDULER']._serialized_end=4404
+  _globals['_CPLAYOUT']._serialized_start=4406
+  _globals['_CPLAYOUT']._serialized_end=4491
+  _globals['_CAPACITYBOUND']._serialized_start=4493
+  _globals['_CAPACITYBOUND']._serialized_end=4604
   _globals['_PARALLELLAYOUT']._serialized_start=52
   _globals['_PARALLELLAYOUT']._serialized_end=157
   _globals['_PLANREQUEST']._serialized_start=160
-  _globals['_PLANREQUEST']._serialized_end=566
-  _globals['_CPGROUP']._serialized_start=568
-  _globals['_CPGROUP']._serialized_end=675
-  _globals['_MICROBATCH']._serialized_start=677
-  _globals['_MICROBATCH']._serialized_end=735
-  _globals['_CPSIZECOUNT']._serialized_start=737
-  _globals['_CPSIZECOUNT']._serialized_end=805
-  _globals['_PLANSTATISTICS']._serialized_start=808
-  _globals['_PLANSTATISTICS']._serialized_end=1124
-  _globals['_PLANRESPONSE']._serialized_start=1127
-  _globals['_PLANRESPONSE']._serialized_end=1523
-  _globals['_GETCAPABILITIESREQUEST']._serialized_start=1525
-  _globals['_GETCAPABILITIESREQUEST']._serialized_end=1549
-  _globals['_SCHEDULERINFO']._serialized_start=1552
-  _globals['_SCHEDULERINFO']._serialized_end=1691
-  _globals['_LIMITS']._serialized_start=1694
-  _globals['_LIMITS']._serialized_end=1857
-  _globals['_COSTMODELCOEFFICIENTS']._serialized_start=1860
-  _globals['_COSTMODELCOEFFICIENTS']._serialized_end=2044
-  _globals['_PLANRATE']._serialized_start=2047
-  _globals['_PLANRATE']._serialized_end=2218
-  _globals['_CAPABILITIES']._serialized_start=2221
-  _globals['_CAPABILITIES']._serialized_end=2520
-  _globals['_BATCHPLANNER']._serialized_start=2844
-  _globals['_BATCHPLANNER']._serialized_end=3022
+  _globals['_PLANREQUEST']._serialized_end=673
+  _globals['_COSTMODELSPEC']._serialized_start=676
+  _globals['_COSTMODELSPEC']._serialized_end=870
+  _globals['_MODELPROFILE']._serialized_start=873
+  _globals['_MODELPROFILE']._serialized_end=1423
+  _globals['_HARDWAREPROFILE']._serialized_start=1426
+  _globals['_HARDWAREPROFILE']._serialized_end=1957
+  _globals['_CPGROUP']._serialized_start=1959
+  _globals['_CPGROUP']._serialized_end=2066
+  _globals['_MICROBATCH']._serialized_start=2068
+  _globals['_MICROBATCH']._serialized_end=2126
+  _globals['_CPSIZECOUNT']._serialized_start=2128
+  _globals['_CPSIZECOUNT']._serialized_end=2196
+  _globals['_PLANSTATISTICS']._serialized_start=2199
+  _globals['_PLANSTATISTICS']._serialized_end=2515
+  _globals['_PLANRESPONSE']._serialized_start=2518
+  _globals['_PLANRESPONSE']._serialized_end=2963
+  _globals['_CANDIDATE']._serialized_start=2966
+  _globals['_CANDIDATE']._serialized_end=3237
+  _globals['_GETCAPABILITIESREQUEST']._serialized_start=3239
+  _globals['_GETCAPABILITIESREQUEST']._serialized_end=3263
+  _globals['_SCHEDULERINFO']._serialized_start=3266
+  _globals['_SCHEDULERINFO']._serialized_end=3405
+  _globals['_LIMITS']._serialized_start=3408
+  _globals['_LIMITS']._serialized_end=3571
+  _globals['_COSTMODELCOEFFICIENTS']._serialized_start=3574
+  _globals['_COSTMODELCOEFFICIENTS']._serialized_end=3758
+  _globals['_PLANRATE']._serialized_start=3761
+  _globals['_PLANRATE']._serialized_end=3932
+  _globals['_CAPABILITIES']._serialized_start=3935
+  _globals['_CAPABILITIES']._serialized_end=4262
+  _globals['_BATCHPLANNER']._serialized_start=4607
+  _globals['_BATCHPLANNER']._serialized_end=4785
 # @@protoc_insertion_point(module_scope)

@@ -13,6 +13,7 @@ class Scheduler(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SCHEDULER_HYBRID_CP: _ClassVar[Scheduler]
     SCHEDULER_DYNAMIC_CP: _ClassVar[Scheduler]
     SCHEDULER_STATIC_PACKING: _ClassVar[Scheduler]
+    SCHEDULER_AUTO: _ClassVar[Scheduler]
 
 class CpLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -29,6 +30,7 @@ SCHEDULER_UNSPECIFIED: Scheduler
 SCHEDULER_HYBRID_CP: Scheduler
 SCHEDULER_DYNAMIC_CP: Scheduler
 SCHEDULER_STATIC_PACKING: Scheduler
+SCHEDULER_AUTO: Scheduler
 CP_LAYOUT_UNSPECIFIED: CpLayout
 CP_LAYOUT_ZIGZAG: CpLayout
 CP_LAYOUT_CONTIGUOUS: CpLayout
@@ -47,7 +49,7 @@ class ParallelLayout(_message.Message):
     def __init__(self, data_parallel_size: _Optional[int] = ..., context_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("sequence_lengths", "layout", "max_seqlen_per_dp_cp_rank", "scheduler", "cp_layout", "min_cp_size", "max_seqs_per_micro_batch", "micro_batch_group_size", "job")
+    __slots__ = ("sequence_lengths", "layout", "max_seqlen_per_dp_cp_rank", "scheduler", "cp_layout", "min_cp_size", "max_seqs_per_micro_batch", "micro_batch_group_size", "job", "cost_model", "auto_schedulers")
     SEQUENCE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQLEN_PER_DP_CP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +59,8 @@ class PlanRequest(_message.Message):
     MAX_SEQS_PER_MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
+    COST_MODEL_FIELD_NUMBER: _ClassVar[int]
+    AUTO_SCHEDULERS_FIELD_NUMBER: _ClassVar[int]
     sequence_lengths: _containers.RepeatedScalarFieldContainer[int]
     layout: ParallelLayout
     max_seqlen_per_dp_cp_rank: int
@@ -66,7 +70,69 @@ class PlanRequest(_message.Message):
     max_seqs_per_micro_batch: int
     micro_batch_group_size: int
     job: str
-    def __init__(self, sequence_lengths: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., max_seqlen_per_dp_cp_rank: _Optional[int] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., min_cp_size: _Optional[int] = ..., max_seqs_per_micro_batch: _Optional[int] = ..., micro_batch_group_size: _Optional[int] = ..., job: _Optional[str] = ...) -> None: ...
+    cost_model: CostModelSpec
+    auto_schedulers: _containers.RepeatedScalarFieldContainer[Scheduler]
+    def __init__(self, sequence_lengths: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., max_seqlen_per_dp_cp_rank: _Optional[int] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., min_cp_size: _Optional[int] = ..., max_seqs_per_micro_batch: _Optional[int] = ..., micro_batch_group_size: _Optional[int] = ..., job: _Optional[str] = ..., cost_model: _Optional[_Union[CostModelSpec, _Mapping]] = ..., auto_schedulers: _Optional[_Iterable[_Union[Scheduler, str]]] = ...) -> None: ...
+
+class CostModelSpec(_message.Message):
+    __slots__ = ("preset", "coefficients", "model", "hardware")
+    PRESET_FIELD_NUMBER: _ClassVar[int]
+    COEFFICIENTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    preset: str
+    coefficients: CostModelCoefficients
+    model: ModelProfile
+    hardware: HardwareProfile
+    def __init__(self, preset: _Optional[str] = ..., coefficients: _Optional[_Union[CostModelCoefficients, _Mapping]] = ..., model: _Optional[_Union[ModelProfile, _Mapping]] = ..., hardware: _Optional[_Union[HardwareProfile, _Mapping]] = ...) -> None: ...
+
+class ModelProfile(_message.Message):
+    __slots__ = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim", "ffn_hidden_size", "vocab_size", "gated_mlp", "num_experts", "moe_top_k", "moe_ffn_hidden_size", "bytes_per_value")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    FFN_HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GATED_MLP_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    MOE_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MOE_FFN_HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_VALUE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    gated_mlp: int
+    num_experts: int
+    moe_top_k: int
+    moe_ffn_hidden_size: int
+    bytes_per_value: int
+    def __init__(self, num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., ffn_hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., gated_mlp: _Optional[int] = ..., num_experts: _Optional[int] = ..., moe_top_k: _Optional[int] = ..., moe_ffn_hidden_size: _Optional[int] = ..., bytes_per_value: _Optional[int] = ...) -> None: ...
+
+class HardwareProfile(_message.Message):
+    __slots__ = ("peak_bf16_flops", "sustained_fraction", "attention_sustained_fraction", "cp_bandwidth_bytes_per_second", "cp_exposed_fraction", "seconds_per_layer_pass", "seconds_per_pass_base", "cp_seconds_per_layer_pass")
+    PEAK_BF16_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    SUSTAINED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_SUSTAINED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    CP_BANDWIDTH_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    CP_EXPOSED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_LAYER_PASS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_PASS_BASE_FIELD_NUMBER: _ClassVar[int]
+    CP_SECONDS_PER_LAYER_PASS_FIELD_NUMBER: _ClassVar[int]
+    peak_bf16_flops: float
+    sustained_fraction: float
+    attention_sustained_fraction: float
+    cp_bandwidth_bytes_per_second: float
+    cp_exposed_fraction: float
+    seconds_per_layer_pass: float
+    seconds_per_pass_base: float
+    cp_seconds_per_layer_pass: float
+    def __init__(self, peak_bf16_flops: _Optional[float] = ..., sustained_fraction: _Optional[float] = ..., attention_sustained_fraction: _Optional[float] = ..., cp_bandwidth_bytes_per_second: _Optional[float] = ..., cp_exposed_fraction: _Optional[float] = ..., seconds_per_layer_pass: _Optional[float] = ..., seconds_per_pass_base: _Optional[float] = ..., cp_seconds_per_layer_pass: _Optional[float] = ...) -> None: ...
 
 class CpGroup(_message.Message):
     __slots__ = ("first_rank", "size", "sample_ids", "real_tokens", "padded_tokens")
@@ -123,7 +189,7 @@ class PlanStatistics(_message.Message):
     def __init__(self, real_tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., padding_ratio: _Optional[float] = ..., micro_batch_count: _Optional[int] = ..., cp_size_mix: _Optional[_Iterable[_Union[CpSizeCount, _Mapping]]] = ..., predicted_step_cost: _Optional[float] = ..., lower_bound_cost: _Optional[float] = ..., balance_efficiency: _Optional[float] = ..., static_cp_step_cost: _Optional[float] = ..., predicted_speedup_over_static_cp: _Optional[float] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("plan_id", "scheduler", "scheduler_class", "megatron_core_version", "micro_batches", "statistics", "capacity_bound", "dp_cp_size", "cp_layout", "tensor_parallel_size")
+    __slots__ = ("plan_id", "scheduler", "scheduler_class", "megatron_core_version", "micro_batches", "statistics", "capacity_bound", "dp_cp_size", "cp_layout", "tensor_parallel_size", "candidates")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_CLASS_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +200,7 @@ class PlanResponse(_message.Message):
     DP_CP_SIZE_FIELD_NUMBER: _ClassVar[int]
     CP_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     scheduler: Scheduler
     scheduler_class: str
@@ -144,7 +211,30 @@ class PlanResponse(_message.Message):
     dp_cp_size: int
     cp_layout: CpLayout
     tensor_parallel_size: int
-    def __init__(self, plan_id: _Optional[str] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., scheduler_class: _Optional[str] = ..., megatron_core_version: _Optional[str] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., statistics: _Optional[_Union[PlanStatistics, _Mapping]] = ..., capacity_bound: _Optional[_Union[CapacityBound, str]] = ..., dp_cp_size: _Optional[int] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    candidates: _containers.RepeatedCompositeFieldContainer[Candidate]
+    def __init__(self, plan_id: _Optional[str] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., scheduler_class: _Optional[str] = ..., megatron_core_version: _Optional[str] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., statistics: _Optional[_Union[PlanStatistics, _Mapping]] = ..., capacity_bound: _Optional[_Union[CapacityBound, str]] = ..., dp_cp_size: _Optional[int] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., tensor_parallel_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ...) -> None: ...
+
+class Candidate(_message.Message):
+    __slots__ = ("name", "scheduler", "max_seqlen_per_dp_cp_rank", "min_cp_size", "context_parallel_size", "planned", "predicted_step_cost", "served", "not_planned_reason")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQLEN_PER_DP_CP_RANK_FIELD_NUMBER: _ClassVar[int]
+    MIN_CP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STEP_COST_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
+    NOT_PLANNED_REASON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    scheduler: Scheduler
+    max_seqlen_per_dp_cp_rank: int
+    min_cp_size: int
+    context_parallel_size: int
+    planned: bool
+    predicted_step_cost: float
+    served: bool
+    not_planned_reason: str
+    def __init__(self, name: _Optional[str] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., max_seqlen_per_dp_cp_rank: _Optional[int] = ..., min_cp_size: _Optional[int] = ..., context_parallel_size: _Optional[int] = ..., planned: _Optional[bool] = ..., predicted_step_cost: _Optional[float] = ..., served: _Optional[bool] = ..., not_planned_reason: _Optional[str] = ...) -> None: ...
 
 class GetCapabilitiesRequest(_message.Message):
     __slots__ = ()
@@ -207,12 +297,13 @@ class PlanRate(_message.Message):
     def __init__(self, scheduler: _Optional[_Union[Scheduler, str]] = ..., samples: _Optional[int] = ..., dp_cp_size: _Optional[int] = ..., plans_measured: _Optional[int] = ..., seconds_per_plan: _Optional[float] = ..., plans_per_second: _Optional[float] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("server_version", "megatron_core_version", "schedulers", "limits", "cost_model", "plan_rates", "planning_workers")
+    __slots__ = ("server_version", "megatron_core_version", "schedulers", "limits", "cost_model", "cost_model_presets", "plan_rates", "planning_workers")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     MEGATRON_CORE_VERSION_FIELD_NUMBER: _ClassVar[int]
     SCHEDULERS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     COST_MODEL_FIELD_NUMBER: _ClassVar[int]
+    COST_MODEL_PRESETS_FIELD_NUMBER: _ClassVar[int]
     PLAN_RATES_FIELD_NUMBER: _ClassVar[int]
     PLANNING_WORKERS_FIELD_NUMBER: _ClassVar[int]
     server_version: str
@@ -220,6 +311,7 @@ class Capabilities(_message.Message):
     schedulers: _containers.RepeatedCompositeFieldContainer[SchedulerInfo]
     limits: Limits
     cost_model: CostModelCoefficients
+    cost_model_presets: _containers.RepeatedScalarFieldContainer[str]
     plan_rates: _containers.RepeatedCompositeFieldContainer[PlanRate]
     planning_workers: int
-    def __init__(self, server_version: _Optional[str] = ..., megatron_core_version: _Optional[str] = ..., schedulers: _Optional[_Iterable[_Union[SchedulerInfo, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., cost_model: _Optional[_Union[CostModelCoefficients, _Mapping]] = ..., plan_rates: _Optional[_Iterable[_Union[PlanRate, _Mapping]]] = ..., planning_workers: _Optional[int] = ...) -> None: ...
+    def __init__(self, server_version: _Optional[str] = ..., megatron_core_version: _Optional[str] = ..., schedulers: _Optional[_Iterable[_Union[SchedulerInfo, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., cost_model: _Optional[_Union[CostModelCoefficients, _Mapping]] = ..., cost_model_presets: _Optional[_Iterable[str]] = ..., plan_rates: _Optional[_Iterable[_Union[PlanRate, _Mapping]]] = ..., planning_workers: _Optional[int] = ...) -> None: ...

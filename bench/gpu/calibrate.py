@@ -144,7 +144,7 @@ def plan_table(results: dict, batches: list[dict], model: CostModel) -> list[dic
             }
         static = rows["static_cp2"]
         planner_static = static_cp_step_cost(
-            PlanRequest(tuple(batch["lengths"]), 1, 2, batch["max_seqlen_per_dp_cp_rank"]), model
+            PlanRequest.of(tuple(batch["lengths"]), 1, 2, batch["max_seqlen_per_dp_cp_rank"]), model
         )
         measured_order = sorted(rows, key=lambda n: rows[n]["measured_seconds"])
         predicted_order = sorted(rows, key=lambda n: rows[n]["predicted_seconds"])

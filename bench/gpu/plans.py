@@ -41,7 +41,7 @@ class BenchPlan:
 
     def request(self) -> PlanRequest:
         # The request whose cost `predicted_seconds` prices; DP x CP as the plan runs.
-        return PlanRequest(self.lengths, self.dp_cp_size, 1, self.max_seqlen_per_dp_cp_rank)
+        return PlanRequest.of(self.lengths, self.dp_cp_size, 1, self.max_seqlen_per_dp_cp_rank)
 
     def predicted_seconds(self, model: CostModel) -> float:
         return step_cost(self.micro_batches, self.request(), model, packed=not self.pass_per_sample)
@@ -55,7 +55,7 @@ def hybrid_cp_plan(lengths: Sequence[int], dp_cp_size: int, max_seqlen_per_dp_cp
     """The planner's plan, from the same `plan_batch` the service and the client fallback run."""
     from batch_planner.planner import plan_batch
 
-    request = PlanRequest(
+    request = PlanRequest.of(
         tuple(lengths), 1, dp_cp_size, max_seqlen_per_dp_cp_rank, SchedulerKind.HYBRID_CP
     )
     plan = plan_batch(request)

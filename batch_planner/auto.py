@@ -1,0 +1,187 @@
+"""The `auto` policy: serve the cheapest of Megatron-Core's candidate plans for a request.
+
+No scheduling algorithm lives here. Every candidate is a plan from one of Megatron-Core's
+schedulers (batch_planner/schedulers.py), validated and checked like any other plan; the only
+decision made here is which candidate to serve: the one with the lowest predicted step cost under
+the request's cost model (docs/cost-model.md), ties going to the earlier candidate. The candidates
+(docs/design.md, "The auto policy"), in this order:
+
+1. static CP at the job's CP size: every sample split over the job's CP group, packed by
+   Megatron-Core's `DpBalancedScheduler` (what the job runs without a planner). Listed first, so
+   that auto never serves a plan predicted dearer than it, and serves it on a tie;
+2. dynamic CP (`DefaultDynamicCPScheduler`) with `max_seqlen_per_dp_cp_rank` at the job's limit
+   and at 3/4 and 1/2 of it (a tighter budget spreads long samples over more ranks), each with
+   the job's `min_cp_size` and with a minimum CP size of 2;
+3. hybrid CP (0.19's `BalancedCPScheduler`) at the same three budgets;
+4. static CP at every other CP size Megatron-Core builds groups of (batch_planner/cp_groups.py).
+
+A candidate the installed Megatron-Core lacks, that validation refuses, whose scheduler fails, or
+whose plan breaks an invariant is listed with the reason and never served. With none left the
+request fails, naming every candidate's reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Sequence
+
+from batch_planner.cost import CostModel, static_cp_step_cost
+from batch_planner.cp_groups import megatron_cp_group_sizes
+from batch_planner.errors import ErrorCode, InvalidRequestError, PlanningError, SchedulerFailedError
+from batch_planner.plan import CandidateSummary, Plan
+from batch_planner.request import PlanRequest, SchedulerKind
+
+# Bumped when the candidate list changes: the same request may then get another winner and id.
+CANDIDATES_VERSION = 1
+MAX_SEQLEN_FRACTIONS = (1.0, 0.75, 0.5)
+DYNAMIC_MIN_CP_SIZE = 2
+# Reasons listed in an error when no candidate could plan: enough to act on, bounded in size.
+MAX_REASONS_IN_ERROR = 6
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One variant of the request for one Megatron-Core scheduler."""
+
+    name: str
+    request: PlanRequest  # a concrete request (its scheduler is not AUTO)
+
+    def summary(self, cost: float | None, reason: str = "", served: bool = False) -> CandidateSummary:
+        r = self.request
+        return CandidateSummary(
+            self.name, r.scheduler, r.max_seqlen_per_dp_cp_rank, r.min_cp_size, r.context_parallel_size,
+            cost, served, reason,
+        )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A candidate's plan (and its predicted cost), or why it has none."""
+
+    candidate: Candidate
+    plan: Plan | None
+    code: str = ""  # the ErrorCode of the failure, when there is no plan
+    reason: str = ""
+
+    @property
+    def cost(self) -> float | None:
+        return self.plan.statistics.predicted_step_cost if self.plan is not None and self.plan.statistics else None
+
+
+def candidates(request: PlanRequest) -> list[Candidate]:
+    """auto's candidates for `request`, in the documented order."""
+    dp_cp = request.dp_cp_size
+    static_sizes = sorted(size for size in megatron_cp_group_sizes(dp_cp) if dp_cp % size == 0)
+    job_cp = request.context_parallel_size
+    found = [_static(request, job_cp)]
+    for fraction in MAX_SEQLEN_FRACTIONS:
+        budget = max(1, int(request.max_seqlen_per_dp_cp_rank * fraction))
+        for min_cp in dict.fromkeys((request.min_cp_size, DYNAMIC_MIN_CP_SIZE)):
+            found.append(_variant(request, SchedulerKind.DYNAMIC_CP, budget, min_cp))
+    for fraction in MAX_SEQLEN_FRACTIONS:
+        budget = max(1, int(request.max_seqlen_per_dp_cp_rank * fraction))
+        found.append(_variant(request, SchedulerKind.HYBRID_CP, budget, None))
+    found += [_static(request, cp) for cp in static_sizes if cp != job_cp]
+    allowed = request.auto_schedulers
+    return [c for c in found if not allowed or c.request.scheduler in allowed]
+
+
+def _variant(request: PlanRequest, kind: SchedulerKind, budget: int, min_cp: int | None) -> Candidate:
+    name = f"{kind.value} max_seqlen={budget}" + (f" min_cp={min_cp}" if min_cp else "")
+    concrete = request.replace(
+        scheduler=kind, max_seqlen_per_dp_cp_rank=budget, min_cp_size=min_cp, max_seqs_per_micro_batch=None, auto_schedulers=(),
+        micro_batch_group_size=request.micro_batch_group_size if kind is SchedulerKind.DYNAMIC_CP else None,
+    )
+    return Candidate(name, concrete)
+
+
+def _static(request: PlanRequest, cp: int) -> Candidate:
+    concrete = request.replace(
+        scheduler=SchedulerKind.STATIC_PACKING, context_parallel_size=cp, data_parallel_size=request.dp_cp_size // cp,
+        min_cp_size=None, auto_schedulers=(),
+    )
+    return Candidate(f"static_cp{cp}", concrete)
+
+
+def plan_candidate(candidate: Candidate, plan_one: Callable[[PlanRequest], Plan]) -> Outcome:
+    """Plans one candidate with `plan_one` (batch_planner.planner's single-scheduler path)."""
+    try:
+        return Outcome(candidate, plan_one(candidate.request))
+    except PlanningError as error:
+        return Outcome(candidate, None, error.code.value, str(error))
+
+
+def reprice(outcomes: Sequence[Outcome], cost_model: CostModel) -> list[Outcome]:
+    """The same candidates' plans priced under another cost model (what-if: presets, a fit)."""
+    from batch_planner.cost import plan_statistics
+
+    return [
+        o if o.plan is None else Outcome(o.candidate, replace(o.plan, statistics=plan_statistics(
+            o.plan.micro_batches, o.candidate.request, o.plan.capacity_bound, cost_model)))
+        for o in outcomes
+    ]
+
+
+def choose(outcomes: Sequence[Outcome]) -> Outcome | None:
+    """The cheapest planned candidate; the earliest on a tie (the job's static CP comes first)."""
+    best: Outcome | None = None
+    for outcome in outcomes:
+        cost = outcome.cost
+        if cost is not None and (best is None or cost < best.cost):  # type: ignore[operator]
+            best = outcome
+    return best
+
+
+def serve(request: PlanRequest, outcomes: Sequence[Outcome], cost_model: CostModel, megatron_core: str) -> Plan:
+    """The winner's plan as auto's answer: its own id, every candidate listed, and its speedup
+    counted against the job's static-CP candidate. Raises when no candidate has a plan."""
+    winner = choose(outcomes)
+    if winner is None:
+        raise _no_plan_error(outcomes)
+    assert winner.plan is not None and winner.plan.statistics is not None
+    summaries = tuple(o.candidate.summary(o.cost, o.reason, served=o is winner) for o in outcomes)
+    stats = winner.plan.statistics
+    # The speedup is counted against the job's own static-CP plan (candidates() puts it first),
+    # or, when static CP cannot run this batch, against the estimate at the job's CP size.
+    first = outcomes[0] if outcomes else None
+    job_static = first.cost if first is not None and first.candidate.name == f"static_cp{request.context_parallel_size}" else None
+    if job_static is None:
+        job_static = static_cp_step_cost(request, cost_model)
+    stats = replace(
+        stats, static_cp_step_cost=job_static, predicted_speedup_over_static_cp=job_static / stats.predicted_step_cost
+    )
+    return replace(
+        winner.plan,
+        plan_id=auto_plan_id(request, winner.candidate, cost_model, megatron_core),
+        statistics=stats,
+        candidates=summaries,
+    )
+
+
+def auto_plan_id(request: PlanRequest, winner: Candidate, cost_model: CostModel, megatron_core: str) -> str:
+    """Same request, same winner, same id from any replica: the canonical request (options
+    included), the candidate list's version, the winner and the coefficients that chose it."""
+    from batch_planner.planner import PLAN_FORMAT_VERSION, canonical_request
+
+    canonical = {
+        "format": PLAN_FORMAT_VERSION,
+        "auto": CANDIDATES_VERSION,
+        "megatron_core": megatron_core,
+        "winner": winner.name,
+        "coefficients": {name: getattr(cost_model, name) for name in cost_model.__dataclass_fields__},
+        **canonical_request(request),
+    }
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
+def _no_plan_error(outcomes: Iterable[Outcome]) -> PlanningError:
+    outcomes = list(outcomes)
+    reasons = "; ".join(f"{o.candidate.name}: {o.reason}" for o in outcomes[:MAX_REASONS_IN_ERROR])
+    more = f"; and {len(outcomes) - MAX_REASONS_IN_ERROR} more" if len(outcomes) > MAX_REASONS_IN_ERROR else ""
+    message = f"scheduler: auto found no candidate that can plan this batch ({reasons}{more})"
+    # The caller's fault only when every candidate refused the request itself.
+    if all(o.code in (ErrorCode.INVALID_ARGUMENT.value, ErrorCode.FAILED_PRECONDITION.value) for o in outcomes):
+        return InvalidRequestError(message, field="scheduler")
+    return SchedulerFailedError(message, field="scheduler")
