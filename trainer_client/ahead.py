@@ -31,6 +31,7 @@ class _Pending:
     request: PlanRequest
     future: Future[SourcedPlan]
     arrived: list[float] = field(default_factory=list)  # perf_counter() when the plan arrived
+    source: object = None  # what the caller built the request from (its lengths), if it said
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,9 @@ class PlanAhead:
         self._max_pending = depth + 1
         self._lock = threading.Lock()
 
-    def prefetch(self, step: int, request: PlanRequest) -> bool:
-        """Starts planning `step`; False when it is already pending or beyond the bound."""
+    def prefetch(self, step: int, request: PlanRequest, source: object = None) -> bool:
+        """Starts planning `step`; False when it is already pending or beyond the bound. `source`:
+        the object the request was built from, so that `pending_source` can recognise it."""
         with self._lock:
             if step in self._pending:
                 return False
@@ -71,6 +73,7 @@ class PlanAhead:
                     return False
                 self._pending.pop(farthest).future.cancel()  # the nearer step is needed first
             self._pending[step] = self._submit(request)
+            self._pending[step].source = source
             return True
 
     def _submit(self, request: PlanRequest) -> _Pending:
@@ -88,6 +91,12 @@ class PlanAhead:
         with self._lock:
             pending = self._pending.get(step)
         return pending.request if pending is not None else None
+
+    def pending_source(self, step: int) -> object:
+        """The `source` given with `step`'s prefetch (None if none)."""
+        with self._lock:
+            pending = self._pending.get(step)
+        return pending.source if pending is not None else None
 
     def arrived(self, step: int, timeout: float | None = None) -> bool:
         """Waits up to `timeout` for `step`'s prefetched plan; True once it has arrived."""
