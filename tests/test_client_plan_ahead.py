@@ -114,3 +114,19 @@ def test_client_exports_the_lead_and_counts_late_steps(planner):
     # The late step's lead is 0: it lands in the first bucket, with nothing else.
     zero = client.metrics.registry.get_sample_value("batch_planner_client_plan_lead_seconds_bucket", {"job": "test", "le": "0.0"})
     assert zero == 1
+
+
+def test_plan_step_reuses_the_prefetched_request_for_the_same_lengths():
+    config = PlannerClientConfig(max_seqlen_per_dp_cp_rank=8192, job="test", plan_ahead_depth=2,
+                                 scheduler=best_local_scheduler())
+    client = BatchPlannerClient(config, dp_cp_size=8, rank=0)  # no endpoint: planned in-process
+    lengths = tuple(sample_lengths("long_tail_16k", 64, seed=1))
+    try:
+        client.prefetch(1, lengths)
+        prefetched = client.ahead.pending_request(1)
+        assert client._request_for_step(1, lengths) is prefetched  # the same tuple: no comparison
+        assert client._request_for_step(1, list(lengths)) is prefetched  # equal lengths: compared
+        assert client._request_for_step(1, lengths[::-1]) is not prefetched  # another batch
+        assert client.plan_step(1, lengths).plan_id
+    finally:
+        client.close()

@@ -26,7 +26,10 @@ def test_size_classes_are_powers_of_two_and_the_window_is_bounded():
 
 def test_capabilities_report_the_measured_plan_rate_of_served_sizes(stub):
     lengths = sample_lengths("long_tail_16k", 100, seed=5)  # 100 samples on 16 ranks: class 128 on 16
-    request = request_to_proto(PlanRequest(tuple(lengths), 8, 2, 16384, scheduler=SchedulerKind.HYBRID_CP, job="rates"))
+    request = request_to_proto(PlanRequest.of(
+        sequence_lengths=tuple(lengths), data_parallel_size=8, context_parallel_size=2, max_seqlen_per_dp_cp_rank=16384,
+        scheduler=SchedulerKind.HYBRID_CP, job="rates",
+    ))
     for _ in range(3):
         stub.Plan(request, timeout=60)
     caps = stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=60)
