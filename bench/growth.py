@@ -8,7 +8,8 @@ timed in a timing process of its own with one torch thread, after a warm-up plan
 Megatron-Core's call and nothing else; one core). Cells run smallest first; once three cells of a
 scheduler are measured, a log-log fit `t = a * samples^b * ranks^c` over them predicts the next
 cell, and a cell predicted above `--cap-seconds` is not run: it is reported as an extrapolation of
-the fit, marked as such, never as a measurement. Runs per cell: repeated until `--min-seconds` of
+the fit, marked as such, never as a measurement (the number shown is the final fit over every
+measured cell, so it can differ from the prediction that skipped the cell). Runs per cell: repeated until `--min-seconds` of
 scheduler time or `--max-runs`, each on a new seed; the table shows the median and min..max.
 """
 
