@@ -16,11 +16,14 @@
 # with the digest your registry reports (docs/deployment.md).
 
 ARG PYTHON_IMAGE=python:3.12.12-slim-bookworm
+# Declared before the first stage, so that both stages (the install and the image's label) read
+# the same value.
+ARG MEGATRON_CORE_SPEC="megatron-core @ https://github.com/NVIDIA/Megatron-LM/archive/d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1.tar.gz"
 
 FROM ${PYTHON_IMAGE} AS build
 ARG TORCH_VERSION=2.14.1
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG MEGATRON_CORE_SPEC="megatron-core @ https://github.com/NVIDIA/Megatron-LM/archive/d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1.tar.gz"
+ARG MEGATRON_CORE_SPEC
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
@@ -43,20 +46,38 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 WORKDIR /src
+# Everything else at the versions and hashes of requirements/image.lock (the project's own
+# dependencies stay ranges in pyproject.toml); torch is the one package outside it (above).
+COPY requirements/image.lock ./requirements/image.lock
+RUN pip install --no-cache-dir --require-hashes --no-deps -r requirements/image.lock
 COPY pyproject.toml README.md ./
 COPY batch_planner ./batch_planner
 COPY planner_server ./planner_server
 COPY trainer_client ./trainer_client
 # Megatron-Core's optional C++ dataset helper is skipped without a compiler; the planner does not
 # use it. The planner package itself is installed non-editable, so /src is not needed at run time.
-RUN pip install --no-cache-dir "${MEGATRON_CORE_SPEC}" . \
+# --no-deps: the lock has every dependency (it resolves them with the 0.19.2 release, whose
+# dependencies the dev build shares); MEGATRON_CORE_SPEC then replaces only Megatron-Core itself.
+RUN pip install --no-cache-dir --no-deps "${MEGATRON_CORE_SPEC}" . \
     && python -c "import torch, megatron.core, planner_server.server; assert torch.version.cuda is None, 'not the CPU build of torch'" \
     && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +
 
 FROM ${PYTHON_IMAGE} AS runtime
+# OCI annotations; a release build passes the commit and the build time:
+#   --build-arg REVISION="$(git rev-parse HEAD)" --build-arg CREATED="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+ARG PYTHON_IMAGE
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG CREATED=unknown
+ARG MEGATRON_CORE_SPEC
 LABEL org.opencontainers.image.title="batch-planner" \
       org.opencontainers.image.description="Megatron-Core context-parallel schedulers behind a gRPC service" \
-      org.opencontainers.image.licenses="Apache-2.0"
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.created="${CREATED}" \
+      org.opencontainers.image.base.name="${PYTHON_IMAGE}" \
+      io.github.megatron-batch-planner.megatron-core="${MEGATRON_CORE_SPEC}"
 RUN groupadd --system --gid 10001 planner \
     && useradd --system --uid 10001 --gid planner --home-dir /home/planner --create-home --shell /usr/sbin/nologin planner
 COPY --from=build /opt/venv /opt/venv
@@ -72,8 +93,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     PLANNER_METRICS_PORT=9400
 USER 10001:10001
 WORKDIR /home/planner
-# 50051: gRPC (Plan, GetCapabilities, grpc.health.v1, reflection); 9400: Prometheus /metrics.
-EXPOSE 50051 9400
-# No HEALTHCHECK: Kubernetes probes the gRPC health service itself (helm/batch-planner), and a
-# plaintext check here would report a TLS-enabled server as unhealthy.
+# 50051: gRPC (Plan, GetCapabilities, grpc.health.v1, reflection); 9400: Prometheus /metrics;
+# 50052: plaintext grpc.health.v1 only, for Kubernetes probes.
+EXPOSE 50051 9400 50052
+# No HEALTHCHECK: Kubernetes probes the gRPC health service on the probe port itself
+# (helm/batch-planner).
 ENTRYPOINT ["planner-server"]

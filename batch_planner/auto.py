@@ -3,7 +3,7 @@
 No scheduling algorithm lives here. Every candidate is a plan from one of Megatron-Core's
 schedulers (batch_planner/schedulers.py), validated and checked like any other plan; the only
 decision made here is which candidate to serve: the one with the lowest predicted step cost under
-the request's cost model (docs/cost-model.md), ties going to the earlier candidate. The candidates
+the request's cost model (docs/cost-model.md), ties going to the earlier candidate (`answer`). The candidates
 (docs/design.md, "The auto policy"), in this order:
 
 1. static CP at the job's CP size: every sample split over the job's CP group, packed by
@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 from batch_planner.cost import CostModel, static_cp_step_cost
 from batch_planner.cp_groups import megatron_cp_group_sizes
@@ -124,39 +124,52 @@ def reprice(outcomes: Sequence[Outcome], cost_model: CostModel) -> list[Outcome]
     ]
 
 
-def choose(outcomes: Sequence[Outcome]) -> Outcome | None:
-    """The cheapest planned candidate; the earliest on a tie (the job's static CP comes first)."""
-    best: Outcome | None = None
-    for outcome in outcomes:
-        cost = outcome.cost
-        if cost is not None and (best is None or cost < best.cost):  # type: ignore[operator]
-            best = outcome
-    return best
+@dataclass(frozen=True)
+class Answer:
+    """What auto answers, from every candidate's summary: the winner, the candidates as listed,
+    and the speedup counted against the job's static-CP candidate (or, when static CP cannot run
+    the batch, the estimate at the job's CP size). In-process planning applies it to the winner's
+    Plan (`serve`); the server applies it to the winner's serialized response (its workers plan
+    the candidates side by side)."""
+
+    winner: int
+    candidates: tuple[CandidateSummary, ...]
+    static_cp_step_cost: float
+    predicted_speedup_over_static_cp: float
+
+
+def answer(summaries: Sequence[CandidateSummary], codes: Sequence[str], job_cp: int, static_estimate: Callable[[], float]) -> Answer:
+    """Raises the no-plan error when no candidate has a plan. `codes`: each failure's ErrorCode."""
+    planned = [(s.predicted_step_cost, k) for k, s in enumerate(summaries) if s.predicted_step_cost is not None]
+    if not planned:
+        raise _no_plan_error(summaries, codes)
+    cost, winner = min(planned)  # ties go to the earlier candidate
+    first = summaries[0] if summaries else None
+    job_static = first.predicted_step_cost if first is not None and first.name == f"static_cp{job_cp}" else None
+    if job_static is None:
+        job_static = static_estimate()
+    listed = tuple(replace(s, served=k == winner) for k, s in enumerate(summaries))
+    return Answer(winner, listed, job_static, job_static / cost)
 
 
 def serve(request: PlanRequest, outcomes: Sequence[Outcome], cost_model: CostModel, megatron_core: str) -> Plan:
-    """The winner's plan as auto's answer: its own id, every candidate listed, and its speedup
-    counted against the job's static-CP candidate. Raises when no candidate has a plan."""
-    winner = choose(outcomes)
-    if winner is None:
-        raise _no_plan_error(outcomes)
+    """The winner's plan as auto's answer: its own id, every candidate listed, its speedup over the
+    job's static CP. Raises when no candidate has a plan."""
+    result = answer(
+        [o.candidate.summary(o.cost, o.reason) for o in outcomes], [o.code for o in outcomes],
+        request.context_parallel_size, lambda: static_cp_step_cost(request, cost_model),
+    )
+    winner = outcomes[result.winner]
     assert winner.plan is not None and winner.plan.statistics is not None
-    summaries = tuple(o.candidate.summary(o.cost, o.reason, served=o is winner) for o in outcomes)
-    stats = winner.plan.statistics
-    # The speedup is counted against the job's own static-CP plan (candidates() puts it first),
-    # or, when static CP cannot run this batch, against the estimate at the job's CP size.
-    first = outcomes[0] if outcomes else None
-    job_static = first.cost if first is not None and first.candidate.name == f"static_cp{request.context_parallel_size}" else None
-    if job_static is None:
-        job_static = static_cp_step_cost(request, cost_model)
     stats = replace(
-        stats, static_cp_step_cost=job_static, predicted_speedup_over_static_cp=job_static / stats.predicted_step_cost
+        winner.plan.statistics, static_cp_step_cost=result.static_cp_step_cost,
+        predicted_speedup_over_static_cp=result.predicted_speedup_over_static_cp,
     )
     return replace(
         winner.plan,
         plan_id=auto_plan_id(request, winner.candidate, cost_model, megatron_core),
         statistics=stats,
-        candidates=summaries,
+        candidates=result.candidates,
     )
 
 
@@ -176,12 +189,11 @@ def auto_plan_id(request: PlanRequest, winner: Candidate, cost_model: CostModel,
     return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
 
 
-def _no_plan_error(outcomes: Iterable[Outcome]) -> PlanningError:
-    outcomes = list(outcomes)
-    reasons = "; ".join(f"{o.candidate.name}: {o.reason}" for o in outcomes[:MAX_REASONS_IN_ERROR])
-    more = f"; and {len(outcomes) - MAX_REASONS_IN_ERROR} more" if len(outcomes) > MAX_REASONS_IN_ERROR else ""
+def _no_plan_error(summaries: Sequence[CandidateSummary], codes: Sequence[str]) -> PlanningError:
+    reasons = "; ".join(f"{s.name}: {s.not_planned_reason}" for s in summaries[:MAX_REASONS_IN_ERROR])
+    more = f"; and {len(summaries) - MAX_REASONS_IN_ERROR} more" if len(summaries) > MAX_REASONS_IN_ERROR else ""
     message = f"scheduler: auto found no candidate that can plan this batch ({reasons}{more})"
     # The caller's fault only when every candidate refused the request itself.
-    if all(o.code in (ErrorCode.INVALID_ARGUMENT.value, ErrorCode.FAILED_PRECONDITION.value) for o in outcomes):
+    if all(code in (ErrorCode.INVALID_ARGUMENT.value, ErrorCode.FAILED_PRECONDITION.value) for code in codes):
         return InvalidRequestError(message, field="scheduler")
     return SchedulerFailedError(message, field="scheduler")

@@ -6,7 +6,7 @@ Uses protobuf only (no gRPC), so the trainer's fallback and the server share it.
 from __future__ import annotations
 
 from dataclasses import Field, fields
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from google.protobuf.message import Message as ProtoMessage
 
@@ -16,6 +16,9 @@ from batch_planner.errors import InvalidRequestError
 from batch_planner.plan import CandidateSummary, CpGroup, MicroBatch, Plan, PlanStatistics
 from batch_planner.request import CapacityBound, CpLayout, PlanningOptions, PlanRequest, SchedulerKind
 from batch_planner.v1 import planner_pb2 as pb
+
+if TYPE_CHECKING:  # auto imports the planner, which imports this module's users
+    from batch_planner.auto import Answer
 
 SCHEDULER_TO_PROTO = {
     SchedulerKind.HYBRID_CP: pb.SCHEDULER_HYBRID_CP,
@@ -170,13 +173,7 @@ def plan_to_proto(plan: Plan) -> pb.PlanResponse:
                 real_tokens=group.real_tokens,
                 padded_tokens=group.padded_tokens,
             )
-    for c in plan.candidates:
-        response.candidates.add(
-            name=c.name, scheduler=SCHEDULER_TO_PROTO[c.scheduler], max_seqlen_per_dp_cp_rank=c.max_seqlen_per_dp_cp_rank,
-            context_parallel_size=c.context_parallel_size, planned=c.predicted_step_cost is not None,
-            predicted_step_cost=c.predicted_step_cost or 0.0, served=c.served, not_planned_reason=c.not_planned_reason,
-            **({"min_cp_size": c.min_cp_size} if c.min_cp_size is not None else {}),
-        )
+    _add_candidates(response, plan.candidates)
     if stats is not None:
         s = response.statistics
         s.real_tokens = stats.real_tokens
@@ -191,6 +188,27 @@ def plan_to_proto(plan: Plan) -> pb.PlanResponse:
         s.static_cp_step_cost = stats.static_cp_step_cost
         s.predicted_speedup_over_static_cp = stats.predicted_speedup_over_static_cp
     return response
+
+
+def _add_candidates(response: pb.PlanResponse, summaries: Sequence[CandidateSummary]) -> None:
+    for c in summaries:
+        response.candidates.add(
+            name=c.name, scheduler=SCHEDULER_TO_PROTO[c.scheduler], max_seqlen_per_dp_cp_rank=c.max_seqlen_per_dp_cp_rank,
+            context_parallel_size=c.context_parallel_size, planned=c.predicted_step_cost is not None,
+            predicted_step_cost=c.predicted_step_cost or 0.0, served=c.served, not_planned_reason=c.not_planned_reason,
+            **({"min_cp_size": c.min_cp_size} if c.min_cp_size is not None else {}),
+        )
+
+
+def auto_patch_to_proto(plan_id: str, answer: Answer) -> pb.PlanResponse:
+    """What auto changes in its winner's response: the id, the candidates, the static-CP
+    comparison. Serialized after the winner's own response bytes, protobuf's merge of
+    concatenated messages applies it (the server's workers plan candidates side by side)."""
+    patch = pb.PlanResponse(plan_id=plan_id)
+    _add_candidates(patch, answer.candidates)
+    patch.statistics.static_cp_step_cost = answer.static_cp_step_cost
+    patch.statistics.predicted_speedup_over_static_cp = answer.predicted_speedup_over_static_cp
+    return patch
 
 
 def plan_from_proto(message: pb.PlanResponse) -> Plan:

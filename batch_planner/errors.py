@@ -1,7 +1,9 @@
-"""Errors the planning core raises, each with the gRPC status code it maps to.
+"""Status codes, the errors the planning core raises, and what a client does with each code.
 
-The core knows nothing of gRPC; it names codes by the strings grpc.StatusCode uses, so the server
-translates them one-to-one and the trainer's fallback can tell "your fault" from "our fault".
+This is the one home of the project's status vocabulary. The core knows nothing of gRPC: it names
+codes by the strings grpc.StatusCode uses (`grpc.StatusCode[code.value]` is the gRPC code), so the
+server translates them one-to-one, and `CLIENT_ACTION` below is the one table the trainer client
+reads to decide between retrying, falling back to in-process planning and refusing the request.
 """
 
 from __future__ import annotations
@@ -10,10 +12,53 @@ from enum import Enum
 
 
 class ErrorCode(str, Enum):
+    """Every status a Plan call can end with (gRPC's names)."""
+
+    OK = "OK"
+    CANCELLED = "CANCELLED"
+    UNKNOWN = "UNKNOWN"
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    FAILED_PRECONDITION = "FAILED_PRECONDITION"
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-    INTERNAL = "INTERNAL"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # the server's in-flight bound, or a message too large
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"  # this replica's Megatron-Core lacks the scheduler
+    ABORTED = "ABORTED"
+    OUT_OF_RANGE = "OUT_OF_RANGE"
+    UNIMPLEMENTED = "UNIMPLEMENTED"
+    INTERNAL = "INTERNAL"  # a scheduler failure or invariant violation: deterministic, a bug
+    UNAVAILABLE = "UNAVAILABLE"  # transient and ours: draining, a planning worker lost or restarting
+    DATA_LOSS = "DATA_LOSS"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+
+
+class ClientAction(str, Enum):
+    RETRY = "retry"  # transient: try again with backoff, then fall back
+    FALLBACK = "fallback"  # a retry gets the same answer: plan in-process at once
+    REJECT = "reject"  # the request itself is wrong: in-process planning would refuse it too
+
+
+# What the trainer client does with each status of a Plan call. Codes missing here (OK aside)
+# are treated as FALLBACK; tests/test_client_config.py checks every code is listed.
+CLIENT_ACTION: dict[ErrorCode, ClientAction] = {
+    ErrorCode.UNAVAILABLE: ClientAction.RETRY,
+    ErrorCode.DEADLINE_EXCEEDED: ClientAction.RETRY,
+    ErrorCode.RESOURCE_EXHAUSTED: ClientAction.RETRY,
+    ErrorCode.ABORTED: ClientAction.RETRY,
+    ErrorCode.UNKNOWN: ClientAction.RETRY,  # e.g. a proxy's or a dying connection's answer
+    ErrorCode.INTERNAL: ClientAction.FALLBACK,  # deterministic: the same request fails the same way
+    ErrorCode.FAILED_PRECONDITION: ClientAction.FALLBACK,  # the trainer's Megatron-Core may have it
+    ErrorCode.CANCELLED: ClientAction.FALLBACK,
+    ErrorCode.NOT_FOUND: ClientAction.FALLBACK,
+    ErrorCode.ALREADY_EXISTS: ClientAction.FALLBACK,
+    ErrorCode.PERMISSION_DENIED: ClientAction.FALLBACK,
+    ErrorCode.OUT_OF_RANGE: ClientAction.FALLBACK,
+    ErrorCode.UNIMPLEMENTED: ClientAction.FALLBACK,  # not a planner (or an older one) at that address
+    ErrorCode.DATA_LOSS: ClientAction.FALLBACK,
+    ErrorCode.UNAUTHENTICATED: ClientAction.FALLBACK,
+    ErrorCode.INVALID_ARGUMENT: ClientAction.REJECT,
+}
 
 
 class PlanningError(Exception):

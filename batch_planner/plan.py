@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from batch_planner.errors import InvariantViolationError
-from batch_planner.padding import PlanPadding, padding_multiple
+from batch_planner.padding import PlanPadding
 from batch_planner.request import CapacityBound, CpLayout, PlanRequest, SchedulerKind
 
 
@@ -112,14 +112,8 @@ def groups_from_rank_assignment(rank_sample_ids: list[list[int]], padding: PlanP
     return tuple(groups)
 
 
-def check_plan_invariants(
-    plan: Plan, request: PlanRequest, valid_cp_sizes: frozenset[int], padding: PlanPadding | None = None
-) -> None:
-    """Raises InvariantViolationError naming the first invariant (docs/design.md, Plan invariants, 1-4) the plan breaks.
-
-    `padding`: the plan's padded lengths, when the caller already has them.
-    """
-    padding = padding or PlanPadding.for_request(request)
+def check_plan_invariants(plan: Plan, request: PlanRequest, valid_cp_sizes: frozenset[int]) -> None:
+    """Raises InvariantViolationError naming the first invariant (docs/design.md, Plan invariants, 1-4) the plan breaks."""
     num_samples = request.num_samples
     limit = request.max_seqlen_per_dp_cp_rank
     packed = plan.capacity_bound is CapacityBound.PER_RANK_SUM
@@ -154,16 +148,17 @@ def check_plan_invariants(
                         "1", f"{_where(mb_index, group)}: sample id {sample_id} is not in the request (0..{num_samples - 1})"
                     )
             seen.update(group.sample_ids)
-            # Invariant 4: capacity, in the reading that matches execution. Padded lengths are
-            # multiples of the group size, so a rank's shard of each is exactly padded // size.
-            padded = padding.of_group(group.sample_ids, group.size)
-            load = (sum(padded) if packed else max(padded)) // group.size
-            slack = _padding_unit(group.size, request) * (len(padded) if packed else 1)
-            if load > limit + slack:
+            # Invariant 4: capacity, in the reading that matches execution, on real tokens - what
+            # Megatron-Core's schedulers budget and what the contract promises
+            # (PlanRequest.max_seqlen_per_dp_cp_rank). THD/CP padding then adds less than one
+            # padding unit per sample shard on top; the proto says so.
+            lengths = [request.sequence_lengths[i] for i in group.sample_ids]
+            real = sum(lengths) if packed else max(lengths)
+            if real > limit * group.size:
                 raise InvariantViolationError(
                     "4",
-                    f"{_where(mb_index, group)}: {load} tokens per rank ({plan.capacity_bound.value} bound) exceed "
-                    f"max_seqlen_per_dp_cp_rank={limit}",
+                    f"{_where(mb_index, group)}: {real / group.size:.1f} real tokens per rank "
+                    f"({plan.capacity_bound.value} bound) exceed max_seqlen_per_dp_cp_rank={limit}",
                 )
         if covered != plan.dp_cp_size:
             raise InvariantViolationError(
@@ -180,9 +175,3 @@ def check_plan_invariants(
 def _where(mb_index: int, group: CpGroup) -> str:
     # Built only for an error message: formatting it for every group costs more than the checks.
     return f"micro-batch {mb_index}, CP group at rank {group.first_rank}"
-
-
-def _padding_unit(cp_size: int, request: PlanRequest) -> int:
-    # The schedulers budget in real tokens; THD/CP padding adds less than one alignment unit to
-    # each shard. Allow exactly that, no more ("about L/c tokens after padding").
-    return padding_multiple(cp_size, request.tensor_parallel_size, request.cp_layout) // cp_size

@@ -100,7 +100,6 @@ def plan_one_scheduler(request: PlanRequest, limits: RequestLimits, cost_model: 
         plan,
         request,
         valid_cp_sizes(request.scheduler, request.dp_cp_size, request.context_parallel_size, request.min_cp_size),
-        padding,
     )
     stats = plan_statistics(micro_batches, request, spec.capacity_bound, cost_model, padding)
     return replace(plan, statistics=stats)

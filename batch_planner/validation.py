@@ -16,7 +16,8 @@ from batch_planner.errors import InvalidRequestError
 from batch_planner.request import PlanRequest, SchedulerKind
 from batch_planner.schedulers import require_scheduler
 
-JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+# \Z, not $: "$" also matches before a trailing newline, which would let "run1\n" through.
+JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ def trainer_loop(address: str, size: BatchSize, depth: int, steps: int, step_sec
             client.plan_step(step + 1, data[step + 1])
             waits.append(time.perf_counter() - started)
             sources.append(str(client.last_source))
-        registry, labels = client.metrics.registry, {"job": client.metrics.job}
+        registry, labels = client.metrics.registry, {"training_job": client.metrics.job}
         lead_sum = registry.get_sample_value("batch_planner_client_plan_lead_seconds_sum", labels) or 0.0
         lead_count = registry.get_sample_value("batch_planner_client_plan_lead_seconds_count", labels) or 1.0
         late = registry.get_sample_value("batch_planner_client_late_plans_total", labels) or 0.0

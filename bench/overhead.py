@@ -131,11 +131,13 @@ def decompose_small(runs: int) -> list[list[str]]:
             t = time.perf_counter()
             pool.plan(payload, time.time() + 60, timeout=60)
             pooled.append(time.perf_counter() - t)
-            executor = getattr(pool, "_executor", None)  # a private detail: skip the row if it changes
-            if executor is not None:
-                t = time.perf_counter()
-                executor.submit(_noop).result(timeout=60)
-                noop.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            work = pool.admit(1)
+            try:
+                work.submit(_noop).result(timeout=60)
+            finally:
+                work.close()
+            noop.append(time.perf_counter() - t)
     finally:
         pool.shutdown()
     ms = 1e3

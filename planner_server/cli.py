@@ -10,9 +10,14 @@ from planner_server.config import config_from_args
 
 def main(argv: list[str] | None = None) -> int:
     config = config_from_args(argv)
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    if config.log_format == "json":
+        from planner_server.request_log import JsonFormatter
+
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=config.log_level, handlers=[handler])
     from planner_server.server import serve  # after logging: importing Megatron-Core takes seconds
 
     try:

@@ -55,12 +55,20 @@ def render_plan(plan: Plan, request: PlanRequest, max_rows: int = 12) -> str:
         f"balance efficiency {s.balance_efficiency:.1%}); static CP{request.context_parallel_size} "
         f"{s.static_cp_step_cost * 1e3:.2f} ms -> predicted speedup {s.predicted_speedup_over_static_cp:.2f}x"
     )
+    if plan.candidates:
+        lines.append("")
+        lines.append(f"auto: {len(plan.candidates)} candidates, predicted step cost (ms):")
+        for c in plan.candidates:
+            cost = f"{c.predicted_step_cost * 1e3:9.2f}" if c.predicted_step_cost is not None else "        -"
+            note = "  <- served" if c.served else (f"  ({c.not_planned_reason[:70]})" if c.not_planned_reason else "")
+            lines.append(f"  {c.name:<36} {cost}{note}")
     return "\n".join(lines)
 
 
-# Which scheduler `--scheduler best` asks for: the first of these the server has. Dynamic CP packs
-# each CP group into one pass and wins on most long-tail batches (docs/benchmarks.md).
-PREFERENCE = (SchedulerKind.DYNAMIC_CP, SchedulerKind.HYBRID_CP, SchedulerKind.STATIC_PACKING)
+# Which scheduler `--scheduler best` asks for: the first of these the server has. auto serves the
+# cheapest of Megatron-Core's plans and the job's static CP; dynamic CP (which packs each CP group
+# into one pass) wins on most long-tail batches (docs/benchmarks.md).
+PREFERENCE = (SchedulerKind.AUTO, SchedulerKind.DYNAMIC_CP, SchedulerKind.HYBRID_CP, SchedulerKind.STATIC_PACKING)
 
 
 def best_scheduler(caps: pb.Capabilities) -> SchedulerKind:

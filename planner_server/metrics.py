@@ -1,14 +1,27 @@
 """The planner's Prometheus metrics (served on their own HTTP port).
 
-Labels stay bounded: scheduler (3 values), code (gRPC status names), job (bounded by
---max-job-labels; later jobs are counted under job="other").
+Labels stay bounded: scheduler (3 values), code (gRPC status names), training_job (bounded by
+--max-job-labels; later jobs are counted under training_job="other"). Not `job`: that is
+Prometheus's own target label, and a clash would rename ours to exported_job.
 """
 
 from __future__ import annotations
 
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
+
+# A `_created` series per counter and histogram doubles the series and no query of ours reads it.
+disable_created_metrics()
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 RATIO_BUCKETS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
@@ -23,12 +36,15 @@ class PlannerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, max_job_labels: int = 64):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # Resident memory, CPU time and open files of the gRPC process, as every exporter has them.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         self.max_job_labels = max_job_labels
         self._jobs: set[str] = set()
         self._jobs_lock = threading.Lock()
         self.requests = Counter(
             "batch_planner_requests_total", "Plan requests answered, by scheduler and gRPC status code.",
-            ["scheduler", "code", "job"], registry=r,
+            ["scheduler", "code", "training_job"], registry=r,
         )
         self.plan_latency = Histogram(
             "batch_planner_plan_latency_seconds", "Time from receiving a Plan request to answering it.",
@@ -40,11 +56,11 @@ class PlannerMetrics:
         )
         self.planned_tokens = Counter(
             "batch_planner_planned_tokens_total", "Real (unpadded) tokens in the plans served.",
-            ["scheduler", "job"], registry=r,
+            ["scheduler", "training_job"], registry=r,
         )
         self.padding_tokens = Counter(
             "batch_planner_padding_tokens_total", "Padding tokens the plans served add (padded minus real).",
-            ["scheduler", "job"], registry=r,
+            ["scheduler", "training_job"], registry=r,
         )
         self.planned_samples = Counter(
             "batch_planner_planned_samples_total", "Samples in the plans served, by the CP size they got.",
@@ -68,7 +84,16 @@ class PlannerMetrics:
         )
         self.last_speedup = Gauge(
             "batch_planner_last_predicted_speedup_over_static_cp_ratio",
-            "Predicted speedup over static CP of the latest plan, per job.", ["scheduler", "job"], registry=r,
+            "Predicted speedup over static CP of the latest plan, per job.", ["scheduler", "training_job"], registry=r,
+        )
+        self.auto_winners = Counter(
+            "batch_planner_auto_winners_total",
+            "auto requests answered, by the Megatron-Core scheduler of the plan served.", ["scheduler"], registry=r,
+        )
+        self.auto_not_planned = Counter(
+            "batch_planner_auto_candidates_not_planned_total",
+            "auto candidates dropped (refused, failed or breaking an invariant), by their scheduler.", ["scheduler"],
+            registry=r,
         )
         self.invariant_violations = Counter(
             "batch_planner_invariant_violations_total",
@@ -76,15 +101,30 @@ class PlannerMetrics:
             ["scheduler", "invariant"], registry=r,
         )
         self.in_flight = Gauge(
-            "batch_planner_in_flight_requests", "Plan requests being planned or queued now.", registry=r,
+            "batch_planner_in_flight_requests",
+            "Slots of the in-flight bound held now: requests planned, queued, or whose worker is being stopped.",
+            registry=r,
+        )
+        self.busy_workers = Gauge(
+            "batch_planner_busy_workers", "Planning worker processes running a plan now.", registry=r,
         )
         self.queue_rejections = Counter(
             "batch_planner_overload_rejections_total",
             "Plan requests refused with RESOURCE_EXHAUSTED because the planning queue was full.", registry=r,
         )
-        self.worker_restarts = Counter(
-            "batch_planner_worker_restarts_total", "Planning worker processes replaced after dying.", registry=r,
+        self.rpc_limit_rejections = Counter(
+            "batch_planner_rpc_limit_rejections_total",
+            "Calls gRPC refused with RESOURCE_EXHAUSTED \"Concurrent RPC limit exceeded!\" before any "
+            "handler ran (any method, health checks included).", registry=r,
         )
+        self.worker_restarts = Counter(
+            "batch_planner_worker_restarts_total",
+            "Planning worker processes replaced: reason=died (crashed, killed) or abandoned (killed because "
+            "the caller of the plan it ran went away).",
+            ["reason"], registry=r,
+        )
+        for reason in ("died", "abandoned"):  # both series exist from the start, for rate()
+            self.worker_restarts.labels(reason)
         self.scheduler_available = Gauge(
             "batch_planner_scheduler_available", "1 if the installed Megatron-Core provides the scheduler.",
             ["scheduler"], registry=r,
@@ -92,6 +132,11 @@ class PlannerMetrics:
         self.build_info = Info(
             "batch_planner", "Server version, Megatron-Core version and available schedulers.", registry=r,
         )
+
+    def track_pool(self, pool) -> None:
+        """The pool's own counts, read at scrape time: what really holds a slot or a worker."""
+        self.in_flight.set_function(lambda: pool.in_flight)
+        self.busy_workers.set_function(lambda: pool.busy)
 
     def job_label(self, job: str) -> str:
         """Bounds the job label's cardinality: the first max_job_labels names, then 'other'."""

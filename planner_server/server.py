@@ -23,10 +23,16 @@ from batch_planner.schedulers import discover_schedulers, megatron_core_version
 from planner_server import __version__
 from planner_server.config import ServerConfig
 from planner_server.metrics import PlannerMetrics
+from planner_server.rpc_limit import RpcLimitCounter
 from planner_server.servicer import SERVICE_NAME, PlannerServicer
 from planner_server.worker_pool import InlineBound, PlanningPool
 
 log = logging.getLogger(__name__)
+
+# Health service names. Readiness is "" (and the BatchPlanner service): SERVING once warmed up,
+# NOT_SERVING while warming up and draining. Liveness: SERVING for as long as the process answers
+# at all - a draining pod is not dead.
+LIVENESS_SERVICE = "liveness"
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
@@ -36,12 +42,58 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
         return None
     if not (config.tls_cert_file and config.tls_key_file):
         raise ValueError("TLS needs both --tls-cert-file and --tls-key-file")
-    key = Path(config.tls_key_file).read_bytes()
-    cert = Path(config.tls_cert_file).read_bytes()
-    client_ca = Path(config.tls_client_ca_file).read_bytes() if config.tls_client_ca_file else None
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    files = CertificateFiles(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
+    return grpc.dynamic_ssl_server_credentials(
+        files.load(), files.reload_if_changed, require_client_authentication=bool(config.tls_client_ca_file)
     )
+
+
+class CertificateFiles:
+    """The server's certificate, key and client CA, read again when a file changes, so that a
+    renewed certificate (cert-manager rewriting the mounted secret) is served without a restart.
+    gRPC asks `reload_if_changed` before each new TLS handshake; a stat of three files is cheap."""
+
+    def __init__(self, cert: str, key: str, client_ca: str):
+        self.paths = [Path(p) for p in (cert, key, client_ca) if p]
+        self.cert, self.key = Path(cert), Path(key)
+        self.client_ca = Path(client_ca) if client_ca else None
+        self._seen = self._versions()
+
+    def _versions(self) -> tuple:
+        # A Kubernetes secret volume swaps a symlink: stat follows it, so inode and mtime change.
+        return tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in (p.stat() for p in self.paths))
+
+    def load(self) -> grpc.ServerCertificateConfiguration:
+        client_ca = self.client_ca.read_bytes() if self.client_ca else None
+        return grpc.ssl_server_certificate_configuration(
+            [(self.key.read_bytes(), self.cert.read_bytes())], root_certificates=client_ca
+        )
+
+    def reload_if_changed(self) -> grpc.ServerCertificateConfiguration | None:
+        try:
+            versions = self._versions()
+            if versions == self._seen:
+                return None
+            configuration = self.load()
+        except (OSError, ValueError) as exc:  # half-written files: keep serving the old ones
+            log.warning("could not reload the TLS files (%s); serving the previous certificate", exc)
+            return None
+        self._seen = versions
+        log.info("TLS certificate files changed; serving the new certificate to new connections")
+        return configuration
+
+
+def connection_age_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """Trainers balance over the replicas a DNS name resolves to, and gRPC resolves it again only
+    when a connection drops: closing each connection after --max-connection-age-seconds is what
+    lets replicas the autoscaler adds receive traffic. A call in progress on a closing connection
+    gets the default deadline to finish."""
+    if config.max_connection_age_seconds <= 0:
+        return []
+    return [
+        ("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000)),
+        ("grpc.max_connection_age_grace_ms", int(config.default_deadline_seconds * 1000)),
+    ]
 
 
 class PlannerServer:
@@ -54,33 +106,43 @@ class PlannerServer:
         self.servicer: PlannerServicer | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.probe_server: grpc.Server | None = None
+        self.probe_port: int | None = None
         self._stopped = threading.Event()
 
     def start(self) -> None:
         config = self.config
         workers = config.worker_count
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self._start_probes()
         self.pool = PlanningPool(
             workers,
             config.max_queued_requests,
             config.limits,
             config.cost_model,
             config.log_level,
-            on_restart=self.metrics.worker_restarts.inc,
+            on_restart=lambda reason: self.metrics.worker_restarts.labels(reason).inc(),
             inline=InlineBound(config.inline_max_samples, config.inline_max_ranks),
+            log_format=config.log_format,
         )
         # Handler threads only wait on workers; enough for every request the pool admits plus the
         # ones it refuses at once, health checks and capability calls.
+        rpc_limit = RpcLimitCounter(self.metrics.rpc_limit_rejections.inc)
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self.pool.capacity + 16, thread_name_prefix="grpc"),
+            interceptors=(rpc_limit,),
             options=[
                 ("grpc.max_receive_message_length", config.max_receive_message_bytes),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
                 ("grpc.so_reuseport", 0),
+                *connection_age_options(config),
             ],
-            maximum_concurrent_rpcs=self.pool.capacity + 64,
+            maximum_concurrent_rpcs=self.pool.capacity + config.extra_concurrent_rpcs,
         )
+        rpc_limit.watch(self.grpc_server)
         self.servicer = PlannerServicer(config, self.pool, self.metrics)
+        self.metrics.track_pool(self.pool)
         self.grpc_server.add_generic_rpc_handlers((self.servicer.generic_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
@@ -97,10 +159,13 @@ class PlannerServer:
         self.grpc_server.start()
         self._start_metrics()
         log.info(
-            "listening on %s (%s), %d planning workers, warming up Megatron-Core %s",
-            self.port, "TLS" if credentials else "plaintext", workers, megatron_core_version(),
+            "listening on %s (%s), probes on %s (plaintext, health only), %d planning workers, warming up "
+            "Megatron-Core %s", self.port, "TLS" if credentials else "plaintext", self.probe_port, workers,
+            megatron_core_version(),
         )
         self.pool.warm_up()
+        if self._stopped.is_set():
+            return  # SIGTERM while warming up: the drain has already stopped everything
         available = [k.value for k, a in discover_schedulers().items() if a.available]
         for kind, availability in discover_schedulers().items():
             self.metrics.scheduler_available.labels(kind.value).set(1 if availability.available else 0)
@@ -118,15 +183,29 @@ class PlannerServer:
         )
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "SERVING on port %s (metrics port %s); schedulers available: %s",
-            self.port, self.metrics_port, ", ".join(available) or "none",
+            "SERVING on port %s (metrics port %s); probe port %s; schedulers available: %s",
+            self.port, self.metrics_port, self.probe_port, ", ".join(available) or "none",
         )
+
+    def _start_probes(self) -> None:
+        """A plaintext listener with the health service only, for the kubelet's gRPC probes: they
+        cannot speak TLS, and a TCP check passes long before the planner can plan."""
+        if self.config.probe_port < 0:
+            return
+        self.probe_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="probe"))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.probe_server)
+        address = f"{self.config.host}:{self.config.probe_port}"
+        self.probe_port = self.probe_server.add_insecure_port(address)
+        if self.probe_port == 0:
+            raise RuntimeError(f"could not listen on {address} for probes")
+        self.probe_server.start()
 
     def _start_metrics(self) -> None:
         if self.config.metrics_port < 0:
             return
-        server, _ = start_http_server(self.config.metrics_port, addr="::" if ":" in self.config.host else "0.0.0.0",
-                                      registry=self.metrics.registry)
+        # The same interface as gRPC: --host 127.0.0.1 keeps /metrics off the network too.
+        host = self.config.host.strip("[]")
+        server, _ = start_http_server(self.config.metrics_port, addr=host, registry=self.metrics.registry)
         self.metrics_port = server.server_port
 
     def _set_health(self, status) -> None:
@@ -152,6 +231,8 @@ class PlannerServer:
             self.grpc_server.stop(max(0.5, deadline - time.monotonic())).wait()
         if self.pool is not None:
             self.pool.shutdown()
+        if self.probe_server is not None:
+            self.probe_server.stop(0)
         self._stopped.set()
         log.info("stopped")
 

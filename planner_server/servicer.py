@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 
 from batch_planner.convert import SCHEDULER_TO_PROTO, cost_model_to_proto
 from batch_planner.cost_profiles import preset_names
+from batch_planner.errors import ErrorCode
 from batch_planner.request import SchedulerKind
 from batch_planner.schedulers import discover_schedulers, megatron_core_version
 from batch_planner.v1 import planner_pb2 as pb
@@ -22,8 +23,9 @@ from planner_server import __version__
 from planner_server.config import ServerConfig
 from planner_server.metrics import PlannerMetrics
 from planner_server.plan_rates import PlanRates
-from planner_server.planning_worker import DEADLINE_EXCEEDED, OK, WorkerResult
-from planner_server.worker_pool import PlanningPool, PoolOverloaded
+from planner_server.planning_worker import WorkerResult
+from planner_server.request_log import ViolationDump, log_request
+from planner_server.worker_pool import PlanningPool, PoolOverloaded, WorkersLost
 
 log = logging.getLogger(__name__)
 
@@ -39,46 +41,55 @@ class PlannerServicer:
         # Set when the drain starts, before health goes NOT_SERVING: a request that arrives after
         # a client saw NOT_SERVING, but before gRPC stops accepting, is refused too.
         self.draining = threading.Event()
+        self.violations = ViolationDump(config.violations_dir, config.violations_kept)
 
     def plan(self, request_bytes: bytes, context: grpc.ServicerContext) -> bytes:
         started = time.perf_counter()
         if self.draining.is_set():
-            self._record(WorkerResult("UNAVAILABLE"), 0.0)
-            context.abort(grpc.StatusCode.UNAVAILABLE, "planner is shutting down; retry on another replica")
+            result = WorkerResult(ErrorCode.UNAVAILABLE, message="planner is shutting down; retry on another replica")
+        else:
+            result = self._plan(request_bytes, context)
+        self._record(result, time.perf_counter() - started)
+        if result.invariant:
+            self.violations.write(request_bytes, result)
+        if result.code is not ErrorCode.OK:
+            context.abort(grpc.StatusCode[result.code.value], result.message)
+        return result.response
+
+    def _plan(self, request_bytes: bytes, context: grpc.ServicerContext) -> WorkerResult:
         remaining = context.time_remaining()
         if remaining is None or remaining > 1e8:
             remaining = self.config.default_deadline_seconds
-        self.metrics.in_flight.inc()
         try:
-            try:
-                result = self.pool.plan(request_bytes, time.time() + remaining, timeout=remaining)
-            except PoolOverloaded as exc:
-                self.metrics.queue_rejections.inc()
-                result = WorkerResult("RESOURCE_EXHAUSTED", message=f"planner overloaded: {exc}; retry with backoff")
-            except TimeoutError:
-                result = WorkerResult(DEADLINE_EXCEEDED, message=f"planning took longer than the deadline ({remaining:.3f} s)")
-            except Exception as exc:  # noqa: BLE001 - never crash the handler thread
-                log.exception("planning pool failure")
-                result = WorkerResult("INTERNAL", message=f"planner failure: {type(exc).__name__}: {exc}")
-        finally:
-            self.metrics.in_flight.dec()
-        self._record(result, time.perf_counter() - started)
-        if result.code != OK:
-            context.abort(getattr(grpc.StatusCode, result.code), result.message)
-        return result.response
+            # add_callback fires when the RPC ends for any reason - a cancelled or disconnected
+            # caller included - and the pool then stops the work nobody waits for.
+            return self.pool.plan(request_bytes, time.time() + remaining, remaining, on_abandon=context.add_callback)
+        except PoolOverloaded as exc:
+            self.metrics.queue_rejections.inc()
+            return WorkerResult(ErrorCode.RESOURCE_EXHAUSTED, message=f"planner overloaded: {exc}; retry with backoff")
+        except TimeoutError:
+            if not context.is_active():
+                return WorkerResult(ErrorCode.CANCELLED, message="the caller cancelled the request")
+            return WorkerResult(ErrorCode.DEADLINE_EXCEEDED, message=f"planning took longer than the deadline ({remaining:.3f} s)")
+        except WorkersLost as exc:
+            return WorkerResult(ErrorCode.UNAVAILABLE, message=f"planning workers unavailable: {exc}; retry")
+        except Exception as exc:  # noqa: BLE001 - never crash the handler thread
+            log.exception("planning pool failure")
+            return WorkerResult(ErrorCode.INTERNAL, message=f"planner failure: {type(exc).__name__}: {exc}")
 
     def _record(self, result: WorkerResult, seconds: float) -> None:
         m = self.metrics
         job = m.job_label(result.job)
         scheduler = result.scheduler
-        m.requests.labels(scheduler, result.code, job).inc()
+        m.requests.labels(scheduler, result.code.value, job).inc()
         m.plan_latency.labels(scheduler).observe(seconds)
+        log_request(result, seconds, job)
         if result.invariant:
             m.invariant_violations.labels(scheduler, result.invariant).inc()
-        if result.code != OK:
+        if result.code is not ErrorCode.OK:
             return
         m.scheduler_latency.labels(scheduler).observe(result.scheduler_seconds)
-        self.rates.record(scheduler, result.samples, result.dp_cp_size, result.planning_seconds)
+        self.rates.record(scheduler, result.samples, result.ranks, result.planning_seconds)
         m.planned_tokens.labels(scheduler, job).inc(result.real_tokens)
         m.padding_tokens.labels(scheduler, job).inc(result.padded_tokens - result.real_tokens)
         m.micro_batches.labels(scheduler).inc(result.micro_batches)
@@ -88,6 +99,10 @@ class PlannerServicer:
         m.balance_efficiency.labels(scheduler).observe(result.balance_efficiency)
         m.speedup.labels(scheduler).observe(result.speedup)
         m.last_speedup.labels(scheduler, job).set(result.speedup)
+        if result.auto_winner:
+            m.auto_winners.labels(result.auto_winner).inc()
+            for dropped in result.auto_not_planned:
+                m.auto_not_planned.labels(dropped).inc()
 
     def get_capabilities(self, request_bytes: bytes, context: grpc.ServicerContext) -> bytes:
         # Parsed here rather than by a registered deserializer: gRPC answers a deserializer's
@@ -120,6 +135,7 @@ def capabilities(config: ServerConfig, rates: PlanRates | None = None, workers: 
             max_sequence_length=limits.max_sequence_length,
             max_receive_message_bytes=config.max_receive_message_bytes,
             max_tensor_parallel_size=limits.max_tensor_parallel_size,
+            max_micro_batch_group_size=limits.max_micro_batch_group_size,
         ),
         cost_model=cost_model_to_proto(config.cost_model),
         planning_workers=workers,

@@ -9,6 +9,13 @@ import inspect
 import torch
 
 
+# How multi-rank tests start their ranks. Forked on CPU: the ranks inherit the imported
+# Megatron-Core (concurrent imports take minutes on a small machine). Spawned where CUDA is: a
+# forked child cannot use CUDA once the parent has touched it, and the dev build's group creation
+# calls torch.cuda.current_device() in every rank.
+FORK_OR_SPAWN = "spawn" if torch.cuda.is_available() else "fork"
+
+
 def _flag() -> str:
     from megatron.core import parallel_state
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-READY = re.compile(r"SERVING on port (\d+) \(metrics port (\S+)\)")
+READY = re.compile(r"SERVING on port (\d+) \(metrics port (\S+)\)(?:; probe port (\S+);)?")
 
 
 @dataclass
@@ -21,6 +21,7 @@ class PlannerProcess:
     proc: subprocess.Popen
     port: int
     metrics_port: int | None
+    probe_port: int | None = None
     log_lines: list[str] = field(default_factory=list)
 
     @property
@@ -71,7 +72,7 @@ def start_planner(
 ) -> PlannerProcess:
     """Starts `python -m planner_server` and waits until it reports SERVING."""
     cmd = [sys.executable, "-m", "planner_server", "--host", "127.0.0.1", "--port", str(port),
-           "--metrics-port", "0", "--workers", str(workers), *args]
+           "--metrics-port", "0", "--probe-port", "0", "--workers", str(workers), *args]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=planner_env(without_release_overlay), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
@@ -86,7 +87,7 @@ def start_planner(
             lines.append(line.rstrip("\n"))
             match = READY.search(line)
             if match and not ready.is_set():
-                found["port"], found["metrics"] = match.group(1), match.group(2)
+                found["port"], found["metrics"], found["probe"] = match.group(1), match.group(2), match.group(3)
                 ready.set()
         ready.set()
 
@@ -99,5 +100,8 @@ def start_planner(
     if "port" not in found:
         proc.wait(10)
         raise RuntimeError(f"planner exited with {proc.returncode}:\n" + "\n".join(lines[-30:]))
-    metrics = found["metrics"]
-    return PlannerProcess(proc, int(found["port"]), None if metrics == "None" else int(metrics), lines)
+    metrics, probe = found["metrics"], found["probe"]
+    return PlannerProcess(
+        proc, int(found["port"]), None if metrics == "None" else int(metrics),
+        probe_port=None if probe in (None, "None") else int(probe), log_lines=lines,
+    )

@@ -206,3 +206,27 @@ def make_test_pki(directory: Path) -> Pki:
         stranger_cert=write(directory / "stranger.pem", cert=stranger),
         stranger_key=write(directory / "stranger.key", key=stranger_key),
     )
+
+
+def forkserver_pid(server_pid: int) -> int:
+    """The server's forkserver (the parent of its planning workers)."""
+    found = [c for c in children(server_pid) if "forkserver" in _cmdline(c)]
+    assert len(found) == 1, f"expected one forkserver under {server_pid}, found {found}"
+    return found[0]
+
+
+# --- waiting on what a server shows, never on a guessed duration ------------------------------------
+
+
+def wait_until(predicate, timeout: float, what: str, poll: float = 0.02):
+    """Polls `predicate` until it returns a true value (returned) or `timeout` passes (fails)."""
+    import time
+
+    end = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)

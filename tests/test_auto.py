@@ -4,13 +4,15 @@ cost model it is given, and refuses clearly when no candidate can plan."""
 
 from __future__ import annotations
 
+import urllib.request
+
 import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batch_planner.auto import candidates
-from batch_planner.convert import plan_from_proto, request_to_proto
+from batch_planner.convert import plan_from_proto, plan_to_proto, request_to_proto
 from batch_planner.cost import CostModel
 from batch_planner.cost_profiles import CostModelSpec
 from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
@@ -178,3 +180,28 @@ def test_capabilities_list_auto_and_the_presets(stub):
     caps = stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=10)
     assert any(s.scheduler == pb.SCHEDULER_AUTO and s.available for s in caps.schedulers)
     assert {"h200-bench-calibrated", "llama3-8b-h200", "llama3-70b-h100", "qwen3-30b-a3b-h200"} <= set(caps.cost_model_presets)
+
+
+def test_the_servers_workers_plan_auto_candidates_side_by_side_to_the_in_process_answer(stub, planner):
+    """256 samples on 32 ranks: past the inline bound, so the candidates go to the workers one
+    task each and the answer is assembled from them; it is the in-process answer, byte for byte."""
+    request = auto_request("lognormal_32k", 256, dp=16, cp=2)
+    served_bytes = stub.Plan(request_to_proto(request), timeout=300).SerializeToString(deterministic=True)
+    assert served_bytes == plan_to_proto(plan_batch(request)).SerializeToString(deterministic=True)
+    text = urllib.request.urlopen(planner.metrics_url, timeout=10).read().decode()
+    assert "batch_planner_auto_winners_total{" in text
+
+
+def test_the_overload_bound_counts_every_candidate_of_an_auto_request():
+    server = start_planner("--max-queued-requests", "3", "--inline-max-samples", "0", workers=1)
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = planner_pb2_grpc.BatchPlannerStub(channel)
+            plain = auto_request(samples=32).replace(scheduler=SchedulerKind.DYNAMIC_CP)
+            assert stub.Plan(request_to_proto(plain), timeout=120).micro_batches  # one slot: fits
+            with pytest.raises(grpc.RpcError) as err:  # 13 candidates: more than the 4 slots
+                stub.Plan(request_to_proto(auto_request(samples=32)), timeout=120)
+    finally:
+        server.stop()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "overloaded" in err.value.details()

@@ -78,3 +78,13 @@ def test_a_non_mapping_is_refused(tmp_path):
     path.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="must be a mapping, got list"):
         PlannerClientConfig.from_yaml(path)
+
+
+def test_every_status_code_has_exactly_one_client_action():
+    """one vocabulary (gRPC's names) and one retry / fallback / reject table."""
+    import grpc
+
+    from batch_planner.errors import CLIENT_ACTION, ErrorCode
+
+    assert {code.value for code in ErrorCode} == {code.name for code in grpc.StatusCode}
+    assert set(CLIENT_ACTION) == set(ErrorCode) - {ErrorCode.OK}

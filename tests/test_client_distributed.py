@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from batch_planner.request import SchedulerKind
 from tests.megatron_builds import require_scheduler
-from tests.megatron_init import initialize_dpxcp_groups, parallel_state_cp_group
+from tests.megatron_init import FORK_OR_SPAWN, initialize_dpxcp_groups, parallel_state_cp_group
 
 MAX_PER_RANK = 1024
 JOIN_DEADLINE_SECONDS = 240
@@ -155,7 +155,7 @@ def _spawn(world: int, tp: int, tmp_path, endpoint: str, schedulers: list[str]) 
 
     context = mp.start_processes(
         _run_rank, args=(world, tp, str(tmp_path / "store"), endpoint, str(tmp_path), schedulers),
-        nprocs=world, join=False, start_method="fork",
+        nprocs=world, join=False, start_method=FORK_OR_SPAWN,
     )
     deadline = time.monotonic() + JOIN_DEADLINE_SECONDS
     while not context.join(timeout=1):

@@ -24,7 +24,7 @@ SERVER_FLAGS = ("--max-receive-message-bytes", "2048")
 
 def fallbacks(client: BatchPlannerClient, reason: str) -> float:
     return client.metrics.registry.get_sample_value(
-        "batch_planner_client_fallbacks_total", {"job": "faults", "reason": reason}
+        "batch_planner_client_fallbacks_total", {"training_job": "faults", "reason": reason}
     ) or 0.0
 
 
@@ -107,7 +107,7 @@ def test_training_survives_a_slow_a_dead_and_a_restarted_planner():
         server = start_planner(*SERVER_FLAGS, workers=1, port=port)
         steps_until(client, step, SERVICE, limit_s=60)
         assert client.metrics.registry.get_sample_value(
-            "batch_planner_client_plans_total", {"job": "faults", "source": "fallback"}
+            "batch_planner_client_plans_total", {"training_job": "faults", "source": "fallback"}
         ) >= 4
     finally:
         client.close()

@@ -96,7 +96,7 @@ def test_client_exports_the_lead_and_counts_late_steps(planner):
     batches = [sample_lengths("long_tail_16k", 64, seed=s) for s in range(5)]
 
     def value(name: str) -> float:
-        return client.metrics.registry.get_sample_value(name, {"job": "test"}) or 0.0
+        return client.metrics.registry.get_sample_value(name, {"training_job": "test"}) or 0.0
 
     try:
         for step in (1, 2, 3):
@@ -112,7 +112,7 @@ def test_client_exports_the_lead_and_counts_late_steps(planner):
     assert value("batch_planner_client_plan_lead_seconds_sum") > 0
     assert value("batch_planner_client_late_plans_total") == 1
     # The late step's lead is 0: it lands in the first bucket, with nothing else.
-    zero = client.metrics.registry.get_sample_value("batch_planner_client_plan_lead_seconds_bucket", {"job": "test", "le": "0.0"})
+    zero = client.metrics.registry.get_sample_value("batch_planner_client_plan_lead_seconds_bucket", {"training_job": "test", "le": "0.0"})
     assert zero == 1
 
 

@@ -15,6 +15,7 @@ from tests.megatron_builds import best_local_scheduler
 from trainer_client import BatchPlannerClient, PlannerClientConfig
 from trainer_client.plan_source import FALLBACK, SERVICE
 from trainer_client.rpc_client import PlanRejectedError
+from tests.reliability_support import wait_until
 
 LENGTHS = sample_lengths("long_tail_16k", 64, seed=3)
 
@@ -27,7 +28,7 @@ def client_for(endpoint: str, **overrides) -> BatchPlannerClient:
 
 
 def metric(client: BatchPlannerClient, name: str, **labels) -> float:
-    return client.metrics.registry.get_sample_value(name, {"job": "test", **labels}) or 0.0
+    return client.metrics.registry.get_sample_value(name, {"training_job": "test", **labels}) or 0.0
 
 
 def unused_port() -> int:
@@ -88,8 +89,11 @@ def test_planning_one_step_ahead_hides_planning_time_from_a_slow_step(planner):
             assert client.last_source == SERVICE
             if step + 1 < 4:
                 client.prefetch(step + 1, lengths[step + 1])
-            # The "training step": longer than planning, so the next plan is ready when asked for.
-            time.sleep(max(0.3, 3 * waits[0]))
+            # The "training step": it lasts until the next step's plan has come back from the
+            # service (seen in the client's own RPC metric), as a step longer than planning does.
+            if step + 1 < 4:
+                wait_until(lambda answered=step + 2: metric(client, "batch_planner_client_rpc_latency_seconds_count") >= answered,
+                           60, f"step {step + 1}'s plan")
     finally:
         client.close()
     unplanned_wait, ahead_waits = waits[0], waits[1:]

@@ -22,7 +22,7 @@ VALUE_SETS = {"default": None, "all-on": str(ALL_ON_VALUES)}
 # Oldest Kubernetes the chart supports (native gRPC probes are GA in 1.27) and a current one.
 KUBERNETES_VERSIONS = ("1.27.0", "1.34.0")
 PROMETHEUS_OPERATOR_KINDS = {"ServiceMonitor", "PrometheusRule"}
-SET_BY_CHART = {"host", "port", "metrics_port", "tls_cert_file", "tls_key_file", "tls_client_ca_file"}
+SET_BY_CHART = {"host", "port", "metrics_port", "probe_port", "tls_cert_file", "tls_key_file", "tls_client_ca_file"}
 
 
 def container(docs: list[dict]) -> dict:
@@ -133,18 +133,21 @@ def test_pod_runs_non_root_read_only_without_privileges(values):
     assert {c["topologyKey"] for c in pod["topologySpreadConstraints"]} >= {"kubernetes.io/hostname"}
 
 
-def test_plaintext_server_gets_native_grpc_probes_on_the_health_service():
-    planner = container(render_chart())
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert planner[probe]["grpc"] == {"port": 50051}, probe
+def test_probes_ask_the_plaintext_probe_port_for_readiness_and_liveness_apart():
+    """probes are gRPC health checks on the probe port with TLS on or off (never a TCP
+    check that passes before the server can plan); liveness is its own service."""
+    for docs in (render_chart(), render_chart(str(ALL_ON_VALUES))):
+        planner = container(docs)
+        for probe in ("startupProbe", "readinessProbe"):
+            assert planner[probe]["grpc"] == {"port": 50052}, probe
+        assert planner["livenessProbe"]["grpc"] == {"port": 50052, "service": "liveness"}
+        assert env_of(docs)["PLANNER_PROBE_PORT"] == "50052"
+        assert {"name": "probe", "containerPort": 50052, "protocol": "TCP"} in planner["ports"]
 
 
-def test_tls_server_gets_tcp_probes_and_its_certificates_mounted():
-    """Kubernetes' gRPC probes speak plaintext only: with TLS they would always fail."""
+def test_tls_server_gets_its_certificates_mounted():
     docs = render_chart(str(ALL_ON_VALUES))
     planner = container(docs)
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert planner[probe]["tcpSocket"] == {"port": "grpc"}, probe
     env = env_of(docs)
     mounts = {m["name"]: m["mountPath"] for m in planner["volumeMounts"]}
     assert env["PLANNER_TLS_CERT_FILE"] == mounts["tls"] + "/tls.crt"
@@ -221,7 +224,7 @@ def test_values_schema_lists_every_server_setting_with_its_type():
     schema = json.loads((CHART / "values.schema.json").read_text())
     config_schema = schema["properties"]["config"]["properties"]
     json_type = {int: "integer", float: "number", str: "string"}
-    flags = {a.dest: a.type for a in build_parser()._actions if a.dest != "help"}
+    flags = {a.dest: a.type for a in build_parser()._actions if a.dest not in ("help", "version")}
     assert set(config_schema) == set(flags) - SET_BY_CHART
     for name, schema_entry in config_schema.items():
         assert schema_entry["type"] == json_type[flags[name]], name
@@ -232,7 +235,7 @@ def test_every_server_setting_reaches_the_server_from_values():
     config code: every setting must arrive with the value the values file gave it."""
     values = yaml.safe_load(ALL_ON_VALUES.read_text())
     env = env_of(render_chart(str(ALL_ON_VALUES)))
-    flags = {a.dest for a in build_parser()._actions if a.dest != "help"}
+    flags = {a.dest for a in build_parser()._actions if a.dest not in ("help", "version")}
     assert {"PLANNER_" + flag.upper() for flag in flags} <= set(env)
     code = (
         "import json, dataclasses; from planner_server.config import config_from_args; "
@@ -267,6 +270,6 @@ def test_default_config_values_match_the_server_defaults():
 def test_deployment_doc_lists_every_server_setting():
     doc = (ROOT / "docs" / "deployment.md").read_text()
     for action in build_parser()._actions:
-        if action.dest == "help" or action.dest in SET_BY_CHART:
+        if action.dest in ("help", "version") or action.dest in SET_BY_CHART:
             continue
         assert f"| `config.{action.dest}` | `PLANNER_{action.dest.upper()}` |" in doc, action.dest

@@ -43,7 +43,7 @@ def test_image_is_multi_stage_pinned_and_runs_as_non_root():
     assert users and users[-1].split(":")[0] not in ("0", "root")
     assert ("ENTRYPOINT", '["planner-server"]') in runtime
     exposed = {port for op, args in runtime if op == "EXPOSE" for port in args.split()}
-    assert exposed == {"50051", "9400"}
+    assert exposed == {"50051", "9400", "50052"}  # gRPC, metrics, probes
 
 
 def test_megatron_core_is_a_build_argument_defaulting_to_the_pinned_dev_commit():
@@ -55,7 +55,7 @@ def test_megatron_core_is_a_build_argument_defaulting_to_the_pinned_dev_commit()
     # torch comes from the CPU-only wheel index, before anything that depends on it.
     assert args["TORCH_INDEX_URL"].endswith("/whl/cpu")
     text = DOCKERFILE.read_text()
-    assert text.index('--index-url "${TORCH_INDEX_URL}"') < text.index('pip install --no-cache-dir "${MEGATRON_CORE_SPEC}" .')
+    assert text.index('--index-url "${TORCH_INDEX_URL}"') < text.index('pip install --no-cache-dir --no-deps "${MEGATRON_CORE_SPEC}" .')
 
 
 def test_dockerignore_lets_in_what_the_build_copies_and_nothing_else():
@@ -67,3 +67,39 @@ def test_dockerignore_lets_in_what_the_build_copies_and_nothing_else():
     assert copied == allowed
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     assert {p.rstrip("*") for p in packages} <= copied
+
+
+def test_image_carries_oci_labels_and_the_license_matches_pyproject():
+    """OCI annotations in the image; LICENSE is the license pyproject declares."""
+    text = (ROOT / "Dockerfile").read_text()
+    for key in ("title", "description", "licenses", "version", "revision", "created", "base.name"):
+        assert f"org.opencontainers.image.{key}=" in text, key
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"]
+    assert declared == "Apache-2.0" and f'org.opencontainers.image.licenses="{declared}"' in text
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+
+
+def test_the_image_installs_a_hash_locked_set_that_satisfies_pyproject():
+    """requirements/image.lock pins every runtime dependency but torch with hashes,
+    at versions pyproject's ranges allow, and the image installs it with --require-hashes."""
+    from packaging.requirements import Requirement
+
+    locked: dict[str, str] = {}
+    hashed: set[str] = set()
+    name = None
+    for line in (ROOT / "requirements" / "image.lock").read_text().splitlines():
+        if match := re.match(r"^([A-Za-z0-9_.-]+)==([^ ]+)", line):
+            name = match.group(1).lower().replace("_", "-")
+            locked[name] = match.group(2)
+        elif "--hash=sha256:" in line and name:
+            hashed.add(name)
+    assert locked and set(locked) == hashed, set(locked) - hashed
+    for spec in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]:
+        requirement = Requirement(spec)
+        key = requirement.name.lower()
+        if key == "torch":
+            assert key not in locked  # the CPU build, from the CPU index (Dockerfile)
+            continue
+        assert key in locked and requirement.specifier.contains(locked[key]), (spec, locked.get(key))
+    assert "--require-hashes --no-deps -r requirements/image.lock" in DOCKERFILE.read_text()

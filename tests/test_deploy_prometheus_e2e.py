@@ -135,7 +135,7 @@ def dashboard_expr(title: str) -> str:
 def test_prometheus_scrapes_planner_padding_and_throughput(planner: PlannerProcess, prometheus_for):
     find_tool("promtool")  # the Debian package; fail early with the install hint if it is missing
     prom = prometheus_for({SCRAPE_JOB: f"127.0.0.1:{planner.metrics_port}"})
-    sel = f'job="{SCRAPE_JOB}", exported_job="{JOB}"'
+    sel = f'job="{SCRAPE_JOB}", training_job="{JOB}"'
     prom.wait_for_value(f'up{{job="{SCRAPE_JOB}"}}', 1)
 
     requests = [plan_request(seed) for seed in (1, 2, 3)]
@@ -232,15 +232,14 @@ def test_prometheus_scrapes_the_example_trainer(planner: PlannerProcess, prometh
         padding = prom.query(f"sum(batch_planner_client_padding_tokens_total{{{sel}}})")
         assert padding and 0 < float(padding[0]["value"][1]) < expected_tokens
         assert float(prom.query(f"sum(batch_planner_client_tokens_per_second{{{sel}}})")[0]["value"][1]) > 0
-        # The trainer's own `job` label (its training job) is kept as exported_job, as the
-        # dashboard expects.
-        assert {r["metric"].get("exported_job") for r in prom.query(f"batch_planner_client_tokens_total{{{sel}}}")} != {None}
+        # The trainer's training job arrives as its own training_job label, as the dashboard expects.
+        assert {r["metric"].get("training_job") for r in prom.query(f"batch_planner_client_tokens_total{{{sel}}}")} != {None}
         # The plan lead: one observation per step the trainer asked for, through Prometheus.
         lead = prom.query(f"sum(batch_planner_client_plan_lead_seconds_count{{{sel}}})")
         assert lead and float(lead[0]["value"][1]) >= steps
         assert prom.query(f"sum(batch_planner_client_late_plans_total{{{sel}}})")
         # The dashboard's trainer padding-waste query answers for this data.
-        assert prom.query(dashboard_expr("Trainer padding waste").replace(f'exported_job=~"{JOB}"', 'exported_job=~".*"'))
+        assert prom.query(dashboard_expr("Trainer padding waste").replace(f'training_job=~"{JOB}"', 'training_job=~".*"'))
     finally:
         trainer.terminate()
         try:

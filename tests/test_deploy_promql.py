@@ -119,3 +119,17 @@ def test_dashboard_shows_what_the_design_asks_for():
 def test_dashboard_shows_plan_latency_quantile(quantile):
     assert any(f"histogram_quantile({quantile}, sum by (le, scheduler) (rate(batch_planner_plan_latency_seconds_bucket" in expr
                for _, expr in dashboard_expressions())
+
+
+def test_every_alert_links_a_runbook_section_that_exists():
+    """runbook_url names docs/<file>#<anchor>, and that heading is in that file."""
+    rules = yaml.safe_load(ALERTS.read_text())
+    alerts = [rule for group in rules["groups"] for rule in group["rules"] if "alert" in rule]
+    assert alerts
+    for rule in alerts:
+        url = rule["annotations"].get("runbook_url", "")
+        path, _, anchor = url.partition("#")
+        assert path.startswith("docs/") and (ROOT / path).is_file(), (rule["alert"], url)
+        headings = {re.sub(r"[^a-z0-9 _-]", "", h.lower()).replace(" ", "-")
+                    for h in re.findall(r"^#+ (.+)$", (ROOT / path).read_text(), re.M)}
+        assert anchor in headings, (rule["alert"], anchor, sorted(headings))

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from batch_planner.request import SchedulerKind
 from tests.megatron_builds import require_scheduler
-from tests.megatron_init import initialize_dpxcp_groups
+from tests.megatron_init import FORK_OR_SPAWN, initialize_dpxcp_groups
 
 WORLD = 4
 JOIN_DEADLINE_SECONDS = 120
@@ -132,7 +132,7 @@ def test_per_token_loss_over_dynamic_cp_plans_equals_the_single_process_referenc
 
     context = mp.start_processes(
         _run_rank, args=(str(tmp_path / "store"), str(tmp_path), [scheduler.value]), nprocs=WORLD, join=False,
-        start_method="fork",
+        start_method=FORK_OR_SPAWN,
     )
     deadline = time.monotonic() + JOIN_DEADLINE_SECONDS
     while not context.join(timeout=1):

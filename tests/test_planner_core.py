@@ -169,6 +169,18 @@ def test_capacity_invariant_matches_execution():
         check_plan_invariants(_plan(groups, 2, CapacityBound.PER_RANK_SUM), request, sizes)  # 100 packed
 
 
+def test_capacity_invariant_is_the_contracts_budget_in_real_tokens():
+    """max_seqlen_per_dp_cp_rank bounds real tokens (the proto's contract); padding of
+    less than a unit on top is fine, one real token past the budget is not (it used to pass)."""
+    sizes = valid_cp_sizes(SchedulerKind.HYBRID_CP, 2, 2, None)
+    # CP2 zigzag pads to multiples of 4: 101 -> 104, 52 per rank, over a budget of 51 by padding only.
+    within = PlanRequest.of((101,), 1, 2, 51)
+    check_plan_invariants(_plan([[CpGroup(0, 2, (0,), 101, 104)]], 2), within, sizes)
+    over = PlanRequest.of((103,), 1, 2, 51)  # 51.5 real tokens per rank
+    with pytest.raises(InvariantViolationError, match="invariant 4"):
+        check_plan_invariants(_plan([[CpGroup(0, 2, (0,), 103, 104)]], 2), over, sizes)
+
+
 @pytest.mark.parametrize("kind", [SchedulerKind.DYNAMIC_CP, SchedulerKind.STATIC_PACKING])
 def test_dev_branch_schedulers(kind):
     require_scheduler(kind)

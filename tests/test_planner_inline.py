@@ -23,12 +23,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from batch_planner.convert import plan_to_proto, request_to_proto
 from batch_planner.cost import CostModel
 from batch_planner.distributions import sample_lengths
+from batch_planner.errors import ErrorCode
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
 from batch_planner.validation import RequestLimits
-from planner_server.planning_worker import OK
 from planner_server.worker_pool import InlineBound, PlanningPool
 from tests.planner_process import PlannerProcess, start_planner
 
@@ -69,7 +69,7 @@ def test_inline_and_worker_plans_are_the_same_bytes(pools):
         planned_by_worker = workers_only.plan(payload, time.time() + 60, timeout=60)
         assert without_timing(planned_inline) == without_timing(planned_by_worker), request
     # The inline pool never started its worker (ProcessPoolExecutor starts workers on first use).
-    assert inline.pids() == [] and workers_only.pids() != []
+    assert inline.tasks_run == 0 and workers_only.tasks_run == len(small_requests())
     # And the worker priced and validated with the settings its initializer was given.
     request = small_requests()[0]
     expected = plan_to_proto(plan_batch(request, LIMITS, COST_MODEL)).SerializeToString(deterministic=True)
@@ -90,8 +90,8 @@ def test_requests_past_the_inline_bound_go_to_a_worker(pools):
     assert not bound.admits(request_to_proto(many_ranks).SerializeToString())
     assert not InlineBound(0, 16).admits(request_to_proto(small).SerializeToString())
     result = inline.plan(request_to_proto(many_samples).SerializeToString(), time.time() + 60, timeout=60)
-    assert result.code == OK
-    assert len(inline.pids()) == 1  # it went to the worker
+    assert result.code is ErrorCode.OK
+    assert inline.tasks_run == 1  # it went to the worker
 
 
 # A server whose only slot an inline request can hold for about a second: one worker, no queue,

@@ -57,17 +57,17 @@ def test_counters_move_by_known_amounts(fresh_planner):
         return sample_value(after, name, **labels) - sample_value(before, name, **labels)
 
     stats = plans[0].statistics
-    assert delta("batch_planner_requests_total", scheduler="hybrid_cp", code="OK", job="metrics-test") == 3
-    assert delta("batch_planner_requests_total", scheduler="hybrid_cp", code="INVALID_ARGUMENT", job="metrics-test") == 1
-    assert delta("batch_planner_planned_tokens_total", job="metrics-test") == 3 * sum(lengths)
-    assert delta("batch_planner_padding_tokens_total", job="metrics-test") == 3 * (stats.padded_tokens - stats.real_tokens)
+    assert delta("batch_planner_requests_total", scheduler="hybrid_cp", code="OK", training_job="metrics-test") == 3
+    assert delta("batch_planner_requests_total", scheduler="hybrid_cp", code="INVALID_ARGUMENT", training_job="metrics-test") == 1
+    assert delta("batch_planner_planned_tokens_total", training_job="metrics-test") == 3 * sum(lengths)
+    assert delta("batch_planner_padding_tokens_total", training_job="metrics-test") == 3 * (stats.padded_tokens - stats.real_tokens)
     assert delta("batch_planner_plan_latency_seconds_count", scheduler="hybrid_cp") == 4
     assert delta("batch_planner_micro_batches_total") == 3 * stats.micro_batch_count
     for cp_size, samples, _ in stats.cp_size_mix:
         assert delta("batch_planner_planned_samples_total", cp_size=str(cp_size)) == 3 * samples
     assert delta("batch_planner_padding_ratio_count") == 3
     assert delta("batch_planner_balance_efficiency_ratio_count") == 3
-    assert sample_value(after, "batch_planner_last_predicted_speedup_over_static_cp_ratio", job="metrics-test") == (
+    assert sample_value(after, "batch_planner_last_predicted_speedup_over_static_cp_ratio", training_job="metrics-test") == (
         pytest.approx(stats.predicted_speedup_over_static_cp)
     )
     assert sample_value(after, "batch_planner_in_flight_requests") == 0
@@ -90,3 +90,59 @@ def test_job_label_is_bounded():
 
     metrics = PlannerMetrics(max_job_labels=2)
     assert [metrics.job_label(j) for j in ("a", "b", "c", "a", "")] == ["a", "b", OTHER_JOB, "a", "unnamed"]
+
+
+def test_metrics_follow_prometheus_conventions(fresh_planner):
+    """no `job` label of our own, the process collector, no _created series."""
+    text = scrape(fresh_planner.metrics_url)
+    families = list(text_string_to_metric_families(text))
+    names = {s.name for f in families for s in f.samples}
+    assert {"process_resident_memory_bytes", "process_cpu_seconds_total", "python_info"} <= names
+    assert not [n for n in names if n.endswith("_created")]
+    assert all("job" not in s.labels for f in families for s in f.samples)
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses with a listening TCP socket on `port`, from /proc/net/tcp{,6}."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if int(hex_port, 16) == port and state == "0A":
+                found.add(address)
+    return found
+
+
+def test_metrics_port_binds_the_grpc_host_only(fresh_planner):
+    """with --host 127.0.0.1 /metrics listens on loopback, not on every interface."""
+    assert _listening_addresses(fresh_planner.metrics_port) == {"0100007F"}  # 127.0.0.1
+
+
+def test_calls_grpc_refuses_past_its_concurrency_limit_are_counted():
+    """gRPC's own "Concurrent RPC limit exceeded!" refusals show in a metric."""
+    from batch_planner.v1 import planner_pb2 as pb
+    from tests.reliability_support import wait_until
+
+    # One worker, no queue, no extra calls: gRPC accepts one call at a time.
+    server = start_planner("--max-queued-requests", "0", "--extra-concurrent-rpcs", "0", workers=1)
+    slow = pb.PlanRequest(
+        sequence_lengths=sample_lengths("long_tail_16k", 16384, seed=1),
+        layout=pb.ParallelLayout(data_parallel_size=1024, context_parallel_size=1),
+        max_seqlen_per_dp_cp_rank=8192, scheduler=pb.SCHEDULER_HYBRID_CP,
+    )
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = planner_pb2_grpc.BatchPlannerStub(channel)
+            running = stub.Plan.future(slow, timeout=120)
+            wait_until(lambda: sample_value(scrape(server.metrics_url), "batch_planner_busy_workers") == 1,
+                       30, "the one call gRPC allows being planned")
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "Concurrent RPC limit" in refused.value.details()
+            running.cancel()
+        wait_until(lambda: sample_value(scrape(server.metrics_url), "batch_planner_rpc_limit_rejections_total") == 1,
+                   30, "the refusal counted")
+    finally:
+        server.stop()

@@ -91,6 +91,12 @@ def test_capabilities_report_schedulers_and_limits(stub):
         if not info.available:
             assert "dev branch" in info.unavailable_reason
     assert caps.limits.max_samples_per_request > 0 and caps.limits.max_receive_message_bytes > 0
+    # Every request limit of the server is reported, under the same name.
+    from batch_planner.validation import RequestLimits
+    from dataclasses import fields
+
+    for f in fields(RequestLimits):
+        assert getattr(caps.limits, f.name) == getattr(RequestLimits(), f.name), f.name
     assert caps.megatron_core_version.startswith("0.")
     assert caps.cost_model.cp_seconds_per_micro_batch > 0
     assert caps.cost_model.seconds_per_pass == pytest.approx(CostModel().seconds_per_pass)

@@ -2,10 +2,18 @@
 bound of 2 (so at most 4 requests in flight):
 
 - past the bound the server answers RESOURCE_EXHAUSTED at once instead of queueing;
+- a plan whose caller is gone (deadline passed, call cancelled) stops costing a worker: the worker
+  is killed and replaced, its slot given back, and the next caller is served as if nothing happened;
 - a planning worker killed with SIGKILL, even mid-request, is replaced and every request still
-  gets its plan; batch_planner_worker_restarts_total moves;
+  gets its plan; batch_planner_worker_restarts_total counts each process replaced;
+- the forkserver killed, and a storm of worker kills: answers are plans or UNAVAILABLE (retryable),
+  never INTERNAL, and the pool recovers;
 - SIGTERM drains: in-flight requests complete OK, new ones are refused, health goes NOT_SERVING,
-  and the process exits 0. This test stops the server, so it runs last in this file.
+  and the process exits 0, within --drain-seconds even with abandoned plans about. The tests that
+  stop a server run last in this file.
+
+Every wait is on something the server shows (a metric, a process, an answer), never a guessed
+duration.
 """
 
 from __future__ import annotations
@@ -26,7 +34,13 @@ from batch_planner.distributions import sample_lengths
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
 from tests.planner_process import PlannerProcess, start_planner
-from tests.reliability_support import assert_plan_well_formed, health_status, planning_worker_pids
+from tests.reliability_support import (
+    assert_plan_well_formed,
+    forkserver_pid,
+    health_status,
+    planning_worker_pids,
+    wait_until,
+)
 
 WORKERS = 2
 MAX_QUEUED = 2
@@ -64,14 +78,33 @@ def stub(channel):
     return planner_pb2_grpc.BatchPlannerStub(channel)
 
 
-def metric(server: PlannerProcess, name: str) -> float:
+def metric(server: PlannerProcess, name: str, **labels: str) -> float:
     page = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     total = 0.0
     for family in text_string_to_metric_families(page):
         for sample in family.samples:
-            if sample.name == name:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+def huge_request(seed: int = 0) -> pb.PlanRequest:
+    """The default limits' largest request: 16,384 samples on 1,024 ranks, tens of seconds of
+    Megatron-Core scheduling on one core."""
+    return pb.PlanRequest(
+        sequence_lengths=sample_lengths("long_tail_16k", 16384, seed=seed),
+        layout=pb.ParallelLayout(data_parallel_size=1024, context_parallel_size=1),
+        max_seqlen_per_dp_cp_rank=8192,
+        scheduler=pb.SCHEDULER_HYBRID_CP,
+    )
+
+
+def wait_for_metric(server: PlannerProcess, name: str, check, what: str, timeout: float = 30.0, **labels) -> float:
+    def ready():
+        value = metric(server, name, **labels)
+        return (value,) if check(value) else None
+
+    return wait_until(ready, timeout, what)[0]
 
 
 def timed_plan(stub, request: pb.PlanRequest, timeout: float = 120.0) -> tuple[str, float, pb.PlanResponse | None]:
@@ -106,28 +139,93 @@ def test_past_the_queue_bound_requests_are_refused_at_once(server, stub):
     assert timed_plan(stub, slow_request(1))[0] == "OK"
 
 
+def test_plans_whose_deadline_passed_stop_costing_workers(server, stub):
+    """two abandoned 16,384-sample plans must not hold the workers a later caller needs."""
+    _, alone, _ = timed_plan(stub, slow_request(30))
+    abandoned_before = metric(server, "batch_planner_worker_restarts_total", reason="abandoned")
+    with ThreadPoolExecutor(WORKERS) as pool:
+        codes = list(pool.map(lambda seed: timed_plan(stub, huge_request(seed), timeout=1.0)[0], range(WORKERS)))
+    assert codes == ["DEADLINE_EXCEEDED"] * WORKERS, codes
+    code, after, _ = timed_plan(stub, slow_request(31))
+    assert code == "OK"
+    # The later caller pays at most a worker's replacement, not the abandoned plans' tens of seconds.
+    assert after < alone + 2.0, f"{after:.2f} s after abandoned plans, {alone:.2f} s alone"
+    assert metric(server, "batch_planner_worker_restarts_total", reason="abandoned") == abandoned_before + WORKERS
+    wait_for_metric(server, "batch_planner_in_flight_requests", lambda v: v == 0, "no slot held")
+
+
+def test_cancelled_calls_give_back_their_slots_and_workers(server, stub):
+    """a cancelled call keeps neither its slot in the bound nor its worker."""
+    calls = [stub.Plan.future(huge_request(seed), timeout=120) for seed in range(CAPACITY)]
+    wait_for_metric(server, "batch_planner_busy_workers", lambda v: v == WORKERS, "both workers planning")
+    for call in calls:
+        call.cancel()
+    wait_for_metric(server, "batch_planner_in_flight_requests", lambda v: v == 0, "the cancelled calls' slots back")
+    wait_for_metric(server, "batch_planner_busy_workers", lambda v: v == 0, "the cancelled plans stopped")
+    with ThreadPoolExecutor(CAPACITY) as pool:
+        codes = [code for code, _, _ in pool.map(lambda seed: timed_plan(stub, slow_request(seed)), range(CAPACITY))]
+    assert codes == ["OK"] * CAPACITY, codes
+
+
 def test_a_killed_worker_is_replaced_and_the_request_it_held_is_planned(server, channel, stub):
-    workers = planning_worker_pids(server.proc.pid)
-    assert len(workers) == WORKERS, f"expected {WORKERS} workers under the forkserver, found {workers}"
-    restarts_before = metric(server, "batch_planner_worker_restarts_total")
+    workers = wait_until(lambda: len(planning_worker_pids(server.proc.pid)) == WORKERS
+                         and planning_worker_pids(server.proc.pid), 30, f"{WORKERS} workers")
+    died_before = metric(server, "batch_planner_worker_restarts_total", reason="died")
     with ThreadPoolExecutor(WORKERS) as pool:
         in_flight = [pool.submit(timed_plan, stub, slow_request(seed)) for seed in range(10, 10 + WORKERS)]
-        time.sleep(0.5)  # both workers are now inside Megatron-Core's scheduler
+        wait_for_metric(server, "batch_planner_busy_workers", lambda v: v == WORKERS, "both workers planning")
         os.kill(workers[0], signal.SIGKILL)
         results = [future.result() for future in in_flight]
     for (code, _, response), seed in zip(results, range(10, 10 + WORKERS)):
         assert code == "OK", code
         assert_plan_well_formed(response, list(slow_request(seed).sequence_lengths), SLOW_DP_CP)
-    assert metric(server, "batch_planner_worker_restarts_total") >= restarts_before + 1
+    # One process died, one was replaced: the counter counts processes.
+    assert metric(server, "batch_planner_worker_restarts_total", reason="died") == died_before + 1
     replaced = planning_worker_pids(server.proc.pid)
-    assert workers[0] not in replaced
-    # Kill every worker while idle, then ask again: the next request rebuilds the pool.
+    assert workers[0] not in replaced and len(replaced) == WORKERS
+    # Kill every worker while idle, then ask again at once: the requests wait for the replacements.
     for pid in replaced:
         os.kill(pid, signal.SIGKILL)
-    time.sleep(0.5)
     for seed in range(3):
         assert timed_plan(stub, slow_request(seed))[0] == "OK"
-    assert metric(server, "batch_planner_worker_restarts_total") >= restarts_before + 2
+    assert metric(server, "batch_planner_worker_restarts_total", reason="died") == died_before + 1 + WORKERS
+    assert health_status(channel) == "SERVING"
+
+
+def test_a_killed_forkserver_answers_plans_or_unavailable_and_the_pool_recovers(server, channel, stub):
+    """the forkserver's death is ours and transient: never INTERNAL."""
+    with ThreadPoolExecutor(CAPACITY) as pool:
+        in_flight = [pool.submit(timed_plan, stub, slow_request(seed)) for seed in range(40, 40 + CAPACITY)]
+        wait_for_metric(server, "batch_planner_busy_workers", lambda v: v == WORKERS, "both workers planning")
+        os.kill(forkserver_pid(server.proc.pid), signal.SIGKILL)
+        codes = [future.result()[0] for future in in_flight]
+    assert set(codes) <= {"OK", "UNAVAILABLE"}, codes
+    for seed in range(3):
+        assert timed_plan(stub, slow_request(seed))[0] == "OK"
+    assert len(planning_worker_pids(server.proc.pid)) == WORKERS
+    assert health_status(channel) == "SERVING"
+
+
+def test_a_storm_of_worker_kills_answers_unrelated_requests_with_plans_or_unavailable(server, channel, stub):
+    """workers dying again and again are our transient failure: UNAVAILABLE, never INTERNAL."""
+    stop = threading.Event()
+    killed: set[int] = set()
+
+    def storm():
+        while not stop.is_set() and len(killed) < 8:
+            for pid in set(planning_worker_pids(server.proc.pid)) - killed:
+                killed.add(pid)
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)  # a poll of the process table, not a guess
+
+    killer = threading.Thread(target=storm)
+    killer.start()
+    with ThreadPoolExecutor(CAPACITY) as pool:
+        codes = [code for code, _, _ in pool.map(lambda seed: timed_plan(stub, slow_request(seed)), range(50, 58))]
+    stop.set()
+    killer.join()
+    assert set(codes) <= {"OK", "UNAVAILABLE"}, codes
+    assert timed_plan(stub, slow_request(1))[0] == "OK"
     assert health_status(channel) == "SERVING"
 
 
@@ -140,7 +238,7 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(server):
     admitted = WORKERS + 1  # below the bound, so a late request is refused for the drain, not the bound
     with ThreadPoolExecutor(admitted) as pool:
         in_flight = [pool.submit(timed_plan, stub, slow_request(seed)) for seed in range(20, 20 + admitted)]
-        time.sleep(0.5)  # two planning, one queued
+        wait_for_metric(server, "batch_planner_in_flight_requests", lambda v: v == admitted, "all three admitted")
         server.proc.send_signal(signal.SIGTERM)
         # Health goes NOT_SERVING (seen on the watch opened before the signal) ...
         update = next(health_updates)
@@ -150,11 +248,37 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(server):
         late = grpc.insecure_channel(server.address)
         code, seconds, _ = timed_plan(planner_pb2_grpc.BatchPlannerStub(late), slow_request(99), timeout=10)
         assert code == "UNAVAILABLE", code
-        assert health_status(late) == "NOT_SERVING"  # what a readiness probe sees during the drain
+        assert health_status(late) == "NOT_SERVING"
         late.close()
+        # What the kubelet sees on the probe port: not ready, but alive.
+        with grpc.insecure_channel(f"127.0.0.1:{server.probe_port}") as probes:
+            assert health_status(probes) == "NOT_SERVING"
+            assert health_status(probes, "liveness") == "SERVING"
         # ... and every request admitted before the signal completes with its plan.
         results = [future.result() for future in in_flight]
     assert [code for code, _, _ in results] == ["OK"] * admitted
     assert server.proc.wait(60) == 0
     assert "draining" in server.log and "stopped" in server.log
     channel.close()
+
+
+def test_sigterm_drain_ends_within_drain_seconds_with_abandoned_plans_about():
+    """abandoned plans do not hold the drain past --drain-seconds."""
+    drain = 5.0
+    server = start_planner("--drain-seconds", str(drain), workers=WORKERS)
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = planner_pb2_grpc.BatchPlannerStub(channel)
+            with ThreadPoolExecutor(WORKERS) as pool:
+                codes = list(pool.map(lambda seed: timed_plan(stub, huge_request(seed), timeout=1.0)[0], range(WORKERS)))
+            assert codes == ["DEADLINE_EXCEEDED"] * WORKERS, codes
+            honest = stub.Plan.future(slow_request(0), timeout=60)
+            wait_for_metric(server, "batch_planner_in_flight_requests", lambda v: v >= 1, "the honest call admitted")
+            started = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            assert honest.result() is not None
+            assert server.proc.wait(60) == 0
+            took = time.monotonic() - started
+        assert took < drain, f"the drain took {took:.1f} s, --drain-seconds is {drain}"
+    finally:
+        server.stop(signal.SIGKILL)

@@ -152,12 +152,13 @@ def test_garbage_to_get_capabilities_is_invalid_argument_not_internal(channel):
         ({"cp_layout": -1}, ["cp_layout"]),
         ({"job": "x" * 100_000}, ["job", "not a job name"]),
         ({"job": "bad\nname{quote=\"}"}, ["job", "not a job name"]),
+        ({"job": "run1\n"}, ["job", "not a job name"]),
     ],
     ids=[
         "uint64-max-lengths", "uint64-max-among-valid", "uint64-max-per-rank", "uint32-max-dp-cp",
         "uint32-max-tp", "dpcp-1M", "empty-layout", "uint32-max-min-cp", "uint32-max-seqs-per-mb",
         "uint32-max-mb-group", "unknown-scheduler", "unknown-cp-layout", "negative-cp-layout",
-        "100k-job-name", "job-name-with-label-syntax",
+        "100k-job-name", "job-name-with-label-syntax", "job-name-with-trailing-newline",
     ],
 )
 def test_maximum_values_and_absurd_layouts_are_invalid_argument(channel, fields, words):

@@ -18,7 +18,7 @@ import pytest
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
 from tests.planner_process import ROOT, planner_env, start_planner
-from tests.reliability_support import Pki, health_status, make_test_pki
+from tests.reliability_support import Pki, health_status, make_test_pki, wait_until
 
 REQUEST = pb.PlanRequest(
     sequence_lengths=[4096, 2048, 1024, 512] * 4,
@@ -108,3 +108,133 @@ def test_half_configured_tls_refuses_to_start_instead_of_serving_plaintext(pki, 
     done = subprocess.run(cmd, cwd=ROOT, env=planner_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert words in done.stderr and "SERVING" not in done.stderr
+
+
+# --- the trainer client's TLS setting against the server's ----------------------------
+
+def plan_source(address: str, **settings):
+    from trainer_client.config import PlannerClientConfig
+    from trainer_client.metrics import TrainerMetrics
+    from trainer_client.plan_source import PlanSource
+
+    config = PlannerClientConfig(planner_endpoint=address, max_seqlen_per_dp_cp_rank=4096, **settings)
+    return PlanSource(config, TrainerMetrics())
+
+
+def small_request():
+    from batch_planner.request import PlanRequest
+
+    return PlanRequest(tuple(REQUEST.sequence_lengths), 4, 2, 4096)
+
+
+def test_a_client_with_only_the_endpoint_set_uses_the_charts_default_plaintext_server(planner):
+    """The client's default and the chart's agree: no silent fallback for every step."""
+    source = plan_source(planner.address)
+    try:
+        assert source.plan(small_request()).source == "service"
+    finally:
+        source.close()
+
+
+def test_a_tls_client_against_a_plaintext_server_raises_with_the_fix(planner, pki):
+    from trainer_client.rpc_client import TlsMismatchError
+
+    source = plan_source(planner.address, tls=True, tls_ca_file=str(pki.ca_cert))
+    try:
+        with pytest.raises(TlsMismatchError, match="tls: false"):
+            source.plan(small_request())
+    finally:
+        source.close()
+
+
+def test_a_plaintext_client_against_a_tls_server_raises_with_the_fix(servers):
+    from trainer_client.rpc_client import TlsMismatchError
+
+    source = plan_source(servers["tls"].address)
+    try:
+        with pytest.raises(TlsMismatchError, match="tls: true"):
+            source.plan(small_request())
+    finally:
+        source.close()
+    assert source.metrics.registry.get_sample_value(
+        "batch_planner_client_plans_total", {"training_job": "unnamed", "source": "fallback"}
+    ) is None
+
+
+def test_a_tls_client_that_trusts_the_ca_plans_through_the_service(servers, pki):
+    source = plan_source(servers["tls"].address, tls=True, tls_ca_file=str(pki.ca_cert))
+    try:
+        assert source.plan(small_request()).source == "service"
+    finally:
+        source.close()
+
+
+# --- probes and certificate rotation ----------------------------------------------------
+
+def probe_status(port: int, service: str = "") -> str:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return health_status(channel, service)
+
+
+def test_a_tls_server_answers_plaintext_probes_on_its_probe_port_and_nothing_else(servers):
+    server = servers["tls"]
+    assert probe_status(server.probe_port) == "SERVING"
+    assert probe_status(server.probe_port, "liveness") == "SERVING"
+    with grpc.insecure_channel(f"127.0.0.1:{server.probe_port}") as channel:
+        assert refused(channel) == grpc.StatusCode.UNIMPLEMENTED  # no planning in plaintext
+
+
+def test_readiness_passes_only_once_the_server_is_serving(pki):
+    """The probe is truthful: while the workers warm up, readiness says NOT_SERVING (a TCP check
+    passed seconds earlier), liveness SERVING."""
+    import os
+    import re
+    import threading
+
+    cmd = [sys.executable, "-m", "planner_server", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
+           "--probe-port", "0", "--workers", "1", "--tls-cert-file", str(pki.server_cert),
+           "--tls-key-file", str(pki.server_key)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=planner_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    try:
+        probe = wait_until(lambda: next((int(m.group(1)) for line in list(lines)
+                                         if (m := re.search(r"probes on (\d+)", line))), None), 120, "the probe port")
+        seen = []
+        while not seen or seen[-1][0] != "SERVING":
+            status = probe_status(probe)
+            seen.append((status, any("SERVING on port" in line for line in list(lines))))
+        # Whenever readiness said SERVING, the server had already said so itself.
+        assert all(logged for status, logged in seen if status == "SERVING"), seen
+        assert probe_status(probe, "liveness") == "SERVING"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the server, its forkserver and workers (its own session)
+        proc.wait(30)
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(tmp_path):
+    import os
+    import shutil
+
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    first, second = make_test_pki(tmp_path / "first"), make_test_pki(tmp_path / "second")
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    shutil.copy(first.server_cert, cert)
+    shutil.copy(first.server_key, key)
+    server = start_planner("--tls-cert-file", str(cert), "--tls-key-file", str(key), workers=1)
+    try:
+        with secure_channel(server.address, first) as channel:
+            assert health_status(channel) == "SERVING"
+        # What a secret volume update does: new files appear in place, each in one step.
+        for source, target in ((second.server_key, key), (second.server_cert, cert)):
+            shutil.copy(source, str(target) + ".new")
+            os.replace(str(target) + ".new", target)
+        with secure_channel(server.address, second) as channel:
+            assert health_status(channel) == "SERVING"
+            response = planner_pb2_grpc.BatchPlannerStub(channel).Plan(REQUEST, timeout=60)
+        assert response.micro_batches
+        assert "TLS certificate files changed" in server.log
+    finally:
+        server.stop(signal.SIGKILL)

@@ -56,8 +56,8 @@ class PlannerClientConfig(PlanningOptions):
 
     # One RPC attempt may take this long before it counts as failed.
     deadline_seconds: float = 2.0
-    # Attempts per plan, the first included, on UNAVAILABLE / DEADLINE_EXCEEDED /
-    # RESOURCE_EXHAUSTED / INTERNAL; never on INVALID_ARGUMENT.
+    # Attempts per plan, the first included, on the codes batch_planner.errors.CLIENT_ACTION marks
+    # RETRY (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...); never on INVALID_ARGUMENT.
     max_attempts: int = 2
     initial_backoff_seconds: float = 0.05
     max_backoff_seconds: float = 1.0
@@ -72,9 +72,11 @@ class PlannerClientConfig(PlanningOptions):
     # How fast the gRPC channel reconnects to a planner that comes back.
     max_reconnect_backoff_seconds: float = 1.0
 
-    # TLS: on unless tls=False. ca_file: the CA that signed the server (empty: system roots).
-    # cert_file + key_file: this client's certificate for mutual TLS.
-    tls: bool = True
+    # TLS: off by default, like the chart's server (helm values tls.enabled); a mismatch with the
+    # server raises TlsMismatchError on the first call instead of falling back. ca_file: the CA
+    # that signed the server (empty: system roots). cert_file + key_file: this client's
+    # certificate for mutual TLS.
+    tls: bool = False
     tls_ca_file: str = ""
     tls_cert_file: str = ""
     tls_key_file: str = ""
@@ -199,9 +201,10 @@ def _check(c: PlannerClientConfig) -> None:
         raise ConfigError(f"backoff_multiplier: {c.backoff_multiplier!r} is not allowed; expected >= 1")
     endpoint = c.planner_endpoint
     if endpoint:
-        target = endpoint[len("dns:///"):] if endpoint.startswith("dns:///") else endpoint
+        # dns://AUTHORITY/name:port asks that DNS server (gRPC's syntax); dns:///name:port the system's.
+        target = endpoint.removeprefix("dns://").partition("/")[2] if endpoint.startswith("dns://") else endpoint
         host, sep, port = target.rpartition(":")
-        if "://" in endpoint and not endpoint.startswith("dns:///"):
+        if "://" in endpoint and not endpoint.startswith("dns://"):
             raise ConfigError(
                 f"planner_endpoint: {endpoint!r} is not allowed; expected 'host:port' or 'dns:///name:port'"
             )

@@ -1,5 +1,5 @@
 """The trainer client's Prometheus metrics: served on a port or registered into the trainer's own
-registry. Labels: job (one per trainer process), source (service | fallback), reason (bounded)."""
+registry. Labels: training_job (one per trainer process; not `job`, Prometheus's target label), source (service | fallback), reason (bounded)."""
 
 from __future__ import annotations
 
@@ -19,49 +19,49 @@ class TrainerMetrics:
         self.plan_wait = Histogram(
             "batch_planner_client_plan_wait_seconds",
             "Time the training loop actually waited for a step's plan (near zero when planned ahead).",
-            ["job"], buckets=LATENCY_BUCKETS, registry=r,
+            ["training_job"], buckets=LATENCY_BUCKETS, registry=r,
         )
         self.plan_lead = Histogram(
             "batch_planner_client_plan_lead_seconds",
             "Time between a step's plan arriving and the step asking for it; 0 when the step had to wait "
             "(a lead shrinking toward 0 means planning no longer keeps up with the step rate).",
-            ["job"], buckets=LEAD_BUCKETS, registry=r,
+            ["training_job"], buckets=LEAD_BUCKETS, registry=r,
         )
         self.late_plans = Counter(
             "batch_planner_client_late_plans_total",
             "Steps whose plan had not arrived when the step asked for it (planned ahead too late, or not at all).",
-            ["job"], registry=r,
+            ["training_job"], registry=r,
         )
         self.plan_ahead_depth = Gauge(
             "batch_planner_client_plan_ahead_depth", "Configured plan-ahead depth (future steps planned at once).",
-            ["job"], registry=r,
+            ["training_job"], registry=r,
         )
         self.rpc_latency = Histogram(
             "batch_planner_client_rpc_latency_seconds", "Plan RPC latency seen by the client, per attempt.",
-            ["job"], buckets=LATENCY_BUCKETS, registry=r,
+            ["training_job"], buckets=LATENCY_BUCKETS, registry=r,
         )
         self.plans = Counter(
             "batch_planner_client_plans_total", "Plans obtained, by source (service or fallback).",
-            ["job", "source"], registry=r,
+            ["training_job", "source"], registry=r,
         )
         self.fallbacks = Counter(
             "batch_planner_client_fallbacks_total",
             "Steps planned in-process because the planner was unreachable, too slow or failing.",
-            ["job", "reason"], registry=r,
+            ["training_job", "reason"], registry=r,
         )
         self.tokens = Counter(
-            "batch_planner_client_tokens_total", "Real tokens processed by this rank.", ["job"], registry=r,
+            "batch_planner_client_tokens_total", "Real tokens processed by this rank.", ["training_job"], registry=r,
         )
         self.padding_tokens = Counter(
-            "batch_planner_client_padding_tokens_total", "Padding tokens processed by this rank.", ["job"], registry=r,
+            "batch_planner_client_padding_tokens_total", "Padding tokens processed by this rank.", ["training_job"], registry=r,
         )
         self.tokens_per_second = Gauge(
             "batch_planner_client_tokens_per_second", "Real tokens per second of the last step (this rank).",
-            ["job"], registry=r,
+            ["training_job"], registry=r,
         )
         self.step_time = Histogram(
-            "batch_planner_client_step_seconds", "Training step time.", ["job"], buckets=STEP_BUCKETS, registry=r,
+            "batch_planner_client_step_seconds", "Training step time.", ["training_job"], buckets=STEP_BUCKETS, registry=r,
         )
         self.micro_batches = Gauge(
-            "batch_planner_client_micro_batches", "Micro-batches in the current step's plan.", ["job"], registry=r,
+            "batch_planner_client_micro_batches", "Micro-batches in the current step's plan.", ["training_job"], registry=r,
         )

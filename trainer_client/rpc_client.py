@@ -1,35 +1,27 @@
 """The gRPC side of the client: one channel, Plan with a deadline, retries with exponential backoff.
 
-Which failures are retried follows who is at fault: the caller's (INVALID_ARGUMENT) is never
-retried and raises PlanRejectedError; the service's or the network's (UNAVAILABLE,
-DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, INTERNAL, ...) is retried, then reported as
-ServiceFailedError so that the plan source can fall back to in-process planning.
+What a failure leads to is `batch_planner.errors.CLIENT_ACTION`, one table keyed by status code:
+RETRY (transient: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...) is retried, then
+reported as ServiceFailedError so that the plan source falls back to in-process planning; FALLBACK
+(a retry gets the same answer) is reported at once; REJECT (INVALID_ARGUMENT: the caller's fault)
+raises PlanRejectedError and is never planned in-process.
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import ssl
 import time
 from pathlib import Path
 
 import grpc
 
+from batch_planner.errors import CLIENT_ACTION, ClientAction, ErrorCode
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
-from trainer_client.config import PlannerClientConfig
+from trainer_client.config import ConfigError, PlannerClientConfig
 from trainer_client.metrics import TrainerMetrics
-
-RETRYABLE = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.ABORTED,
-    }
-)
-
 
 class PlanRejectedError(ValueError):
     """The planner (or the in-process planner) refused the request itself; retrying cannot help."""
@@ -46,6 +38,11 @@ class ServiceFailedError(RuntimeError):
     def __init__(self, reason: str, message: str):
         super().__init__(f"batch planner service failed ({reason}): {message}")
         self.reason = reason
+
+
+class TlsMismatchError(ConfigError):
+    """The client's `tls` setting does not match the server's: a configuration error that no retry
+    or fallback would fix, so it is raised (with the fix) instead of planning in-process for ever."""
 
 
 class PlannerRpcClient:
@@ -73,15 +70,11 @@ class PlannerRpcClient:
                 return self._stub.Plan(request, timeout=c.deadline_seconds)
             except grpc.RpcError as error:
                 last = error
-                code = error.code()
-                if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise PlanRejectedError(code.name, error.details() or "") from None
-                if code not in RETRYABLE and code != grpc.StatusCode.FAILED_PRECONDITION:
-                    raise ServiceFailedError(code.name.lower(), error.details() or "") from None
-                # FAILED_PRECONDITION (this replica's Megatron-Core lacks the scheduler) will not
-                # change on a retry; hand it to the fallback, which has the trainer's own
-                # Megatron-Core (the one that runs the plan).
-                if code == grpc.StatusCode.FAILED_PRECONDITION:
+                _raise_on_tls_mismatch(c, error)
+                action = client_action(error.code())
+                if action is ClientAction.REJECT:
+                    raise PlanRejectedError(error.code().name, error.details() or "") from None
+                if action is ClientAction.FALLBACK:
                     break
             finally:
                 self.metrics.rpc_latency.labels(self.metrics.job).observe(time.perf_counter() - started)
@@ -92,9 +85,56 @@ class PlannerRpcClient:
         raise ServiceFailedError(last.code().name.lower(), last.details() or "")
 
 
+def client_action(code: grpc.StatusCode) -> ClientAction:
+    try:
+        return CLIENT_ACTION.get(ErrorCode(code.name), ClientAction.FALLBACK)
+    except ValueError:
+        return ClientAction.FALLBACK
+
+
+def _raise_on_tls_mismatch(config: PlannerClientConfig, error: grpc.RpcError) -> None:
+    if error.code() != grpc.StatusCode.UNAVAILABLE:
+        return
+    details = error.details() or ""
+    endpoint = config.planner_endpoint
+    if config.tls and "WRONG_VERSION_NUMBER" in details:
+        raise TlsMismatchError(
+            f"tls: true, but the planner at {endpoint} answers in plaintext; set tls: false (the chart's "
+            "default), or give the server a certificate (chart: tls.enabled) - the handshake failed: " + details
+        )
+    if config.tls and "CERTIFICATE_VERIFY_FAILED" in details:
+        raise TlsMismatchError(
+            f"the planner at {endpoint} presents a certificate tls_ca_file ({config.tls_ca_file or 'system roots'}) "
+            "does not trust, or for another name (tls_server_name_override); fix either - " + details
+        )
+    if not config.tls and "Socket closed" in details and speaks_tls(endpoint):
+        raise TlsMismatchError(
+            f"tls: false, but the planner at {endpoint} requires TLS; set tls: true and tls_ca_file to the CA "
+            "that signed its certificate (plus tls_cert_file/tls_key_file for mutual TLS)"
+        )
+
+
+def speaks_tls(endpoint: str, timeout: float = 2.0) -> bool:
+    """Whether the server at `endpoint` answers a TLS handshake: tells a TLS server that closed a
+    plaintext connection from one that is going away."""
+    target = endpoint.removeprefix("dns://").partition("/")[2] if endpoint.startswith("dns://") else endpoint
+    host, _, port = target.rpartition(":")
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw:
+            with context.wrap_socket(raw):
+                return True
+    except ssl.SSLError as exc:
+        return "WRONG_VERSION_NUMBER" not in str(exc)  # e.g. a client certificate required: still TLS
+    except (OSError, ValueError):
+        return False
+
+
 def make_channel(config: PlannerClientConfig) -> grpc.Channel:
     """A channel to `planner_endpoint`: round-robin over all resolved addresses, quick reconnects,
-    TLS unless `tls` is off."""
+    TLS when `tls` is on."""
     reconnect_ms = int(config.max_reconnect_backoff_seconds * 1000)
     options = [
         # Every replica behind a dns:/// name gets requests, not just the first address.
@@ -104,6 +144,9 @@ def make_channel(config: PlannerClientConfig) -> grpc.Channel:
         ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_ms)),
         ("grpc.min_reconnect_backoff_ms", min(100, reconnect_ms)),
         ("grpc.max_reconnect_backoff_ms", reconnect_ms),
+        # When the server closes a connection at its maximum age, the name is resolved again at
+        # once (gRPC's default waits up to 30 s between resolutions), so new replicas show up.
+        ("grpc.dns_min_time_between_resolutions_ms", 1000),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ]
     if not config.tls:

@@ -253,18 +253,20 @@ class SchedulerInfo(_message.Message):
     def __init__(self, scheduler: _Optional[_Union[Scheduler, str]] = ..., available: _Optional[bool] = ..., megatron_core_class: _Optional[str] = ..., unavailable_reason: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_samples_per_request", "max_dp_cp_size", "max_sequence_length", "max_receive_message_bytes", "max_tensor_parallel_size")
+    __slots__ = ("max_samples_per_request", "max_dp_cp_size", "max_sequence_length", "max_receive_message_bytes", "max_tensor_parallel_size", "max_micro_batch_group_size")
     MAX_SAMPLES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     MAX_DP_CP_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_RECEIVE_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MICRO_BATCH_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     max_samples_per_request: int
     max_dp_cp_size: int
     max_sequence_length: int
     max_receive_message_bytes: int
     max_tensor_parallel_size: int
-    def __init__(self, max_samples_per_request: _Optional[int] = ..., max_dp_cp_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_receive_message_bytes: _Optional[int] = ..., max_tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    max_micro_batch_group_size: int
+    def __init__(self, max_samples_per_request: _Optional[int] = ..., max_dp_cp_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_receive_message_bytes: _Optional[int] = ..., max_tensor_parallel_size: _Optional[int] = ..., max_micro_batch_group_size: _Optional[int] = ...) -> None: ...
 
 class CostModelCoefficients(_message.Message):
     __slots__ = ("seconds_per_token", "seconds_per_attention_token_pair", "cp_seconds_per_micro_batch", "cp_seconds_per_token", "seconds_per_pass")

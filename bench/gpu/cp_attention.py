@@ -23,26 +23,24 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from batch_planner.request import CpLayout
+from batch_planner.shards import unit_shard
+
 
 def zigzag_positions(length: int, cp_size: int, cp_rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Global token positions held by `cp_rank` (length must be a multiple of 2 * cp_size)."""
-    if cp_size == 1:
-        return torch.arange(length, device=device)
-    if length % (2 * cp_size):
+    """Global token positions held by `cp_rank` (length must be a multiple of 2 * cp_size): the
+    planner's own shard geometry (batch_planner/shards.py), as the trainer client applies it."""
+    if cp_size > 1 and length % (2 * cp_size):
         raise ValueError(f"length {length} is not a multiple of 2 * cp_size = {2 * cp_size}")
-    chunk = length // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
-    last_index = 2 * cp_size - 1 - cp_rank
-    second = torch.arange(last_index * chunk, (last_index + 1) * chunk, device=device)
-    return torch.cat([first, second])
+    ranges = unit_shard([length], cp_size, cp_rank, 1, CpLayout.ZIGZAG)
+    return torch.cat([torch.arange(r.start, r.stop, device=device) for r in ranges])
 
 
 def zigzag_shard(x: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 0) -> torch.Tensor:
     """This rank's zigzag shard of `x` along `dim`."""
     if cp_size == 1:
         return x
-    chunks = x.chunk(2 * cp_size, dim=dim)
-    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=dim)
+    return x.index_select(dim, zigzag_positions(x.shape[dim], cp_size, cp_rank, x.device))
 
 
 class SequenceAttention(Protocol):

@@ -71,12 +71,13 @@ so whole numbers are printed as integers (4194304, not 4.194304e+06).
 {{- define "batch-planner.clientCADir" -}}/etc/batch-planner/client-ca{{- end }}
 
 {{/* Probe handler: native gRPC health check, or a TCP check when the server speaks TLS. */}}
+{{/* A native gRPC probe on the plaintext probe port (health only, TLS or not). Argument: a
+dict with the root context as "root" and the health service to ask as "service" ("" = ready,
+"liveness" = alive). */}}
 {{- define "batch-planner.probeHandler" -}}
-{{- if .Values.tls.enabled }}
-tcpSocket:
-  port: grpc
-{{- else }}
 grpc:
-  port: {{ .Values.service.grpcPort }}
-{{- end }}
+  port: {{ .root.Values.service.probePort }}
+  {{- with .service }}
+  service: {{ . }}
+  {{- end }}
 {{- end }}

@@ -1,0 +1,84 @@
+"""The planning pool on its own (planner_server/worker_pool.py): several cancellable tasks for one
+request side by side, slots that come back when work stops, and workers replaced after a cancel.
+Real worker processes, real Megatron-Core."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from batch_planner.cost import CostModel
+from batch_planner.distributions import sample_lengths
+from batch_planner.errors import ErrorCode
+from batch_planner.v1 import planner_pb2 as pb
+from batch_planner.validation import RequestLimits
+from planner_server.planning_worker import plan_in_worker
+from planner_server.worker_pool import PlanningPool, PoolOverloaded, TaskCancelled
+from tests.reliability_support import wait_until
+
+
+def payload(samples: int, ranks: int, seed: int = 0) -> bytes:
+    return pb.PlanRequest(
+        sequence_lengths=sample_lengths("long_tail_16k", samples, seed=seed),
+        layout=pb.ParallelLayout(data_parallel_size=ranks, context_parallel_size=1),
+        max_seqlen_per_dp_cp_rank=8192,
+        scheduler=pb.SCHEDULER_HYBRID_CP,
+    ).SerializeToString()
+
+
+HUGE = payload(16384, 1024)  # tens of seconds of scheduling: only ever cancelled here
+
+
+@pytest.fixture(scope="module")
+def pool():
+    restarts = []
+    pool = PlanningPool(2, 2, RequestLimits(), CostModel(), on_restart=restarts.append)
+    pool.restarts = restarts
+    pool.warm_up()
+    yield pool
+    pool.shutdown()
+
+
+def test_one_request_runs_several_tasks_side_by_side_and_one_cancel_stops_them_all(pool):
+    work = pool.admit(slots=3)
+    try:
+        tasks = [work.submit(plan_in_worker, HUGE, time.time() + 600) for _ in range(3)]
+        wait_until(lambda: pool.busy == 2, 60, "two of the request's tasks planning at once")
+        assert pool.in_flight == 3
+        with pytest.raises(PoolOverloaded):
+            pool.admit(slots=2)  # 3 + 2 > the bound of 4
+        before = len(pool.restarts)
+        work.cancel()
+        for task in tasks:
+            with pytest.raises(TaskCancelled):
+                task.result(timeout=30)
+    finally:
+        work.close()
+    wait_until(lambda: pool.in_flight == 0, 30, "every slot back")
+    # The two running were killed and replaced; the queued one never ran.
+    wait_until(lambda: len(pool.restarts) - before == 2, 30, "both workers replaced")
+    assert pool.restarts[before:] == ["abandoned", "abandoned"]
+    small = pool.admit(1)
+    try:
+        result = small.submit(plan_in_worker, payload(256, 16), time.time() + 60).result(timeout=60)
+    finally:
+        small.close()
+    assert result.code is ErrorCode.OK
+
+
+def test_a_cancelled_queued_task_gives_its_slot_back_at_once(pool):
+    busy = pool.admit(slots=2)
+    try:
+        for _ in range(2):
+            busy.submit(plan_in_worker, HUGE, time.time() + 600)
+        wait_until(lambda: pool.busy == 2, 60, "both workers planning")
+        queued = pool.admit(1)
+        task = queued.submit(plan_in_worker, payload(256, 16), time.time() + 60)
+        assert pool.in_flight == 3
+        task.cancel()
+        assert pool.in_flight == 2  # not when a worker is next free
+        queued.close()
+    finally:
+        busy.close()
+    wait_until(lambda: pool.in_flight == 0 and pool.busy == 0, 30, "the pool idle again")
