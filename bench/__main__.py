@@ -4,8 +4,9 @@
     python -m bench --out /tmp/bench --smoke    # what CI's smoke tests do, in one go
     python -m bench --only hidden,trainer_cost  # re-run some; summary.md covers every report in --out
 
-One server with 2 workers serves the overhead, plan-ahead and scaling (2-worker arm) benchmarks;
-a second with 1 worker is the other scaling arm; start-up runs last, after both are stopped.
+One server with 2 workers serves the overhead, plan-ahead (hidden, ahead) and scaling (2-worker arm)
+benchmarks; a second with 1 worker is the other scaling arm; growth (the schedulers in process,
+tens of minutes) and start-up run after both are stopped.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import contextlib
 import time
 from pathlib import Path
 
-from bench import dropin, hidden, overhead, quality, scaling, startup, trainer_cost
+from bench import ahead, dropin, growth, hidden, overhead, quality, scaling, startup, trainer_cost
 from bench.common import argument_parser, bars_path, markdown_table, planner_server, read_bars, verdict, write_report
 
 
-BENCHMARKS = ("overhead", "hidden", "scaling", "dropin", "trainer_cost", "quality", "startup")
+BENCHMARKS = ("overhead", "hidden", "ahead", "scaling", "dropin", "trainer_cost", "quality", "growth", "startup")
 
 
 def summary(out: Path, reports: list[Path], seconds: float) -> Path:
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"--only: unknown benchmark(s) {sorted(unknown)}; known: {', '.join(BENCHMARKS)}")
     started = time.perf_counter()
-    if only & {"overhead", "hidden", "scaling", "dropin"}:
+    if only & {"overhead", "hidden", "ahead", "scaling", "dropin"}:
         # The 1-worker server only serves the scaling benchmark.
         one_worker = planner_server(None, workers=1) if "scaling" in only else contextlib.nullcontext(None)
         with planner_server(None, workers=2) as two, one_worker as one:
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
                 overhead.run(out, smoke, address=two)
             if "hidden" in only:
                 hidden.run(out, smoke, address=two)
+            if "ahead" in only:
+                ahead.run(out, smoke, address=two)
             if "scaling" in only:
                 scaling.run(out, smoke, address_1=one, address_2=two)
             if "dropin" in only:
@@ -62,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         trainer_cost.run(out, smoke)
     if "quality" in only:
         quality.run(out, smoke)
+    if "growth" in only:
+        growth.run(out, smoke)
     if "startup" in only:
         startup.run(out, smoke)
     suffix = "_smoke" if smoke else ""

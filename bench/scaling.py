@@ -98,6 +98,49 @@ def measure(address_1: str, address_2: str, size: BatchSize, clients: int, windo
     return Result(one, two)
 
 
+@dataclass(frozen=True)
+class SweepRow:
+    """Plans per second of one server with `workers` planning workers, `clients` = 2 x workers."""
+
+    workers: int
+    size: BatchSize
+    windows: list[float]  # plans per second of each window
+
+    @property
+    def per_worker(self) -> float:
+        return Spread.of(self.windows).p50 / self.workers
+
+
+def worker_counts(cores: int) -> tuple[int, ...]:
+    """1, 2 and N (this machine's cores), and the powers of two between."""
+    counts = {1, 2, cores}
+    counts.update(c for c in (4, 8, 16, 32, 64) if c < cores)
+    return tuple(sorted(counts))
+
+
+def sweep(size: BatchSize, counts: tuple[int, ...], windows: int, seconds: float) -> list[SweepRow]:
+    """One server at a time (nothing else planning), each with its own worker count."""
+    requests = [request_to_proto(make_request(DISTRIBUTION, size, seed=s)) for s in range(16)]
+    rows = []
+    for workers in counts:
+        with planner_server(None, workers=workers) as address:
+            channel, stub = planner_stub(address)
+            with channel:
+                plans_per_second(stub, requests, 2 * workers, min(seconds, 2.0))  # warm every worker
+                values = [plans_per_second(stub, requests, 2 * workers, seconds) for _ in range(windows)]
+        rows.append(SweepRow(workers, size, values))
+    return rows
+
+
+def sweep_table(rows: list[SweepRow]) -> str:
+    base = Spread.of(rows[0].windows).p50 if rows else 1.0
+    return markdown_table(
+        ["batch", "workers", "clients", "plans/s p50 (min..max)", "per worker", "vs 1 worker"],
+        [[r.size.label, r.workers, 2 * r.workers, Spread.of(r.windows).fmt(), f"{r.per_worker:.2f}",
+          f"{Spread.of(r.windows).p50 / base:.2f}x"] for r in rows],
+    )
+
+
 def plot(result: Result, path: Path, size: BatchSize) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -136,11 +179,34 @@ def run(out: Path, smoke: bool = False, address_1: str | None = None, address_2:
     )
 
 
+def run_sweep(out: Path, counts: tuple[int, ...], samples: int, ranks: int, windows: int, seconds: float) -> Report[SweepRow]:
+    """Plans per second with 1, 2 ... N workers, one server at a time (`--sweep`)."""
+    rows = sweep(BatchSize(samples, ranks), counts, windows, seconds)
+    return write_report(
+        out, "scaling_sweep", "Plans per second by planning workers",
+        "One server at a time with 1, 2 ... N planning workers (N: this machine's cores); 2 x workers "
+        "client threads of this process send Plan requests back to back (hybrid CP, "
+        f"`{DISTRIBUTION}`, 16 seeds in turn) for {windows} windows of {seconds:g} s each.",
+        [("Results", sweep_table(rows))],
+        rows=rows,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argument_parser(__doc__.splitlines()[0])
+    parser.add_argument("--sweep", default="", help="worker counts to sweep one server at a time, e.g. 1,2,4 or 'auto'")
+    parser.add_argument("--sweep-size", default="1024x64", help="samples x ranks of the sweep's batches")
     parser.add_argument("--address-1", help="a running planner with --workers 1 (else one is started)")
     parser.add_argument("--address-2", help="a running planner with --workers 2 (else one is started)")
     args = parser.parse_args(argv)
+    if args.sweep:
+        import os
+
+        counts = worker_counts(os.cpu_count() or 1) if args.sweep == "auto" else tuple(int(c) for c in args.sweep.split(","))
+        samples, ranks = (int(v) for v in args.sweep_size.split("x"))
+        windows, seconds = (1, 0.5) if args.smoke else (WINDOWS, WINDOW_S)
+        print(run_sweep(args.out, counts, samples, ranks, windows, seconds).path.read_text())
+        return
     print(run(args.out, args.smoke, args.address_1, args.address_2).path.read_text())
 
 

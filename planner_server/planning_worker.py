@@ -52,6 +52,7 @@ class WorkerResult:
     cp_size_samples: tuple[tuple[int, int], ...] = ()
     auto_winner: str = ""  # auto: the scheduler of the plan served
     auto_not_planned: tuple[str, ...] = ()  # auto: the scheduler of each candidate without a plan
+    planning_seconds: float = 0.0  # parse to serialized response, in the worker (the measured plan rates)
 
 
 def request_digest(request_bytes: bytes) -> str:
@@ -71,6 +72,7 @@ def plan_part(
     """With `index`: candidate `index` of an auto request, its WorkerResult and its AutoPart.
     A request that is not auto, or refused as a whole, or `index` None: planned (or refused) in
     full, with no AutoPart."""
+    received = time.perf_counter()
     parsed = _parse(request_bytes, deadline)
     if isinstance(parsed, WorkerResult):
         return parsed, None
@@ -85,7 +87,7 @@ def plan_part(
         elapsed = time.perf_counter() - started
     except Exception as exc:  # noqa: BLE001 - translated, never raised out of the worker
         return _failure(exc, about), None
-    return _success(plan, elapsed, about), None
+    return replace(_success(plan, elapsed, about), planning_seconds=time.perf_counter() - received), None
 
 
 def _parse(request_bytes: bytes, deadline: float) -> tuple[pb.PlanRequest, dict] | WorkerResult:

@@ -16,11 +16,13 @@ from google.protobuf.message import DecodeError
 from batch_planner.convert import SCHEDULER_TO_PROTO, cost_model_to_proto
 from batch_planner.cost_profiles import preset_names
 from batch_planner.errors import ErrorCode
+from batch_planner.request import SchedulerKind
 from batch_planner.schedulers import discover_schedulers, megatron_core_version
 from batch_planner.v1 import planner_pb2 as pb
 from planner_server import __version__
 from planner_server.config import ServerConfig
 from planner_server.metrics import PlannerMetrics
+from planner_server.plan_rates import PlanRates
 from planner_server.planning_worker import WorkerResult
 from planner_server.request_log import ViolationDump, log_request
 from planner_server.worker_pool import PlanningPool, PoolOverloaded, WorkersLost
@@ -35,6 +37,7 @@ class PlannerServicer:
         self.config = config
         self.pool = pool
         self.metrics = metrics
+        self.rates = PlanRates()
         # Set when the drain starts, before health goes NOT_SERVING: a request that arrives after
         # a client saw NOT_SERVING, but before gRPC stops accepting, is refused too.
         self.draining = threading.Event()
@@ -86,6 +89,7 @@ class PlannerServicer:
         if result.code is not ErrorCode.OK:
             return
         m.scheduler_latency.labels(scheduler).observe(result.scheduler_seconds)
+        self.rates.record(scheduler, result.samples, result.ranks, result.planning_seconds)
         m.planned_tokens.labels(scheduler, job).inc(result.real_tokens)
         m.padding_tokens.labels(scheduler, job).inc(result.padded_tokens - result.real_tokens)
         m.micro_batches.labels(scheduler).inc(result.micro_batches)
@@ -107,7 +111,7 @@ class PlannerServicer:
             pb.GetCapabilitiesRequest.FromString(request_bytes)
         except DecodeError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid GetCapabilitiesRequest message ({exc})")
-        return capabilities(self.config).SerializeToString()
+        return capabilities(self.config, self.rates, self.pool.workers).SerializeToString()
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -119,7 +123,8 @@ class PlannerServicer:
         )
 
 
-def capabilities(config: ServerConfig) -> pb.Capabilities:
+def capabilities(config: ServerConfig, rates: PlanRates | None = None, workers: int = 0) -> pb.Capabilities:
+    """What GetCapabilities answers; `rates`: the plan rates measured so far, `workers`: planning workers."""
     limits = config.limits
     result = pb.Capabilities(
         server_version=__version__,
@@ -133,7 +138,17 @@ def capabilities(config: ServerConfig) -> pb.Capabilities:
             max_micro_batch_group_size=limits.max_micro_batch_group_size,
         ),
         cost_model=cost_model_to_proto(config.cost_model),
+        planning_workers=workers,
     )
+    for rate in rates.snapshot() if rates is not None else []:
+        result.plan_rates.add(
+            scheduler=SCHEDULER_TO_PROTO[SchedulerKind(rate.scheduler)],
+            samples=rate.samples,
+            dp_cp_size=rate.dp_cp_size,
+            plans_measured=rate.plans_measured,
+            seconds_per_plan=rate.seconds_per_plan,
+            plans_per_second=max(1, workers) / rate.seconds_per_plan,
+        )
     for kind, availability in discover_schedulers().items():
         result.schedulers.add(
             scheduler=SCHEDULER_TO_PROTO[kind],

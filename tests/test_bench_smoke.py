@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the benchmarks plot with matplotlib: install the `bench` extra")
 
-from bench import hidden, overhead, quality, scaling, startup, trainer_cost  # noqa: E402
+from bench import ahead, growth, hidden, overhead, quality, scaling, startup, trainer_cost  # noqa: E402
 from bench.__main__ import summary  # noqa: E402
 from bench.common import Bar, BatchSize, Report, read_bars, write_report  # noqa: E402
 
@@ -80,6 +80,35 @@ def test_hidden_smoke(tmp_path, planner):
     # Every measured plan came from the service (the client's fallback is off in the benchmark).
     assert report.rows[0].sources == {"service": 3}, report.rows[0].sources
     assert_bars_stored(report)
+
+
+def test_ahead_smoke(tmp_path, planner):
+    report = ahead.run(tmp_path, smoke=True, address=planner.address)
+    assert_report(report, 1)
+    result = report.rows[0]
+    assert (result.deep.depth, result.shallow.depth) == (2, 1)
+    assert len(result.deep.warmup_waits) + len(result.deep.waits) == result.settings.steps
+    assert result.deep.sources == {"service": result.settings.steps}  # fallback is off in the benchmark
+    assert 0 < result.step_seconds < result.latency.p50
+    assert_bars_stored(report)
+
+
+def test_growth_smoke(tmp_path):
+    report = growth.run(tmp_path, smoke=True)
+    assert_report(report, 4)
+    measured = [c for c in report.rows if c.measured]
+    assert measured and all(c.seconds.p50 > 0 for c in measured)
+    # Every cell is measured or marked as the fit's extrapolation, never both.
+    assert all(c.measured or c.error or c.predicted is not None for c in report.rows)
+    assert "Fitted exponents" in report.path.read_text()
+
+
+def test_growth_fit_recovers_known_exponents():
+    cells = [growth.Cell("x", BatchSize(s, r), growth.Spread.of([1e-6 * s**1.5 * r**0.5]), None)
+             for s in (64, 256, 1024) for r in (8, 64)]
+    fit = growth.fit(cells)
+    assert fit is not None and abs(fit.samples_exp - 1.5) < 1e-6 and abs(fit.ranks_exp - 0.5) < 1e-6
+    assert abs(fit.predict(BatchSize(16384, 1024)) - 1e-6 * 16384**1.5 * 1024**0.5) < 1e-6
 
 
 def test_trainer_cost_smoke(tmp_path):

@@ -234,6 +234,10 @@ def test_prometheus_scrapes_the_example_trainer(planner: PlannerProcess, prometh
         assert float(prom.query(f"sum(batch_planner_client_tokens_per_second{{{sel}}})")[0]["value"][1]) > 0
         # The trainer's training job arrives as its own training_job label, as the dashboard expects.
         assert {r["metric"].get("training_job") for r in prom.query(f"batch_planner_client_tokens_total{{{sel}}}")} != {None}
+        # The plan lead: one observation per step the trainer asked for, through Prometheus.
+        lead = prom.query(f"sum(batch_planner_client_plan_lead_seconds_count{{{sel}}})")
+        assert lead and float(lead[0]["value"][1]) >= steps
+        assert prom.query(f"sum(batch_planner_client_late_plans_total{{{sel}}})")
         # The dashboard's trainer padding-waste query answers for this data.
         assert prom.query(dashboard_expr("Trainer padding waste").replace(f'training_job=~"{JOB}"', 'training_job=~".*"'))
     finally:

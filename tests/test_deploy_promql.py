@@ -78,7 +78,7 @@ def test_alert_rules_unit_tests_pass():
 def test_the_alerts_the_design_asks_for_exist():
     names = {name for name, _ in alert_expressions()}
     assert {"BatchPlannerDown", "BatchPlannerHighErrorRatio", "BatchPlannerHighFallbackRate",
-            "BatchPlannerInvariantViolation", "BatchPlannerSlowPlans"} <= names
+            "BatchPlannerInvariantViolation", "BatchPlannerSlowPlans", "BatchPlannerPlanLeadShrinking"} <= names
 
 
 def test_every_dashboard_expression_passes_promtool(tmp_path):

@@ -49,7 +49,7 @@ def small_requests() -> list[PlanRequest]:
 
 
 def without_timing(result):
-    return dataclasses.replace(result, scheduler_seconds=0.0)
+    return dataclasses.replace(result, scheduler_seconds=0.0, planning_seconds=0.0)
 
 
 @pytest.fixture(scope="module")

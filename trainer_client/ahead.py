@@ -1,8 +1,14 @@
-"""Plan ahead: fetch step N+1's plan in a background thread while step N trains.
+"""Plan ahead: fetch the plans of the next `depth` steps in background threads while a step trains.
 
-The data loader already knows the next batch's lengths, so the plan can be ready before the
-trainer asks. `get` waits only for what is not ready yet; that wait is the
-`batch_planner_client_plan_wait_seconds` metric.
+The data loader knows the lengths of the next global batches, so their plans can be ready before
+the trainer asks. Up to `depth` plans are requested at once (one thread each, so with round-robin
+they spread over the planner's replicas and workers): what must keep up with the step rate is the
+planner's throughput, not one plan's latency. `get` waits only for what is not ready yet.
+
+Memory is bounded: at most `depth + 1` plans are held (the current step's and `depth` ahead); a
+step the trainer has passed is dropped, and a prefetch beyond the bound is refused (`plan_step`
+then plans that step when it comes). For every step `get` reports the lead: how long the plan had
+been waiting for the trainer (0 when the trainer had to wait for it), docs/trainer-client.md.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Callable
 
 from batch_planner.request import PlanRequest
@@ -19,48 +26,120 @@ from trainer_client.plan_source import SourcedPlan
 log = logging.getLogger(__name__)
 
 
-class PlanAhead:
-    """Keeps at most a few steps' plans in flight, keyed by step number."""
+@dataclass
+class _Pending:
+    request: PlanRequest
+    future: Future[SourcedPlan]
+    arrived: list[float] = field(default_factory=list)  # perf_counter() when the plan arrived
+    source: object = None  # what the caller built the request from (its lengths), if it said
 
-    def __init__(self, plan_fn: Callable[[PlanRequest], SourcedPlan], max_pending: int = 2):
+
+@dataclass(frozen=True)
+class Fetched:
+    """A step's plan as `get` hands it over."""
+
+    sourced: SourcedPlan
+    wait_seconds: float  # how long `get` blocked
+    lead_seconds: float  # how long the plan had been ready before `get` asked; 0 when it waited
+
+    @property
+    def waited(self) -> bool:
+        return self.lead_seconds <= 0.0
+
+
+class PlanAhead:
+    """Keeps the plans of at most `depth + 1` steps, at most `depth` of them in flight, by step."""
+
+    def __init__(self, plan_fn: Callable[[PlanRequest], SourcedPlan], depth: int = 1):
+        if depth < 1:
+            raise ValueError(f"plan-ahead depth must be >= 1, got {depth}")
         self._plan_fn = plan_fn
-        # One thread: plans arrive in step order and the planner sees one request per trainer.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan-ahead")
-        self._pending: dict[int, tuple[PlanRequest, Future[SourcedPlan]]] = {}
-        self._max_pending = max_pending
+        self.depth = depth
+        self._executor = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="plan-ahead")
+        self._pending: dict[int, _Pending] = {}
+        self._max_pending = depth + 1
         self._lock = threading.Lock()
 
-    def prefetch(self, step: int, request: PlanRequest) -> None:
+    def prefetch(self, step: int, request: PlanRequest, source: object = None) -> bool:
+        """Starts planning `step`; False when it is already pending or beyond the bound. `source`:
+        the object the request was built from, so that `pending_source` can recognise it."""
         with self._lock:
             if step in self._pending:
-                return
-            # Steps the trainer skipped are dropped rather than kept forever.
-            while len(self._pending) >= self._max_pending:
-                oldest = min(self._pending)
-                self._pending.pop(oldest)[1].cancel()
-            self._pending[step] = (request, self._executor.submit(self._plan_fn, request))
+                return False
+            if len(self._pending) >= self._max_pending:
+                farthest = max(self._pending)
+                if step > farthest:
+                    log.debug("step %d: %d plans already held; not planning it ahead", step, len(self._pending))
+                    return False
+                self._pending.pop(farthest).future.cancel()  # the nearer step is needed first
+            self._pending[step] = self._submit(request)
+            self._pending[step].source = source
+            return True
+
+    def _submit(self, request: PlanRequest) -> _Pending:
+        arrived: list[float] = []
+
+        def plan() -> SourcedPlan:
+            sourced = self._plan_fn(request)
+            arrived.append(time.perf_counter())  # before the future completes: `get` sees it
+            return sourced
+
+        return _Pending(request, self._executor.submit(plan), arrived)
 
     def pending_request(self, step: int) -> PlanRequest | None:
         """The request prefetched for `step`, if any (so the caller need not build it again)."""
         with self._lock:
             pending = self._pending.get(step)
-        return pending[0] if pending is not None else None
+        return pending.request if pending is not None else None
 
-    def get(self, step: int, request: PlanRequest) -> tuple[SourcedPlan, float]:
-        """The plan for `step` and the seconds this call waited for it."""
-        started = time.perf_counter()
+    def pending_source(self, step: int) -> object:
+        """The `source` given with `step`'s prefetch (None if none)."""
         with self._lock:
-            pending = self._pending.pop(step, None)
-        if pending is not None and pending[0] is not request and pending[0] != request:
+            pending = self._pending.get(step)
+        return pending.source if pending is not None else None
+
+    def arrived(self, step: int, timeout: float | None = None) -> bool:
+        """Waits up to `timeout` for `step`'s prefetched plan; True once it has arrived."""
+        with self._lock:
+            pending = self._pending.get(step)
+        if pending is None:
+            return False
+        try:
+            pending.future.exception(timeout=timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return sum(1 for p in self._pending.values() if not p.future.done())
+
+    def get(self, step: int, request: PlanRequest) -> Fetched:
+        """The plan for `step`, how long this call waited for it and the plan's lead."""
+        started = time.perf_counter()
+        pending = self._take(step)
+        if pending is not None and pending.request is not request and pending.request != request:
             log.warning("step %d: the batch differs from the one prefetched; planning it again", step)
-            pending[1].cancel()
+            pending.future.cancel()
             pending = None
-        sourced = pending[1].result() if pending is not None else self._plan_fn(request)
-        return sourced, time.perf_counter() - started
+        if pending is None:
+            sourced = self._plan_fn(request)
+            return Fetched(sourced, time.perf_counter() - started, 0.0)
+        ready = pending.future.done()
+        sourced = pending.future.result()
+        lead = max(started - pending.arrived[0], 0.0) if ready and pending.arrived else 0.0
+        return Fetched(sourced, time.perf_counter() - started, lead)
+
+    def _take(self, step: int) -> _Pending | None:
+        """Pops `step` and drops every older step (the trainer has passed them)."""
+        with self._lock:
+            for stale in [s for s in self._pending if s < step]:
+                self._pending.pop(stale).future.cancel()
+            return self._pending.pop(step, None)
 
     def close(self) -> None:
         with self._lock:
-            for _, future in self._pending.values():
-                future.cancel()
+            for pending in self._pending.values():
+                pending.future.cancel()
             self._pending.clear()
         self._executor.shutdown(wait=True)

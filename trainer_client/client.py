@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from batch_planner.plan import Plan
 from batch_planner.request import PlanningOptions, PlanRequest, SchedulerKind
-from trainer_client.ahead import PlanAhead
+from trainer_client.ahead import Fetched, PlanAhead
 from trainer_client.apply import micro_batches_for_rank
 from trainer_client.batch import GlobalBatch, unbind_batch
 from trainer_client.megatron import (
@@ -39,7 +39,7 @@ from trainer_client.config import PlannerClientConfig, WhoAsks
 from trainer_client.distributed import is_distributed
 from trainer_client.metrics import TrainerMetrics
 from trainer_client.outputs import restore_outputs
-from trainer_client.plan_source import PlannerUnavailableError, PlanSource, SourcedPlan
+from trainer_client.plan_source import PlannerUnavailableError, PlanSource
 from trainer_client.rpc_client import PlanRejectedError
 from trainer_client.token_outputs import TokenPiece, restore_token_outputs
 
@@ -107,7 +107,8 @@ class BatchPlannerClient:
                 runs = tuple(k for k in config.auto_schedulers if not runs or k in runs)
             self._options = replace(self._options, auto_schedulers=runs)
         self.source = PlanSource(config, self.metrics)
-        self.ahead = PlanAhead(self.source.plan)
+        self.ahead = PlanAhead(self.source.plan, depth=config.plan_ahead_depth)
+        self.metrics.plan_ahead_depth.labels(self.metrics.job).set(config.plan_ahead_depth)
         self.last_source: str | None = None
 
     @property
@@ -122,9 +123,10 @@ class BatchPlannerClient:
         )
 
     def prefetch(self, step: int, lengths: Sequence[int]) -> None:
-        """Start planning `step` in the background (call it while the previous step trains)."""
+        """Start planning `step` in the background: call it for steps step + 1 .. step +
+        `plan_ahead_depth` while a step trains, as soon as each batch's lengths are known."""
         if self.asks:
-            self.ahead.prefetch(step, self.request_for(lengths))
+            self.ahead.prefetch(step, self.request_for(lengths), source=lengths)
 
     def plan_step(self, step: int, lengths: Sequence[int]) -> Plan:
         """The plan for `step`, the same on every rank of the group (a collective: all ranks call it)."""
@@ -133,9 +135,9 @@ class BatchPlannerClient:
         own: Plan | PlanRejectedError | None = None
         if self.asks:
             try:
-                sourced: SourcedPlan
-                sourced, _ = self.ahead.get(step, request)
-                own, self.last_source = sourced.plan, sourced.source
+                fetched = self.ahead.get(step, request)
+                self._record_lead(fetched)
+                own, self.last_source = fetched.sourced.plan, fetched.sourced.source
             except PlanRejectedError as error:
                 own = error
             except PlannerUnavailableError as error:
@@ -145,10 +147,22 @@ class BatchPlannerClient:
         self.metrics.micro_batches.labels(self.metrics.job).set(len(plan.micro_batches))
         return plan
 
+    def _record_lead(self, fetched: Fetched) -> None:
+        m = self.metrics
+        m.plan_lead.labels(m.job).observe(fetched.lead_seconds)
+        if fetched.waited:
+            m.late_plans.labels(m.job).inc()
+
     def _request_for_step(self, step: int, lengths: Sequence[int]) -> PlanRequest:
         """The request `prefetch` built for `step` when the lengths are the same, else a new one."""
         prefetched = self.ahead.pending_request(step) if self.asks else None
-        if prefetched is not None and _same_lengths(prefetched.sequence_lengths, lengths):
+        if prefetched is None:
+            return self.request_for(lengths)
+        # The very object prefetch was given (a tuple: unchanged since) needs no element-wise
+        # comparison, which for 16,384 samples costs a cold cache a fraction of a millisecond.
+        if isinstance(lengths, tuple) and self.ahead.pending_source(step) is lengths:
+            return prefetched
+        if _same_lengths(prefetched.sequence_lengths, lengths):
             return prefetched
         return self.request_for(lengths)
 

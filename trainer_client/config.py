@@ -48,6 +48,11 @@ class PlannerClientConfig(PlanningOptions):
     planner_endpoint: str = ""
     job: str = ""
     who_asks: WhoAsks = WhoAsks.LEADER
+    # How many future steps `prefetch` may have planned at once (1..MAX_PLAN_AHEAD_DEPTH): that
+    # many Plan RPCs in flight, spread over the planner's replicas and workers, and at most
+    # depth + 1 plans held in memory. Set it so that step time x depth exceeds one plan's latency
+    # (docs/trainer-client.md, "Planning far enough ahead"); 1 plans only the next step.
+    plan_ahead_depth: int = 1
 
     # One RPC attempt may take this long before it counts as failed.
     deadline_seconds: float = 2.0
@@ -111,7 +116,11 @@ class PlannerClientConfig(PlanningOptions):
 # Read off the fields: every enum-typed setting, every optional count of the planning options.
 _ENUMS = {f.name: type(f.default) for f in fields(PlannerClientConfig) if isinstance(f.default, Enum)}
 _OPTIONAL_INTS = tuple(f.name for f in fields(PlanningOptions) if f.default is None and "int" in str(f.type))
-_POSITIVE_INTS = ("max_seqlen_per_dp_cp_rank", "context_parallel_size", "tensor_parallel_size", "max_attempts")
+_POSITIVE_INTS = (
+    "max_seqlen_per_dp_cp_rank", "context_parallel_size", "tensor_parallel_size", "max_attempts", "plan_ahead_depth",
+)
+# Plans held in memory are bounded by the depth: a 16,384-sample plan is a few MB.
+MAX_PLAN_AHEAD_DEPTH = 16
 _POSITIVE_FLOATS = ("deadline_seconds", "backoff_multiplier", "max_reconnect_backoff_seconds")
 _NON_NEGATIVE_FLOATS = ("initial_backoff_seconds", "max_backoff_seconds", "fallback_cooldown_seconds")
 
@@ -184,6 +193,10 @@ def _check(c: PlannerClientConfig) -> None:
         value = getattr(c, name)
         if not math.isfinite(value) or value < 0:
             raise ConfigError(f"{name}: {value!r} is not allowed; expected a number >= 0")
+    if c.plan_ahead_depth > MAX_PLAN_AHEAD_DEPTH:
+        raise ConfigError(
+            f"plan_ahead_depth: {c.plan_ahead_depth!r} is not allowed; expected 1..{MAX_PLAN_AHEAD_DEPTH}"
+        )
     if c.backoff_multiplier < 1:
         raise ConfigError(f"backoff_multiplier: {c.backoff_multiplier!r} is not allowed; expected >= 1")
     endpoint = c.planner_endpoint

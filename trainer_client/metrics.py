@@ -6,6 +6,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Lead: how long a plan was ready before its step asked for it; 0 (the first bucket) when it was late.
+LEAD_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -18,6 +20,21 @@ class TrainerMetrics:
             "batch_planner_client_plan_wait_seconds",
             "Time the training loop actually waited for a step's plan (near zero when planned ahead).",
             ["training_job"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.plan_lead = Histogram(
+            "batch_planner_client_plan_lead_seconds",
+            "Time between a step's plan arriving and the step asking for it; 0 when the step had to wait "
+            "(a lead shrinking toward 0 means planning no longer keeps up with the step rate).",
+            ["training_job"], buckets=LEAD_BUCKETS, registry=r,
+        )
+        self.late_plans = Counter(
+            "batch_planner_client_late_plans_total",
+            "Steps whose plan had not arrived when the step asked for it (planned ahead too late, or not at all).",
+            ["training_job"], registry=r,
+        )
+        self.plan_ahead_depth = Gauge(
+            "batch_planner_client_plan_ahead_depth", "Configured plan-ahead depth (future steps planned at once).",
+            ["training_job"], registry=r,
         )
         self.rpc_latency = Histogram(
             "batch_planner_client_rpc_latency_seconds", "Plan RPC latency seen by the client, per attempt.",

@@ -282,18 +282,38 @@ class CostModelCoefficients(_message.Message):
     seconds_per_pass: float
     def __init__(self, seconds_per_token: _Optional[float] = ..., seconds_per_attention_token_pair: _Optional[float] = ..., cp_seconds_per_micro_batch: _Optional[float] = ..., cp_seconds_per_token: _Optional[float] = ..., seconds_per_pass: _Optional[float] = ...) -> None: ...
 
+class PlanRate(_message.Message):
+    __slots__ = ("scheduler", "samples", "dp_cp_size", "plans_measured", "seconds_per_plan", "plans_per_second")
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DP_CP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PLANS_MEASURED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_PLAN_FIELD_NUMBER: _ClassVar[int]
+    PLANS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    scheduler: Scheduler
+    samples: int
+    dp_cp_size: int
+    plans_measured: int
+    seconds_per_plan: float
+    plans_per_second: float
+    def __init__(self, scheduler: _Optional[_Union[Scheduler, str]] = ..., samples: _Optional[int] = ..., dp_cp_size: _Optional[int] = ..., plans_measured: _Optional[int] = ..., seconds_per_plan: _Optional[float] = ..., plans_per_second: _Optional[float] = ...) -> None: ...
+
 class Capabilities(_message.Message):
-    __slots__ = ("server_version", "megatron_core_version", "schedulers", "limits", "cost_model", "cost_model_presets")
+    __slots__ = ("server_version", "megatron_core_version", "schedulers", "limits", "cost_model", "cost_model_presets", "plan_rates", "planning_workers")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     MEGATRON_CORE_VERSION_FIELD_NUMBER: _ClassVar[int]
     SCHEDULERS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     COST_MODEL_FIELD_NUMBER: _ClassVar[int]
     COST_MODEL_PRESETS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_RATES_FIELD_NUMBER: _ClassVar[int]
+    PLANNING_WORKERS_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     megatron_core_version: str
     schedulers: _containers.RepeatedCompositeFieldContainer[SchedulerInfo]
     limits: Limits
     cost_model: CostModelCoefficients
     cost_model_presets: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, server_version: _Optional[str] = ..., megatron_core_version: _Optional[str] = ..., schedulers: _Optional[_Iterable[_Union[SchedulerInfo, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., cost_model: _Optional[_Union[CostModelCoefficients, _Mapping]] = ..., cost_model_presets: _Optional[_Iterable[str]] = ...) -> None: ...
+    plan_rates: _containers.RepeatedCompositeFieldContainer[PlanRate]
+    planning_workers: int
+    def __init__(self, server_version: _Optional[str] = ..., megatron_core_version: _Optional[str] = ..., schedulers: _Optional[_Iterable[_Union[SchedulerInfo, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., cost_model: _Optional[_Union[CostModelCoefficients, _Mapping]] = ..., cost_model_presets: _Optional[_Iterable[str]] = ..., plan_rates: _Optional[_Iterable[_Union[PlanRate, _Mapping]]] = ..., planning_workers: _Optional[int] = ...) -> None: ...
