@@ -156,7 +156,7 @@ def test_calibration_recovers_hidden_costs_on_four_ranks_and_auto_follows_them(p
         # The probe's request carries the fitted coefficients in force for its step, and the server
         # priced with them: the calibration's prediction of each fully reported step is the plan's.
         assert job["probe_request_model"] == job["probe_model"]
-        for step, predicted, measured in job["steps"]:
+        for step, predicted, _ in job["steps"]:
             assert predicted == pytest.approx(job["planned_cost"][str(step)], rel=1e-9), (name, step)
         # Once the fit plans the steps, predicted step time is close to the measured one.
         first_effective = min(e for _, result, e in job["fits"] if result == "updated")

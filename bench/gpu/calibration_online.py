@@ -110,7 +110,7 @@ def run_shape(name: str, layers: int, args, rng: random.Random) -> dict:
             rows.append({"step": step, "lengths": list(unit.sequence_lengths), "tokens": sum(unit.sequence_lengths),
                          "measured_s": seconds, "predicted_s": predicted,
                          "relative_error": abs(predicted - seconds) / seconds})
-    del stack
+    stack = None  # noqa: F841 - frees the layer before the next shape
     torch.cuda.empty_cache()
 
     def summary(rows: list[dict]) -> dict:
