@@ -277,3 +277,41 @@ def test_client_requests_carry_the_fit_from_the_effective_step_and_prefetches_st
     assert client.request_for([5], step + 1).cost_model is None  # prefetched with the preset
     assert client.request_for([5], effective).cost_model.coefficients == client.calibration.model
     client.close()
+
+
+def test_a_new_model_that_changes_the_served_winner_is_logged(caplog):
+    from batch_planner.plan import CandidateSummary, Plan
+    from batch_planner.request import CapacityBound
+
+    calibrator, _ = _calibrator(update_interval_steps=1)
+
+    def plan(winner):
+        candidates = tuple(CandidateSummary(name, SchedulerKind.DYNAMIC_CP, 4096, None, 1, 1.0, name == winner)
+                           for name in ("static_cp1", "dynamic_cp max_seqlen=4096"))
+        return Plan("id", SchedulerKind.DYNAMIC_CP, "X", "0", 4, 1, CpLayout.ZIGZAG, CapacityBound.PER_RANK_SUM, (),
+                    candidates=candidates)
+
+    with caplog.at_level(logging.INFO, logger="trainer_client.calibration"):
+        calibrator.begin_step(0, plan("static_cp1"))
+        calibrator.begin_step(1, plan("dynamic_cp max_seqlen=4096"))  # same model: batches differ, no line
+        assert "changed the served plan" not in caplog.text
+        calibrator._adopt(HIDDEN, 3)
+        calibrator.begin_step(2, plan("static_cp1"))  # still the old model
+        assert "changed the served plan" not in caplog.text
+        calibrator.begin_step(3, plan("dynamic_cp max_seqlen=4096"))
+    assert "step 3: the calibrated cost model changed the served plan from static_cp1 (step 2" in caplog.text
+
+
+def test_ranks_that_hold_different_models_all_adopt_rank_zeros(caplog):
+    calibrator, _ = _calibrator()
+    calibrator.begin_step(0)
+    calibrator._adopt(HIDDEN, 2)
+    other = CostModel(**{n: getattr(HIDDEN, n) * 1.01 for n in COEFFICIENT_NAMES})
+    from trainer_client.calibration import model_digest
+
+    everyone = [([0], [], model_digest(other), [getattr(other, n) for n in COEFFICIENT_NAMES]),
+                ([0], [], model_digest(HIDDEN), [getattr(HIDDEN, n) for n in COEFFICIENT_NAMES])]
+    with caplog.at_level(logging.WARNING):
+        calibrator._check_models(everyone)
+    assert calibrator.model == other and calibrator.options_for(2).cost_model.coefficients == other
+    assert calibrator.options_for(1).cost_model is None and "adopting rank 0's" in caplog.text
