@@ -22,11 +22,44 @@ micro-batches. The lower bound is the total CP1 work spread evenly over all DPxC
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from batch_planner.padding import PlanPadding, padded_length
 from batch_planner.plan import CpGroup, MicroBatch, PlanStatistics
 from batch_planner.request import CapacityBound, CpLayout, PlanRequest
+
+
+# The coefficients in the order of CostModel's fields: the order of a feature vector, too.
+COEFFICIENT_NAMES = (
+    "seconds_per_token",
+    "seconds_per_attention_token_pair",
+    "cp_seconds_per_micro_batch",
+    "cp_seconds_per_token",
+    "seconds_per_pass",
+)
+
+
+def unit_features(padded_tokens: int, attention_units: int, cp_size: int, passes: int) -> dict[str, float]:
+    """What one rank of a CP group of `cp_size` does, per coefficient: the one home of the model's
+    arithmetic. The group's padded tokens P, its sum of L^2, and its forward+backward passes give
+
+        seconds_per_token                 P / c
+        seconds_per_attention_token_pair  L^2 / c
+        cp_seconds_per_token              P (c - 1) / c        (0 at c = 1)
+        seconds_per_pass                  passes
+        cp_seconds_per_micro_batch        passes               (0 at c = 1)
+
+    `CostModel.price` is the dot product with the coefficients; the planner prices plans with it
+    and the trainer's calibration (trainer_client/calibration.py) fits the coefficients to timed
+    units' features, so what is predicted and what is fitted cannot drift apart."""
+    cp = cp_size > 1
+    return {
+        "seconds_per_token": padded_tokens / cp_size,
+        "seconds_per_attention_token_pair": float(attention_units) / cp_size,
+        "cp_seconds_per_micro_batch": float(passes) if cp else 0.0,
+        "cp_seconds_per_token": padded_tokens * (cp_size - 1) / cp_size if cp else 0.0,
+        "seconds_per_pass": float(passes),
+    }
 
 
 @dataclass(frozen=True)
@@ -65,24 +98,22 @@ class CostModel:
         """One rank's time for a CP group running `lengths`; `padded_lengths` when already known."""
         if padded_lengths is None:
             padded_lengths = [padded_length(length, cp_size, tp, layout) for length in lengths]
-        # Every term of a rank's share is linear in P or L^2, so the group's share is the share of
-        # the sums: the same total as adding sample_rank_seconds over the samples.
-        seconds = self._rank_seconds(sum(padded_lengths), sum(length * length for length in lengths), cp_size)
         passes = (1 if packed else len(lengths)) if lengths else 0
-        seconds += self.seconds_per_pass * passes
-        if cp_size > 1:
-            seconds += self.cp_seconds_per_micro_batch * passes
-        return seconds
+        return self.price(unit_features(sum(padded_lengths), sum(length * length for length in lengths), cp_size, passes))
+
+    def price(self, features: Mapping[str, float]) -> float:
+        """Seconds of work with these features (`unit_features`): the coefficients' dot product."""
+        return (
+            self.seconds_per_token * features["seconds_per_token"]
+            + self.seconds_per_attention_token_pair * features["seconds_per_attention_token_pair"]
+            + self.cp_seconds_per_micro_batch * features["cp_seconds_per_micro_batch"]
+            + self.cp_seconds_per_token * features["cp_seconds_per_token"]
+            + self.seconds_per_pass * features["seconds_per_pass"]
+        )
 
     def _rank_seconds(self, padded_tokens: int, attention_units: int, cp_size: int) -> float:
         """One rank's share of samples with `padded_tokens` padded tokens and sum of L^2 `attention_units`."""
-        seconds = (
-            self.seconds_per_token * padded_tokens / cp_size
-            + self.seconds_per_attention_token_pair * float(attention_units) / cp_size
-        )
-        if cp_size > 1:
-            seconds += self.cp_seconds_per_token * padded_tokens * (cp_size - 1) / cp_size
-        return seconds
+        return self.price(unit_features(padded_tokens, attention_units, cp_size, 0))
 
     def single_rank_work(self, lengths: Iterable[int]) -> float:
         tokens = attention_units = 0

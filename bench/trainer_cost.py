@@ -13,6 +13,11 @@ In process, on CPU, with trainer_client's apply and restore (the code a trainer 
 - `restore`: `trainer_client.outputs.restore_outputs` on one output per sample (a float32 tensor of
   the sample's length, e.g. per-token log-probs), without torch.distributed: the ordering and
   checking only, not the all-gather between ranks;
+- `calibration`: the closed-loop calibration's own cost on this rank (trainer_client/calibration.py):
+  timing every unit of one step (`client.timed(unit)` around an empty body, with the monotonic
+  clock: the unit's features and two clock reads; on a GPU two CUDA event records instead), and
+  one refit of the cost model over a full window (the default 50 steps of this rank's units; the
+  all-gather between ranks not counted);
 - memory: bytes of the tensors `apply` creates for one rank (its shards, position ids, masks,
   cu_seqlens; the unsharded per-sample views share the batch's storage), next to the batch itself.
 The plan: hybrid CP, 1,024 samples of `lognormal_32k` on 64 ranks. Bar: apply <= 5 ms.
@@ -81,6 +86,48 @@ def created_bytes(micro_batches) -> int:
     return total
 
 
+def calibration_cost(plan, global_batch, runs: int) -> tuple[list[float], list[float]]:
+    """Seconds to time one step's units of rank 0 (empty bodies), and to refit over a full window."""
+    import random
+
+    from batch_planner.request import PlanningOptions
+    from trainer_client.apply import micro_batches_for_rank
+    from trainer_client.calibration import Calibrator
+
+    units = micro_batches_for_rank(plan, global_batch, 0)
+    window = 50
+    calibrator = Calibrator(PlanningOptions(max_seqlen_per_dp_cp_rank=plan_max(plan)), window, 24, window)
+    rng = random.Random(0)
+    timing: list[float] = []
+    for step in range(window):
+        calibrator.begin_step(step)
+        started = time.perf_counter()
+        for unit in units:
+            with calibrator.timed(unit, cuda=False):
+                pass
+        timing.append(time.perf_counter() - started)
+        for timed in calibrator.timer._steps[step]:  # stand-in times, so that the fit has data
+            timed.seconds = 1e-3 * (1 + sum(timed.features[:2]) * 1e-6) * rng.uniform(0.95, 1.05)
+        if step < window - 1:
+            calibrator.end_step()
+    fitting: list[float] = []
+    rows = calibrator.timer.collect(list(range(window)))
+    for _ in range(runs):
+        calibrator.window.clear()
+        calibrator.window.extend(rows)
+        started = time.perf_counter()
+        calibrator._ended, calibrator.timer._steps = [], {}
+        calibrator.begin_step(window - 1)
+        calibrator.update_interval_steps = 1
+        calibrator.end_step()
+        fitting.append(time.perf_counter() - started)
+    return timing[: max(runs, 10)], fitting
+
+
+def plan_max(plan) -> int:
+    return max(1, max((g.padded_tokens for mb in plan.micro_batches for g in mb.cp_groups), default=1))
+
+
 def run(out: Path, smoke: bool = False) -> Report[CostRow]:
     from trainer_client.apply import micro_batches_for_rank
     from trainer_client.batch import unbind_batch
@@ -118,11 +165,14 @@ def run(out: Path, smoke: bool = False) -> Report[CostRow]:
         restored = restore_outputs(outputs, len(outputs))
         restore.append(time.perf_counter() - started)
     assert len(restored) == size.samples
+    timing, fitting = calibration_cost(plan, global_batch, 2 if smoke else RESTORE_RUNS)
     rows = [
         CostRow("unbind the global batch (once per step)", Spread.of(unbind)),
         CostRow(f"apply the plan for one rank, torch default threads ({default_threads})", Spread.of(apply), bar_s=APPLY_BAR_S),
         CostRow("apply the plan for one rank, torch.set_num_threads(1)", Spread.of(apply_one_thread), bar_s=APPLY_BAR_S),
         CostRow("restore output order (no all-gather)", Spread.of(restore)),
+        CostRow("calibration: time every unit of one step on one rank", Spread.of(timing)),
+        CostRow("calibration: refit over a 50-step window (no all-gather)", Spread.of(fitting)),
         CostRow(f"memory: tensors apply creates per rank, MiB (batch itself: {batch_bytes * MIB:.1f} MiB)", Spread.of(created), MIB),
     ]
     table = markdown_table(

@@ -46,8 +46,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=1, help="spawn this many gloo ranks")
     p.add_argument("--simulated-ranks", type=int, default=2, help="DPxCP ranks one process plays in turn")
     p.add_argument("--min-step-seconds", type=float, default=0.0, help="make each step at least this long")
+    p.add_argument("--calibration-min-observations", type=int, default=16, help="distinct timed units before the fit is used")
     p.add_argument("--linger-seconds", type=float, default=0.0, help="keep serving metrics this long after the last step")
     return p.parse_args(argv)
+
+
+def forward_backward(model, mb) -> torch.Tensor:
+    """Next-token loss on real tokens whose successor is in this shard; normalised by the global
+    batch's real tokens, so the sum over ranks is the whole batch's mean loss. Returns this shard's
+    share of each sample's loss (the unit's samples, in order)."""
+    logits = model(mb.input_ids)
+    target_ok = mb.padding_mask[1:] & mb.padding_mask[:-1] & (mb.position_ids[1:] == mb.position_ids[:-1] + 1)
+    losses = torch.nn.functional.cross_entropy(logits[:-1], mb.input_ids[1:], reduction="none")
+    per_token = torch.cat([losses * target_ok, losses.new_zeros(1)]) / mb.global_real_tokens
+    per_token.sum().backward()
+    return torch.stack([part.sum() for part in per_token.detach().split(mb.shard_token_counts)])
 
 
 def synthetic_batch(step: int, args) -> TensorDict:
@@ -68,6 +81,8 @@ def train(args) -> None:
     config = PlannerClientConfig(
         planner_endpoint=args.planner_endpoint, tls=False, max_seqlen_per_dp_cp_rank=args.max_seqlen_per_rank,
         job="example", deadline_seconds=2.0,
+        # Closed-loop calibration: fit the cost model to the timed units every 2 steps.
+        calibration_update_interval_steps=2, calibration_min_observations=args.calibration_min_observations,
     )
     if distributed:
         client = BatchPlannerClient(config)  # the DPxCP group and CP groups come from parallel_state
@@ -99,19 +114,13 @@ def train(args) -> None:
             for mb in (client.micro_batches(plan, global_batch) if distributed
                        else micro_batches_for_rank(plan, global_batch, as_rank)):
                 units.append(mb)
-                logits = model(mb.input_ids)
-                # Next-token loss on real tokens whose successor is in this shard; normalised by the
-                # global batch's real tokens, so the sum over ranks is the whole batch's mean loss.
-                target_ok = mb.padding_mask[1:] & mb.padding_mask[:-1] & (mb.position_ids[1:] == mb.position_ids[:-1] + 1)
-                losses = torch.nn.functional.cross_entropy(logits[:-1], mb.input_ids[1:], reduction="none")
-                loss = (losses * target_ok).sum() / mb.global_real_tokens
-                loss.backward()
-                local_loss += float(loss)
-                sample_loss = loss.detach().clone()
-                if mb.cp_group is not None:  # the sample's loss over its whole CP group
+                with client.timed(mb):  # what this unit's forward+backward really cost
+                    sample_loss = forward_backward(model, mb)
+                local_loss += float(sample_loss.sum())
+                if mb.cp_group is not None:  # each sample's loss over its whole CP group
                     dist.all_reduce(sample_loss, group=mb.cp_group)
-                if mb.is_cp_leader:
-                    outputs[mb.sample_ids[0]] = sample_loss  # hybrid CP: one sample per unit
+                if mb.is_cp_leader:  # one sample per unit under hybrid CP, several when packed
+                    outputs.update(zip(mb.sample_ids, sample_loss))
         if distributed:
             for p in model.parameters():
                 dist.all_reduce(p.grad)
@@ -123,6 +132,7 @@ def train(args) -> None:
             time.sleep(args.min_step_seconds - elapsed)
             elapsed = args.min_step_seconds
         client.record_step(units, elapsed)
+        report = client.end_step()  # every 2 steps: gather the timed units and refit (a collective)
         real = sum(mb.real_local_tokens for mb in units)
         padding = sum(mb.padding_local_tokens for mb in units)
         if rank == 0:
@@ -132,6 +142,15 @@ def train(args) -> None:
                 f"{real / elapsed:,.0f} tokens/s, loss share {local_loss:.4f}",
                 flush=True,
             )
+            if report is not None and report.steps:
+                s = report.steps[-1]
+                calibrated = client.calibration.model_for(s.step) != client.calibration.prior
+                print(
+                    f"step {s.step}: predicted {s.predicted_seconds * 1e3:.2f} ms, measured {s.measured_seconds * 1e3:.2f} ms "
+                    f"({100 * s.relative_error:.1f}% off) under the {'calibrated' if calibrated else 'preset'} cost model; "
+                    f"fit: {report.fit.result if report.fit else '-'}",
+                    flush=True,
+                )
     client.close()
     if args.linger_seconds > 0:
         time.sleep(args.linger_seconds)

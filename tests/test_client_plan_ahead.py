@@ -43,7 +43,7 @@ class GatedPlanner:
 
 
 def request(step: int) -> PlanRequest:
-    return PlanRequest((1000 + step, 512), 2, 1, 4096)
+    return PlanRequest.of((1000 + step, 512), 2, 1, 4096)
 
 
 def test_depth_plans_are_in_flight_at_once_and_memory_is_bounded():

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -34,6 +35,7 @@ from trainer_client.megatron import (
 )
 from trainer_client.micro_batch import RankMicroBatch
 from trainer_client.broadcast import agree_on_plan
+from trainer_client.calibration import CalibrationReport, Calibrator
 from trainer_client.compatibility import check_dynamic_cp_support, schedulers_the_trainer_runs
 from trainer_client.config import PlannerClientConfig, WhoAsks
 from trainer_client.distributed import is_distributed
@@ -110,23 +112,34 @@ class BatchPlannerClient:
         self.ahead = PlanAhead(self.source.plan, depth=config.plan_ahead_depth)
         self.metrics.plan_ahead_depth.labels(self.metrics.job).set(config.plan_ahead_depth)
         self.last_source: str | None = None
+        # Closed-loop calibration (trainer_client/calibration.py): None when config.calibration is off.
+        self.calibration = Calibrator(
+            self._options, config.calibration_window_steps, config.calibration_min_observations,
+            config.calibration_update_interval_steps, getattr(config, "plan_ahead_depth", 1), self.metrics, group,
+        ) if config.calibration else None
 
     @property
     def asks(self) -> bool:
         """Whether this rank calls the planner."""
         return self.config.who_asks is WhoAsks.ALL_RANKS or self.rank == 0
 
-    def request_for(self, lengths: Sequence[int]) -> PlanRequest:
+    def request_for(self, lengths: Sequence[int], step: int | None = None) -> PlanRequest:
+        """The request for a batch of `step` (default: the next step), with the options in force
+        then: the calibrated cost model changes only from a step no rank has prefetched yet."""
         values = lengths.tolist() if hasattr(lengths, "tolist") else lengths  # a tensor or numpy array
         return PlanRequest(
-            tuple(map(int, values)), self.dp_cp_size // self.config.context_parallel_size, self._options, self.config.job
+            tuple(map(int, values)), self.dp_cp_size // self.config.context_parallel_size, self._options_for(step),
+            self.config.job,
         )
+
+    def _options_for(self, step: int | None) -> PlanningOptions:
+        return self._options if self.calibration is None else self.calibration.options_for(step)
 
     def prefetch(self, step: int, lengths: Sequence[int]) -> None:
         """Start planning `step` in the background: call it for steps step + 1 .. step +
         `plan_ahead_depth` while a step trains, as soon as each batch's lengths are known."""
         if self.asks:
-            self.ahead.prefetch(step, self.request_for(lengths), source=lengths)
+            self.ahead.prefetch(step, self.request_for(lengths, step), source=lengths)
 
     def plan_step(self, step: int, lengths: Sequence[int]) -> Plan:
         """The plan for `step`, the same on every rank of the group (a collective: all ranks call it)."""
@@ -145,6 +158,8 @@ class BatchPlannerClient:
         plan = agree_on_plan(own, request, self.group, self.config.who_asks)
         self.metrics.plan_wait.labels(self.metrics.job).observe(time.perf_counter() - started)
         self.metrics.micro_batches.labels(self.metrics.job).set(len(plan.micro_batches))
+        if self.calibration is not None:
+            self.calibration.begin_step(step, plan)
         return plan
 
     def _record_lead(self, fetched: Fetched) -> None:
@@ -156,15 +171,15 @@ class BatchPlannerClient:
     def _request_for_step(self, step: int, lengths: Sequence[int]) -> PlanRequest:
         """The request `prefetch` built for `step` when the lengths are the same, else a new one."""
         prefetched = self.ahead.pending_request(step) if self.asks else None
-        if prefetched is None:
-            return self.request_for(lengths)
+        if prefetched is None or prefetched.options != self._options_for(step):
+            return self.request_for(lengths, step)
         # The very object prefetch was given (a tuple: unchanged since) needs no element-wise
         # comparison, which for 16,384 samples costs a cold cache a fraction of a millisecond.
         if isinstance(lengths, tuple) and self.ahead.pending_source(step) is lengths:
             return prefetched
         if _same_lengths(prefetched.sequence_lengths, lengths):
             return prefetched
-        return self.request_for(lengths)
+        return self.request_for(lengths, step)
 
     def micro_batches(
         self,
@@ -207,6 +222,25 @@ class BatchPlannerClient:
         m.step_time.labels(job).observe(seconds)
         if seconds > 0:
             m.tokens_per_second.labels(job).set(real / seconds)
+
+    def timed(self, unit: RankMicroBatch, cuda: bool | None = None) -> Any:
+        """`with client.timed(unit): forward_backward(unit)` times one execution unit of the step
+        last planned (CUDA events on a GPU, else the monotonic clock) for calibration. No-op
+        when calibration is off."""
+        if self.calibration is None:
+            return contextlib.nullcontext()
+        return self.calibration.timed(unit, cuda)
+
+    def record_unit(self, unit: RankMicroBatch, seconds: float) -> None:
+        """A unit the trainer timed itself (seconds of its forward+backward on this rank)."""
+        if self.calibration is not None:
+            self.calibration.record(unit, seconds)
+
+    def end_step(self) -> CalibrationReport | None:
+        """Ends the step last planned, for calibration: every calibration_update_interval_steps
+        steps gathers the timed units over the DPxCP group and fits the cost model. A collective:
+        every rank calls it after each step's units ran. Returns what the gather found, or None."""
+        return None if self.calibration is None else self.calibration.end_step()
 
     def serve_metrics(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serves this client's registry on http://addr:port/metrics; returns the bound port."""

@@ -82,6 +82,19 @@ class PlannerClientConfig(PlanningOptions):
     tls_key_file: str = ""
     tls_server_name_override: str = ""
 
+    # Closed-loop calibration (trainer_client/calibration.py, docs/trainer-client.md): units the
+    # trainer times (`client.timed(unit)`) fit the job's cost-model coefficients over the last
+    # `calibration_window_steps` steps, gathered over the DPxCP group every
+    # `calibration_update_interval_steps` steps (`client.end_step()`, a collective); once
+    # `calibration_min_observations` distinct units are in the window the fitted coefficients
+    # travel in the job's plan requests (`cost_model`), the preset (or `cost_model`) until then.
+    # On by default: a trainer that never calls `end_step` plans with its preset and runs no
+    # collective for it; `calibration: false` turns timing, gathering and fitting off.
+    calibration: bool = True
+    calibration_window_steps: int = 50
+    calibration_min_observations: int = 24
+    calibration_update_interval_steps: int = 5
+
     def __post_init__(self) -> None:
         _check(self)
 
@@ -118,6 +131,7 @@ _ENUMS = {f.name: type(f.default) for f in fields(PlannerClientConfig) if isinst
 _OPTIONAL_INTS = tuple(f.name for f in fields(PlanningOptions) if f.default is None and "int" in str(f.type))
 _POSITIVE_INTS = (
     "max_seqlen_per_dp_cp_rank", "context_parallel_size", "tensor_parallel_size", "max_attempts", "plan_ahead_depth",
+    "calibration_window_steps", "calibration_min_observations", "calibration_update_interval_steps",
 )
 # Plans held in memory are bounded by the depth: a 16,384-sample plan is a few MB.
 MAX_PLAN_AHEAD_DEPTH = 16

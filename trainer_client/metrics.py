@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Lead: how long a plan was ready before its step asked for it; 0 (the first bucket) when it was late.
 LEAD_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+RELATIVE_ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -64,4 +65,37 @@ class TrainerMetrics:
         )
         self.micro_batches = Gauge(
             "batch_planner_client_micro_batches", "Micro-batches in the current step's plan.", ["training_job"], registry=r,
+        )
+        # Closed-loop calibration (trainer_client/calibration.py): the same values on every rank of
+        # the DPxCP group (they come from the group's gathered timings); counters and the error
+        # histogram are counted on the group's first rank only, so a sum over ranks is the group's.
+        self.calibration_predicted_step = Gauge(
+            "batch_planner_client_calibration_predicted_step_seconds",
+            "The last gathered step's time as the cost model that planned it predicted (timed units).",
+            ["training_job"], registry=r,
+        )
+        self.calibration_measured_step = Gauge(
+            "batch_planner_client_calibration_measured_step_seconds",
+            "The last gathered step's measured time: per micro-batch the slowest rank's timed units, summed.",
+            ["training_job"], registry=r,
+        )
+        self.calibration_error = Histogram(
+            "batch_planner_client_calibration_relative_error_ratio",
+            "|predicted - measured| / measured step time, per gathered step.",
+            ["training_job"], buckets=RELATIVE_ERROR_BUCKETS, registry=r,
+        )
+        self.calibration_coefficients = Gauge(
+            "batch_planner_client_calibration_coefficient",
+            "The cost-model coefficients the job's plan requests carry (seconds), by coefficient.",
+            ["training_job", "coefficient"], registry=r,
+        )
+        self.calibration_dropped = Counter(
+            "batch_planner_client_calibration_dropped_total",
+            "Measurements dropped and never fitted, by reason (bounded: see trainer_client/calibration.py).",
+            ["training_job", "reason"], registry=r,
+        )
+        self.calibration_fits = Counter(
+            "batch_planner_client_calibration_fits_total",
+            "Calibration fits, by result (updated, insufficient_data, not_converged, out_of_bounds).",
+            ["training_job", "result"], registry=r,
         )

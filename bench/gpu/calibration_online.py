@@ -1,0 +1,173 @@
+"""Closed-loop calibration on one GPU: a real decoder layer's units, timed and fitted online by the
+trainer client's own calibration (trainer_client/calibration.py), predict held-out units.
+
+    measure (GPU):  python -m bench.gpu.calibration_online --out calibration_online.json
+
+The layer is bench/gpu/layer_timing.py's (bf16, fused SDPA, forward + backward, upstream gradient
+given). Each unit is one forward+backward pass over a pack of 1-8 sequences (128 to 16K tokens
+each, at most 16K tokens in the pack, positions restarting per sequence), like one CP1 execution
+unit of a packing plan. Training: `--steps` steps of `--units` units each; every unit is timed with
+CUDA events through `Calibrator.timed` (read once per step, after one synchronisation), the
+calibrator gathers and refits after every step over a sliding window, and each step is first
+predicted by the model in force for it (online, before its own units are fitted). Held out: then
+`--held-out-steps` further steps of new random units, predicted by the final model and not fitted.
+CP1 only: one GPU has no CP group, so the CP terms keep the prior's values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import statistics
+from pathlib import Path
+from types import SimpleNamespace
+
+from batch_planner.cost import COEFFICIENT_NAMES
+from batch_planner.cost_profiles import MODEL_PROFILES
+from batch_planner.request import PlanningOptions, SchedulerKind
+
+K = 1024
+MAX_UNIT_TOKENS = 16 * K
+
+
+def random_unit(rng: random.Random) -> list[int]:
+    count = rng.choice((1, 1, 2, 3, 4, 8))
+    lengths = []
+    for _ in range(count):
+        n = int(min(16 * K, max(128, rng.lognormvariate(7.8, 1.0))))
+        if sum(lengths) + n > MAX_UNIT_TOKENS:
+            break
+        lengths.append(n)
+    return lengths or [rng.randint(128, 16 * K)]
+
+
+def unit_of(lengths: list[int], index: int) -> SimpleNamespace:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return SimpleNamespace(sequence_lengths=tuple(lengths), cu_seqlens_padded=cu, local_cp_size=1,
+                           micro_batch_index=index, token_fields={})
+
+
+def run_shape(name: str, layers: int, args, rng: random.Random) -> dict:
+    import torch
+
+    from bench.gpu.layer_timing import build_stack, rotary
+    from trainer_client.calibration import Calibrator, features_of, price
+
+    profile = MODEL_PROFILES[name]
+    stack = build_stack(profile, layers)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # Flash first: cuDNN's SDPA builds a plan per new sequence length, which a stream of varied
+    # lengths pays on nearly every unit (seen on the first run: 0.3 s units, no fit).
+    backend = "FLASH_ATTENTION"
+    gqa = profile.num_kv_heads != profile.num_attention_heads
+
+    def attend(q, k, v):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    def inputs(lengths: list[int]):
+        x = torch.randn(sum(lengths), profile.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        return x, torch.randn_like(x), *rotary(lengths, profile.head_dim)
+
+    def run(lengths: list[int], prepared=None) -> None:
+        x, dy, cos, sin = prepared or inputs(lengths)
+        stack.zero_grad(set_to_none=True)
+        stack.run(x, lengths, cos, sin, attend).backward(dy)
+
+    for _ in range(args.warmup):
+        run(random_unit(rng))
+    torch.cuda.synchronize()
+    options = PlanningOptions(max_seqlen_per_dp_cp_rank=MAX_UNIT_TOKENS, scheduler=SchedulerKind.AUTO)
+    calibrator = Calibrator(options, window_steps=args.window, min_observations=args.min_observations,
+                            update_interval_steps=1)
+    online, held_out, models = [], [], []
+    for step in range(args.steps + args.held_out_steps):
+        fitting = step < args.steps
+        calibrator.begin_step(step)
+        units = [unit_of(random_unit(rng), i) for i in range(args.units)]
+        model = calibrator.model_for(step) if fitting else calibrator.model
+        for unit in units:
+            prepared = inputs(list(unit.sequence_lengths))  # the batch's tensors, before the pass
+            with calibrator.timed(unit, cuda=True):
+                run(list(unit.sequence_lengths), prepared)
+        if fitting:
+            report = calibrator.end_step()
+            measured = [row[2] for row in calibrator.window[-1]]
+            rows = online
+            models.append({"step": step, "fit": report.fit.result if report and report.fit else "",
+                           **{n: getattr(calibrator.model, n) for n in COEFFICIENT_NAMES}})
+        else:
+            timings = calibrator.timer.collect([step])[0]
+            measured = [row[2] for row in timings]
+            rows = held_out
+        for unit, seconds in zip(units, measured):
+            predicted = price(model, features_of(unit))
+            rows.append({"step": step, "lengths": list(unit.sequence_lengths), "tokens": sum(unit.sequence_lengths),
+                         "measured_s": seconds, "predicted_s": predicted,
+                         "relative_error": abs(predicted - seconds) / seconds})
+    stack = None  # noqa: F841 - frees the layer before the next shape
+    torch.cuda.empty_cache()
+
+    def summary(rows: list[dict]) -> dict:
+        errors = sorted(r["relative_error"] for r in rows)
+        by_step: dict[int, list[dict]] = {}
+        for r in rows:
+            by_step.setdefault(r["step"], []).append(r)
+        step_errors = [abs(sum(r["predicted_s"] for r in rs) - sum(r["measured_s"] for r in rs)) / sum(r["measured_s"] for r in rs)
+                       for rs in by_step.values()]
+        return {
+            "units": len(rows),
+            "median_relative_error": statistics.median(errors),
+            "p90_relative_error": errors[int(0.9 * (len(errors) - 1))],
+            "max_relative_error": errors[-1],
+            "within_15pct": sum(e <= 0.15 for e in errors) / len(errors),
+            "step_max_relative_error": max(step_errors),
+            "step_median_relative_error": statistics.median(step_errors),
+        }
+
+    late_online = [r for r in online if r["step"] >= args.steps // 2]
+    return {
+        "shape": name, "layers": layers, "attention_backend": backend,
+        "final_model": {n: getattr(calibrator.model, n) for n in COEFFICIENT_NAMES},
+        "first_fitted_step": next((m["step"] for m in models if m["fit"] == "updated"), None),
+        "online_second_half": summary(late_online), "held_out": summary(held_out),
+        "models": models, "online_units": online, "held_out_units": held_out,
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--held-out-steps", type=int, default=10)
+    p.add_argument("--units", type=int, default=8)
+    p.add_argument("--window", type=int, default=20)
+    p.add_argument("--min-observations", type=int, default=24)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--shapes", default="llama3-8b:1,bench-4l-2048:4")
+    args = p.parse_args(argv)
+    import torch
+
+    rng = random.Random(0)
+    result = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "args": vars(args), "shapes": []}
+    for item in args.shapes.split(","):
+        name, layers = item.split(":")
+        shape = run_shape(name, int(layers), args, rng)
+        result["shapes"].append(shape)
+        for part in ("online_second_half", "held_out"):
+            s = shape[part]
+            print(f"{name} x{layers} {part}: {s['units']} units, median {s['median_relative_error']:.3f}, "
+                  f"p90 {s['p90_relative_error']:.3f}, max {s['max_relative_error']:.3f}, "
+                  f"within 15% {100 * s['within_15pct']:.0f}%, step error max {s['step_max_relative_error']:.3f}", flush=True)
+        print(f"{name} x{layers} model: {shape['final_model']} (first fitted at step {shape['first_fitted_step']})", flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
