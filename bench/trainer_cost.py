@@ -20,7 +20,7 @@ In process, on CPU, with trainer_client's apply and restore (the code a trainer 
   all-gather between ranks not counted);
 - memory: bytes of the tensors `apply` creates for one rank (its shards, position ids, masks,
   cu_seqlens; the unsharded per-sample views share the batch's storage), next to the batch itself.
-The plan: hybrid CP, 1,024 samples of `lognormal_32k` on 64 ranks. Bar: apply <= 5 ms.
+The plan: dynamic CP (packed units), 1,024 samples of `lognormal_32k` on 64 ranks. Bar: apply <= 5 ms.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from batch_planner.planner import plan_batch
+from batch_planner.request import SchedulerKind
 from bench.common import (
     Bar,
     BatchSize,
@@ -134,7 +135,7 @@ def run(out: Path, smoke: bool = False) -> Report[CostRow]:
     from trainer_client.outputs import restore_outputs
 
     size = SMOKE_SIZE if smoke else SIZE
-    request = make_request(DISTRIBUTION, size)
+    request = make_request(DISTRIBUTION, size, scheduler=SchedulerKind.DYNAMIC_CP)  # the main path: packed units
     plan = plan_batch(request)
     batch = make_batch(request.sequence_lengths)
     batch_bytes = sum(sum(t.numel() * t.element_size() for t in v.unbind()) for v in batch.values())
