@@ -1,0 +1,57 @@
+"""The ranks' agreement digest covers every planning option (the same canonical form as the plan
+id): two real gloo ranks whose requests differ only in micro_batch_group_size refuse to agree."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from batch_planner.planner import canonical_request, plan_batch
+from batch_planner.request import PlanningOptions, PlanRequest, SchedulerKind
+from tests.megatron_init import FORK_OR_SPAWN
+from trainer_client.broadcast import request_digest
+
+LENGTHS = (4096, 2048, 1024, 512, 512, 256, 128, 64)
+
+
+def _request(group_size: int | None) -> PlanRequest:
+    return PlanRequest.of(LENGTHS, 2, 1, 4096, scheduler=SchedulerKind.STATIC_PACKING, micro_batch_group_size=group_size)
+
+
+def test_the_digest_covers_every_option_of_the_canonical_request():
+    base = _request(None)
+    assert set(canonical_request(base)) == {"lengths", "dp", *PlanningOptions.names()}
+    assert request_digest(base) == request_digest(_request(None))
+    assert request_digest(base) != request_digest(_request(2))
+    assert request_digest(base) != request_digest(base.replace(max_seqs_per_micro_batch=3))
+
+
+def _run_rank(rank: int, store_path: str, out_dir: str) -> None:
+    from trainer_client.broadcast import PlanMismatchError, agree_on_plan
+    from trainer_client.config import WhoAsks
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        request = _request(None if rank == 0 else 2)  # the only difference between the ranks
+        own = plan_batch(_request(None)) if rank == 0 else None
+        try:
+            agree_on_plan(own, request, None, WhoAsks.LEADER)
+            outcome = "agreed"
+        except PlanMismatchError as error:
+            outcome = str(error)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(outcome, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_two_ranks_differing_only_in_micro_batch_group_size_refuse_to_agree(tmp_path):
+    mp.start_processes(_run_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True, start_method=FORK_OR_SPAWN)
+    for rank in range(2):
+        outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "hold different batches" in outcome, (rank, outcome)
