@@ -4,8 +4,8 @@
 
 One real planner (2 workers, --max-queued-requests 6: a bound of 8 slots, --max-job-share 0.5: 4
 per job) on loopback and two simulated training jobs. The quiet job ("quiet") plans 64 samples on 8
-ranks (hybrid_cp) one request after another and records each latency. The bursting job ("burst")
-keeps 32 concurrent requests of 4,096 samples on 256 ranks (hybrid_cp, about 2 s of scheduling
+ranks (hybrid_cp) one request after another and records each latency. The bursting job ("burst",
+a separate client process, as another job's trainers would be) keeps 32 concurrent requests of 4,096 samples on 256 ranks (hybrid_cp, about 2 s of scheduling
 each) going, retrying RESOURCE_EXHAUSTED with exponential backoff (0.1 s doubling to 1 s, as a
 client should). Phases alternate (alone, with the burst, alone, with the burst) so that both arms
 see the same machine; a burst phase measures only once the burst holds its whole share, and the
@@ -16,6 +16,7 @@ job's plans are refused.
 
 from __future__ import annotations
 
+import multiprocessing
 import random
 import signal
 import threading
@@ -65,38 +66,52 @@ def wait_for(check, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-class Burst:
-    """BURST_CONCURRENCY client threads of the bursting job, each one request at a time."""
+def _burst_client(address: str, concurrency: int, stop, results) -> None:
+    """The bursting job, in its own process (its own GIL, as another job's trainers would be):
+    `concurrency` client threads, each one request at a time."""
+    codes, lock = Counter(), threading.Lock()
+    messages = [request("burst", *BURST_SHAPE, seed) for seed in range(8)]
 
-    def __init__(self, stub, concurrency: int):
-        self.stub, self.stop, self.codes = stub, threading.Event(), Counter()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._client, args=(k,), daemon=True) for k in range(concurrency)]
-
-    def _client(self, k: int) -> None:
-        rng, backoff, seed = random.Random(k), 0.1, k * 1000
-        while not self.stop.is_set():
-            seed += 1
+    def client(k: int) -> None:
+        rng, backoff = random.Random(k), 0.1
+        while not stop.is_set():
             try:
-                self.stub.Plan(request("burst", *BURST_SHAPE, seed), timeout=60)
+                stub.Plan(messages[k % len(messages)], timeout=60)
                 code, backoff = "OK", 0.1
             except grpc.RpcError as error:
                 code = error.code().name
-            with self._lock:
-                self.codes[code] += 1
+            with lock:
+                codes[code] += 1
             if code != "OK":
-                self.stop.wait(backoff * rng.uniform(0.5, 1.0))
+                stop.wait(backoff * rng.uniform(0.5, 1.0))
                 backoff = min(1.0, backoff * 2)
 
-    def __enter__(self):
-        for thread in self._threads:
+    with grpc.insecure_channel(address) as channel:
+        stub = planner_pb2_grpc.BatchPlannerStub(channel)
+        threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(concurrency)]
+        for thread in threads:
             thread.start()
+        for thread in threads:
+            thread.join()
+    results.put(dict(codes))
+
+
+class Burst:
+    """The bursting job's process, running while the `with` block runs; `codes` after it."""
+
+    def __init__(self, address: str, concurrency: int):
+        context = multiprocessing.get_context("spawn")
+        self.stop, self._results, self.codes = context.Event(), context.Queue(), Counter()
+        self._process = context.Process(target=_burst_client, args=(address, concurrency, self.stop, self._results))
+
+    def __enter__(self):
+        self._process.start()
         return self
 
     def __exit__(self, *exc):
         self.stop.set()
-        for thread in self._threads:
-            thread.join()
+        self.codes = Counter(self._results.get(timeout=120))
+        self._process.join(30)
 
 
 def quiet_phase(stub, seconds: float) -> tuple[list[float], Counter]:
@@ -133,15 +148,15 @@ def codes_text(codes: Counter) -> str:
     return ", ".join(f"{c} {n}" for c, n in sorted(codes.items())) or "-"
 
 
-def run(out: Path, smoke: bool = False) -> Report[FairnessRow]:
+def run(out: Path, smoke: bool = False, max_queued: int = MAX_QUEUED) -> Report[FairnessRow]:
     from tests.planner_process import start_planner
 
     seconds, rounds = (1.5, 1) if smoke else (8.0, 2)
     concurrency = 8 if smoke else BURST_CONCURRENCY
-    share_slots = max(1, int((WORKERS + MAX_QUEUED) * SHARE))
+    share_slots = max(1, int((WORKERS + max_queued) * SHARE))
     alone, beside = [], []
     alone_codes, beside_codes, burst_codes = Counter(), Counter(), Counter()
-    server = start_planner("--max-queued-requests", str(MAX_QUEUED), "--max-job-share", str(SHARE), workers=WORKERS)
+    server = start_planner("--max-queued-requests", str(max_queued), "--max-job-share", str(SHARE), workers=WORKERS)
     try:
         url = server.metrics_url
         with grpc.insecure_channel(server.address) as channel:
@@ -151,7 +166,7 @@ def run(out: Path, smoke: bool = False) -> Report[FairnessRow]:
                 latencies, codes = quiet_phase(stub, seconds)
                 alone += latencies
                 alone_codes += codes
-                with Burst(stub, concurrency) as burst:
+                with Burst(server.address, concurrency) as burst:
                     wait_for(lambda: metric(url, "batch_planner_in_flight_requests") >= share_slots, 60,
                              "the burst to hold its share")
                     latencies, codes = quiet_phase(stub, seconds)
@@ -165,13 +180,13 @@ def run(out: Path, smoke: bool = False) -> Report[FairnessRow]:
     # The same burst with no per-job bound: it fills the server's bound, the quiet job is refused.
     off_codes, off_burst = Counter(), Counter()
     off_latencies: list[float] = []
-    server = start_planner("--max-queued-requests", str(MAX_QUEUED), "--max-job-share", "1.0", workers=WORKERS)
+    server = start_planner("--max-queued-requests", str(max_queued), "--max-job-share", "1.0", workers=WORKERS)
     try:
         url = server.metrics_url
         with grpc.insecure_channel(server.address) as channel:
             stub = planner_pb2_grpc.BatchPlannerStub(channel)
-            with Burst(stub, concurrency) as burst:
-                wait_for(lambda: metric(url, "batch_planner_in_flight_requests") >= WORKERS + MAX_QUEUED, 60,
+            with Burst(server.address, concurrency) as burst:
+                wait_for(lambda: metric(url, "batch_planner_in_flight_requests") >= WORKERS + max_queued, 60,
                          "the burst to fill the bound")
                 off_latencies, off_codes = quiet_phase(stub, min(seconds, 3.0))
             off_burst = burst.codes
@@ -197,18 +212,21 @@ def run(out: Path, smoke: bool = False) -> Report[FairnessRow]:
         f"The bursting job's requests refused for its share "
         f"(batch_planner_job_share_rejections_total{{training_job=\"burst\"}}): {share_rejections:.0f}."
     )
-    suffix = "_smoke" if smoke else ""
+    suffix = ("_smoke" if smoke else "") + ("" if max_queued == MAX_QUEUED else f"_q{max_queued}")
     return write_report(
         out, f"fairness{suffix}", "Fair admission per job: a quiet job beside a bursting one",
         (__doc__ or "").split("\n\n", 2)[2].strip(),
-        [("Results", table + "\n\n" + result)],
+        [(f"Results (--max-queued-requests {max_queued}: a bound of {WORKERS + max_queued}, "
+          f"{share_slots} per job)", table + "\n\n" + result)],
         rows=rows, bars=bars,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = argument_parser(__doc__.splitlines()[0]).parse_args(argv)
-    print(run(args.out, args.smoke).path.read_text())
+    parser = argument_parser(__doc__.splitlines()[0])
+    parser.add_argument("--max-queued", type=int, default=MAX_QUEUED, help="the server's --max-queued-requests")
+    args = parser.parse_args(argv)
+    print(run(args.out, args.smoke, args.max_queued).path.read_text())
 
 
 if __name__ == "__main__":
