@@ -25,6 +25,7 @@ class ServerConfig:
     probe_port: int = 50052  # plaintext health only, for the kubelet; -1 = none
     workers: int = 0  # planning processes; 0 = one per available core
     max_queued_requests: int = 64  # beyond workers; more in flight gets RESOURCE_EXHAUSTED
+    max_job_share: float = 0.5  # of the in-flight bound one job may hold; 1.0 = no per-job bound
     max_receive_message_bytes: int = 4 * 1024 * 1024
     inline_max_samples: int = 128  # plan requests this small in the gRPC thread; 0 = always a worker
     inline_max_ranks: int = 16  # ... when they also ask for at most this many DPxCP ranks
@@ -62,6 +63,8 @@ _HELP = {
     "(0 picks a free port, -1 disables)",
     "workers": "planning worker processes (0 = one per available core)",
     "max_queued_requests": "requests that may wait for a worker before new ones get RESOURCE_EXHAUSTED",
+    "max_job_share": "fraction of the in-flight bound (--workers + --max-queued-requests) one job (the "
+    "request's job name) may hold; past it that job gets RESOURCE_EXHAUSTED while others are admitted; 1.0 = off",
     "max_receive_message_bytes": "largest request message accepted, in bytes",
     "inline_max_samples": "plan requests of at most this many samples (and --inline-max-ranks ranks) in the "
     "gRPC handler thread, skipping the hop to a worker process; they still count against the in-flight "
@@ -149,6 +152,7 @@ _RANGES = {
     "probe_port": (-1, 65535),
     "workers": (0, 4096),
     "max_queued_requests": _COUNT,
+    "max_job_share": (0.01, 1.0),
     "max_receive_message_bytes": (1, (1 << 31) - 1),
     "inline_max_samples": _COUNT,
     "inline_max_ranks": _COUNT,

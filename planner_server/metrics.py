@@ -112,6 +112,12 @@ class PlannerMetrics:
             "batch_planner_overload_rejections_total",
             "Plan requests refused with RESOURCE_EXHAUSTED because the planning queue was full.", registry=r,
         )
+        self.job_share_rejections = Counter(
+            "batch_planner_job_share_rejections_total",
+            "Plan requests refused with RESOURCE_EXHAUSTED because their job held its share of the "
+            "in-flight bound (--max-job-share) while other jobs were still admitted.",
+            ["training_job"], registry=r,
+        )
         self.rpc_limit_rejections = Counter(
             "batch_planner_rpc_limit_rejections_total",
             "Calls gRPC refused with RESOURCE_EXHAUSTED \"Concurrent RPC limit exceeded!\" before any "

@@ -125,6 +125,7 @@ class PlannerServer:
             on_restart=lambda reason: self.metrics.worker_restarts.labels(reason).inc(),
             inline=InlineBound(config.inline_max_samples, config.inline_max_ranks),
             log_format=config.log_format,
+            max_job_share=config.max_job_share,
         )
         # Handler threads only wait on workers; enough for every request the pool admits plus the
         # ones it refuses at once, health checks and capability calls.

@@ -25,7 +25,7 @@ from planner_server.metrics import PlannerMetrics
 from planner_server.plan_rates import PlanRates
 from planner_server.planning_worker import WorkerResult
 from planner_server.request_log import ViolationDump, log_request
-from planner_server.worker_pool import PlanningPool, PoolOverloaded, WorkersLost
+from planner_server.worker_pool import JobShareExceeded, PlanningPool, PoolOverloaded, WorkersLost
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,10 @@ class PlannerServicer:
             # add_callback fires when the RPC ends for any reason - a cancelled or disconnected
             # caller included - and the pool then stops the work nobody waits for.
             return self.pool.plan(request_bytes, time.time() + remaining, remaining, on_abandon=context.add_callback)
+        except JobShareExceeded as exc:
+            self.metrics.job_share_rejections.labels(self.metrics.job_label(exc.job)).inc()
+            return WorkerResult(ErrorCode.RESOURCE_EXHAUSTED,
+                                message=f"planner overloaded by this job: {exc}; retry with backoff")
         except PoolOverloaded as exc:
             self.metrics.queue_rejections.inc()
             return WorkerResult(ErrorCode.RESOURCE_EXHAUSTED, message=f"planner overloaded: {exc}; retry with backoff")

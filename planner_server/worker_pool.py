@@ -5,6 +5,8 @@ when they die or when the task they run is abandoned.
   `workers + max_queued` slots it is refused at once (the caller answers RESOURCE_EXHAUSTED). A
   slot is given back when its work has really stopped - a finished task, a queued task dropped, or
   the worker running an abandoned task killed - so the bound and `in_flight` count what runs.
+  Per job (the request's job name, read from the wire bytes before any parsing), at most
+  `max_job_share` of the bound: a job past its share is refused while other jobs are admitted.
 - Cancellation: `Work.cancel()` (the RPC's caller went away, or its deadline passed) drops its
   queued tasks and kills the workers running the others. Megatron-Core's schedulers cannot be
   interrupted, so killing the worker is the only way to stop paying for a plan nobody waits for.
@@ -40,6 +42,7 @@ from batch_planner.cost import CostModel
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.validation import RequestLimits
 from planner_server import planning_worker
+from planner_server.wire import read_job
 from planner_server.planning_worker import (
     WorkerResult,
     assemble_auto,
@@ -67,6 +70,14 @@ class PoolOverloaded(Exception):
     """The admission bound is reached: refuse at once rather than queue."""
 
 
+class JobShareExceeded(PoolOverloaded):
+    """This job holds its share of the in-flight bound: its request is refused, other jobs' are not."""
+
+    def __init__(self, message: str, job: str):
+        super().__init__(message)
+        self.job = job
+
+
 class TaskCancelled(Exception):
     """The task was cancelled before it produced a result."""
 
@@ -76,27 +87,49 @@ class WorkersLost(Exception):
 
 
 class Admission:
-    """The in-flight bound: slots reserved before work starts, given back when it has stopped."""
+    """The in-flight bound: slots reserved before work starts, given back when it has stopped.
 
-    def __init__(self, capacity: int):
+    Fair per job: one job (the request's job name; "" for requests without a valid one, one shared
+    bucket) may hold at most `job_share` of the capacity, at least one slot. Past it, that job's
+    request is refused (JobShareExceeded) while other jobs are still admitted up to the total
+    bound. job_share 1.0 turns the per-job bound off."""
+
+    def __init__(self, capacity: int, job_share: float = 1.0):
         self.capacity = capacity
+        self.job_share = job_share
+        self.job_bound = capacity if job_share >= 1.0 else max(1, int(capacity * job_share))
         self._lock = threading.Lock()
         self._used = 0
+        self._by_job: dict[str, int] = {}
 
     @property
     def in_flight(self) -> int:
         return self._used
 
-    def reserve(self, slots: int = 1) -> None:
+    def held_by(self, job: str) -> int:
+        return self._by_job.get(job, 0)
+
+    def reserve(self, slots: int = 1, job: str = "") -> None:
         with self._lock:
+            need = f"; this request needs {slots} (one per auto candidate)" if slots > 1 else ""
+            held = self._by_job.get(job, 0)
+            if self.job_bound < self.capacity and held + slots > self.job_bound:
+                raise JobShareExceeded(
+                    f"job {job or '(none)'!r} holds {held} slots in flight{need}, its share is "
+                    f"{self.job_bound} ({self.job_share:g} of the server's bound of {self.capacity})", job)
             if self._used + slots > self.capacity:
-                need = f"; this request needs {slots} (one per auto candidate)" if slots > 1 else ""
                 raise PoolOverloaded(f"{self._used} slots in flight{need}, the server's bound is {self.capacity}")
             self._used += slots
+            self._by_job[job] = held + slots
 
-    def release(self, slots: int = 1) -> None:
+    def release(self, slots: int = 1, job: str = "") -> None:
         with self._lock:
             self._used -= slots
+            left = self._by_job.get(job, 0) - slots
+            if left > 0:
+                self._by_job[job] = left
+            else:
+                self._by_job.pop(job, None)  # bounded by what is in flight, not by jobs ever seen
 
 
 @dataclass(frozen=True)
@@ -183,9 +216,10 @@ class Task:
 class Work:
     """What one request runs on the pool: the slots it reserved and the tasks it submitted."""
 
-    def __init__(self, pool: PlanningPool, slots: int):
+    def __init__(self, pool: PlanningPool, slots: int, job: str = ""):
         self._pool = pool
         self._slots = slots
+        self._job = job
         self._tasks: list[Task] = []
         self._lock = threading.Lock()
 
@@ -211,10 +245,10 @@ class Work:
             unused = self._slots - len(self._tasks)
             self._slots -= unused
         if unused:
-            self._pool.admission.release(unused)
+            self._pool.admission.release(unused, self._job)
 
     def _task_settled(self) -> None:
-        self._pool.admission.release(1)
+        self._pool.admission.release(1, self._job)
 
 
 class _Worker:
@@ -295,9 +329,10 @@ class PlanningPool:
         on_restart=None,
         inline: InlineBound = InlineBound(),
         log_format: str = "text",
+        max_job_share: float = 1.0,
     ):
         self.workers = workers
-        self.admission = Admission(workers + max_queued)
+        self.admission = Admission(workers + max_queued, max_job_share)
         self.limits = limits
         self.cost_model = cost_model
         self.inline = inline
@@ -348,35 +383,38 @@ class PlanningPool:
             elif time.monotonic() > end:
                 raise RuntimeError(f"planning workers did not start within {timeout:.0f} s")
 
-    def admit(self, slots: int = 1) -> Work:
-        """Reserves `slots` for one request; raises PoolOverloaded when the bound is reached."""
-        self.admission.reserve(slots)
-        return Work(self, slots)
+    def admit(self, slots: int = 1, job: str = "") -> Work:
+        """Reserves `slots` for one request of `job`; raises PoolOverloaded when the bound is
+        reached, JobShareExceeded (a PoolOverloaded) when the job holds its share."""
+        self.admission.reserve(slots, job)
+        return Work(self, slots, job)
 
     def plan(self, request_bytes: bytes, deadline: float, timeout: float, on_abandon=None) -> WorkerResult:
         """Plans one request inline or on a worker. Raises PoolOverloaded when full, TimeoutError
         past `timeout`, WorkersLost when workers keep dying. `on_abandon(callback)` registers a
-        callback to run when the caller goes away (grpc's context.add_callback)."""
+        callback to run when the caller goes away (grpc's context.add_callback). The job name is
+        read from the wire bytes (planner_server.wire) for the per-job share."""
+        job = read_job(request_bytes)
         if self.inline.admits(request_bytes):
-            self.admission.reserve(1)
+            self.admission.reserve(1, job)
             try:
                 return self._plan_inline(request_bytes, deadline, timeout)
             finally:
-                self.admission.release(1)
+                self.admission.release(1, job)
         end = time.monotonic() + timeout
-        work = self.admit(1)
+        work = self.admit(1, job)
         try:
             result, part = self._run(work, plan_part_in_worker, request_bytes, deadline, 0, timeout=timeout, on_abandon=on_abandon)
         finally:
             work.close()
         if part is None:
             return result  # not auto, or refused as a whole
-        return self._plan_auto_rest(request_bytes, deadline, end, on_abandon, (result, part))
+        return self._plan_auto_rest(request_bytes, deadline, end, on_abandon, (result, part), job)
 
-    def _plan_auto_rest(self, request_bytes: bytes, deadline: float, end: float, on_abandon, first) -> WorkerResult:
+    def _plan_auto_rest(self, request_bytes: bytes, deadline: float, end: float, on_abandon, first, job: str = "") -> WorkerResult:
         """auto's other candidates, side by side on the workers: the request holds a slot for each
         (the work it really causes), all stopped together when its caller goes away."""
-        work = self.admit(first[1].count - 1)
+        work = self.admit(first[1].count - 1, job)
         try:
             if on_abandon is not None and on_abandon(work.cancel) is False:
                 work.cancel()  # the RPC has already ended

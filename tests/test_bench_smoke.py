@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the benchmarks plot with matplotlib: install the `bench` extra")
 
-from bench import ahead, growth, hidden, overhead, quality, scaling, startup, trainer_cost  # noqa: E402
+from bench import ahead, fairness, growth, hidden, overhead, quality, scaling, startup, trainer_cost  # noqa: E402
 from bench.__main__ import summary  # noqa: E402
 from bench.common import Bar, BatchSize, Report, read_bars, write_report  # noqa: E402
 
@@ -147,6 +147,17 @@ def test_startup_smoke(tmp_path):
     assert_report(report, 1)
     assert report.rows[0].workers == 1
     assert report.rows[0].worker_counts == (1,)
+
+
+def test_fairness_smoke(tmp_path):
+    report = fairness.run(tmp_path, smoke=True)
+    assert_report(report, 3)
+    alone, beside, unbounded = report.rows
+    assert alone.latency is not None and beside.latency is not None
+    # With the per-job share the quiet job is admitted beside the burst; without it, it is refused.
+    assert "RESOURCE_EXHAUSTED" not in beside.quiet_codes
+    assert "RESOURCE_EXHAUSTED" in unbounded.quiet_codes
+    assert [b.case for b in report.bars] == ["quiet job's p99 beside the bursting job / alone"]
 
 
 def test_summary_lists_the_stored_bars_of_every_report(tmp_path):
