@@ -21,8 +21,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.megatron_init import run_ranks
 from batch_planner.cost import COEFFICIENT_NAMES, CostModel
 
 JOIN_DEADLINE_SECONDS = 150
@@ -127,16 +127,7 @@ def _run_rank(rank: int, world: int, store_path: str, endpoint: str, out_dir: st
 
 
 def _spawn(tmp_path, endpoint: str, world: int = 4) -> list[dict]:
-    import trainer_client  # noqa: F401 - imported here so the forked ranks inherit it
-
-    context = mp.start_processes(_run_rank, args=(world, str(tmp_path / "store"), endpoint, str(tmp_path)),
-                                 nprocs=world, join=False, start_method="fork")
-    deadline = time.monotonic() + JOIN_DEADLINE_SECONDS
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {world} ranks did not finish within {JOIN_DEADLINE_SECONDS} s")
+    run_ranks(_run_rank, (world, str(tmp_path / "store"), endpoint, str(tmp_path)), world, JOIN_DEADLINE_SECONDS)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 

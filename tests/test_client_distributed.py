@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from batch_planner.request import SchedulerKind
 from tests.megatron_builds import require_scheduler
-from tests.megatron_init import FORK_OR_SPAWN, initialize_dpxcp_groups, parallel_state_cp_group
+from tests.megatron_init import initialize_dpxcp_groups, parallel_state_cp_group, run_ranks
 
 MAX_PER_RANK = 1024
 JOIN_DEADLINE_SECONDS = 240
@@ -148,21 +146,7 @@ def _run_rank(rank: int, world: int, tp: int, store_path: str, endpoint: str, ou
 
 
 def _spawn(world: int, tp: int, tmp_path, endpoint: str, schedulers: list[str]) -> list[dict]:
-    # Forked, not spawned: the ranks inherit this process's imported Megatron-Core (8 concurrent
-    # imports take minutes of a small CI machine). The join has a deadline against a stuck child.
-    from megatron.core import parallel_state  # noqa: F401 - imported here so the ranks inherit it
-    import trainer_client  # noqa: F401
-
-    context = mp.start_processes(
-        _run_rank, args=(world, tp, str(tmp_path / "store"), endpoint, str(tmp_path), schedulers),
-        nprocs=world, join=False, start_method=FORK_OR_SPAWN,
-    )
-    deadline = time.monotonic() + JOIN_DEADLINE_SECONDS
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {world} ranks did not finish within {JOIN_DEADLINE_SECONDS} s")
+    run_ranks(_run_rank, (world, tp, str(tmp_path / "store"), endpoint, str(tmp_path), schedulers), world, JOIN_DEADLINE_SECONDS)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from batch_planner.request import SchedulerKind
 from tests.megatron_builds import require_scheduler
-from tests.megatron_init import FORK_OR_SPAWN, initialize_dpxcp_groups
+from tests.megatron_init import initialize_dpxcp_groups, run_ranks
 
 WORLD = 4
 JOIN_DEADLINE_SECONDS = 120
@@ -124,22 +122,9 @@ def _run_rank(rank: int, store_path: str, out_dir: str, schedulers: list[str]) -
 @pytest.mark.parametrize("scheduler", [SchedulerKind.HYBRID_CP, SchedulerKind.DYNAMIC_CP])
 def test_per_token_loss_over_dynamic_cp_plans_equals_the_single_process_reference(tmp_path, scheduler):
     require_scheduler(scheduler)
-    # Forked, not spawned: the ranks inherit this process's imported Megatron-Core instead of each
-    # importing it again (4 concurrent imports take ~50 s of a small CI machine; forked, ~2 s).
-    # Fork from a threaded pytest process could deadlock a child, so the join has a deadline.
-    from megatron.core import parallel_state  # noqa: F401 - imported here so the ranks inherit it
-    import trainer_client  # noqa: F401
-
-    context = mp.start_processes(
-        _run_rank, args=(str(tmp_path / "store"), str(tmp_path), [scheduler.value]), nprocs=WORLD, join=False,
-        start_method=FORK_OR_SPAWN,
-    )
-    deadline = time.monotonic() + JOIN_DEADLINE_SECONDS
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} ranks did not finish within {JOIN_DEADLINE_SECONDS} s")
+    # Forked on CPU (the ranks inherit the imported Megatron-Core; 4 concurrent imports take ~50 s
+    # of a small CI machine), with a deadline against a stuck child: tests/megatron_init.run_ranks.
+    run_ranks(_run_rank, (str(tmp_path / "store"), str(tmp_path), [scheduler.value]), WORLD, JOIN_DEADLINE_SECONDS)
     results = json.loads((tmp_path / "result.json").read_text())
     assert len(results) == len(PLANS)
     for r in results:
