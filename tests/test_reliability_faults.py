@@ -62,7 +62,11 @@ def slow_request(seed: int = 0) -> pb.PlanRequest:
 
 @pytest.fixture(scope="module")
 def server() -> PlannerProcess:
-    process = start_planner("--max-queued-requests", str(MAX_QUEUED), "--drain-seconds", "30", workers=WORKERS)
+    # One job sends every request here, and the tests are about the total bound: no per-job share
+    # (tests/test_planner_fairness.py checks the share).
+    process = start_planner(
+        "--max-queued-requests", str(MAX_QUEUED), "--drain-seconds", "30", "--max-job-share", "1.0", workers=WORKERS
+    )
     yield process
     process.stop(signal.SIGKILL)
 
@@ -265,7 +269,7 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(server):
 def test_sigterm_drain_ends_within_drain_seconds_with_abandoned_plans_about():
     """abandoned plans do not hold the drain past --drain-seconds."""
     drain = 5.0
-    server = start_planner("--drain-seconds", str(drain), workers=WORKERS)
+    server = start_planner("--drain-seconds", str(drain), "--max-job-share", "1.0", workers=WORKERS)
     try:
         with grpc.insecure_channel(server.address) as channel:
             stub = planner_pb2_grpc.BatchPlannerStub(channel)
