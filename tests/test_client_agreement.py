@@ -37,7 +37,8 @@ def _run_rank(rank: int, store_path: str, out_dir: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     try:
         request = _request(None if rank == 0 else 2)  # the only difference between the ranks
-        own = plan_batch(_request(None)) if rank == 0 else None
+        # The asking rank's plan (any plan: the digest of each rank's own request is what differs).
+        own = plan_batch(PlanRequest.of(LENGTHS, 2, 1, 4096)) if rank == 0 else None
         try:
             agree_on_plan(own, request, None, WhoAsks.LEADER)
             outcome = "agreed"
