@@ -238,8 +238,13 @@ def test_prometheus_scrapes_the_example_trainer(planner: PlannerProcess, prometh
         lead = prom.query(f"sum(batch_planner_client_plan_lead_seconds_count{{{sel}}})")
         assert lead and float(lead[0]["value"][1]) >= steps
         assert prom.query(f"sum(batch_planner_client_late_plans_total{{{sel}}})")
-        # The dashboard's trainer padding-waste query answers for this data.
-        assert prom.query(dashboard_expr("Trainer padding waste").replace(f'training_job=~"{JOB}"', 'training_job=~".*"'))
+        # The dashboard's trainer padding-waste query answers for this data, once Prometheus holds two
+        # scrapes of the counters (rate() needs two samples): wait for that, do not guess it.
+        waste = dashboard_expr("Trainer padding waste").replace(f'training_job=~"{JOB}"', 'training_job=~".*"')
+        waste_deadline = time.monotonic() + 120
+        while not prom.query(waste):
+            assert time.monotonic() < waste_deadline, "the dashboard's padding-waste query stayed empty"
+            time.sleep(0.5)
     finally:
         trainer.terminate()
         try:
