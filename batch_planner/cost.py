@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Iterable, Mapping, Sequence
 
-from batch_planner.padding import PlanPadding, padded_length
+from batch_planner.padding import padded_length, padding_multiple
 from batch_planner.plan import CpGroup, MicroBatch, PlanStatistics
 from batch_planner.request import CapacityBound, CpLayout, PlanRequest
 
@@ -93,11 +93,9 @@ class CostModel:
         tp: int,
         layout: CpLayout,
         packed: bool,
-        padded_lengths: Sequence[int] | None = None,
     ) -> float:
-        """One rank's time for a CP group running `lengths`; `padded_lengths` when already known."""
-        if padded_lengths is None:
-            padded_lengths = [padded_length(length, cp_size, tp, layout) for length in lengths]
+        """One rank's time for a CP group running `lengths`."""
+        padded_lengths = [padded_length(length, cp_size, tp, layout) for length in lengths]
         passes = (1 if packed else len(lengths)) if lengths else 0
         return self.price(unit_features(sum(padded_lengths), sum(length * length for length in lengths), cp_size, passes))
 
@@ -123,32 +121,18 @@ class CostModel:
         return self.seconds_per_token * tokens + self.seconds_per_attention_token_pair * float(attention_units)
 
 
-def step_cost(
-    micro_batches: Sequence[MicroBatch],
-    request: PlanRequest,
-    model: CostModel,
-    packed: bool,
-    padding: PlanPadding | None = None,
-) -> float:
-    """The plan's predicted step time; `padding`: the plan's padded lengths, when already known."""
-    padding = padding or PlanPadding.for_request(request)
-    lengths = request.sequence_lengths
+def step_cost(micro_batches: Sequence[MicroBatch], request: PlanRequest, model: CostModel, packed: bool) -> float:
+    """The plan's predicted step time, from each CP group's padded tokens and its samples' L^2."""
+    squares = [length * length for length in request.sequence_lengths]
     total = 0.0
     for micro_batch in micro_batches:
-        total += max(
-            (
-                model.group_seconds(
-                    [lengths[i] for i in group.sample_ids],
-                    group.size,
-                    request.tensor_parallel_size,
-                    request.cp_layout,
-                    packed,
-                    padding.of_group(group.sample_ids, group.size),
-                )
-                for group in micro_batch.cp_groups
-            ),
-            default=0.0,
-        )
+        slowest = 0.0
+        for group in micro_batch.cp_groups:
+            ids = group.sample_ids
+            passes = (1 if packed else len(ids)) if ids else 0
+            seconds = model.price(unit_features(group.padded_tokens, sum(map(squares.__getitem__, ids)), group.size, passes))
+            slowest = max(slowest, seconds)
+        total += slowest
     return total
 
 
@@ -179,13 +163,14 @@ def static_cp_step_cost(request: PlanRequest, model: CostModel) -> float:
     """
     cp = request.context_parallel_size
     lengths = request.sequence_lengths
-    packs = pack_in_order(lengths, request.max_seqlen_per_dp_cp_rank * cp)
+    multiple = padding_multiple(cp, request.tensor_parallel_size, request.cp_layout)
+    padded = [-(-length // multiple) * multiple for length in lengths]
+    squares = [length * length for length in lengths]
     dp = request.data_parallel_size
     replica_seconds = [0.0] * dp
-    for k, pack in enumerate(packs):
-        replica_seconds[k % dp] += model.group_seconds(
-            [lengths[i] for i in pack], cp, request.tensor_parallel_size, request.cp_layout, packed=True
-        )
+    for k, pack in enumerate(pack_in_order(lengths, request.max_seqlen_per_dp_cp_rank * cp)):
+        features = unit_features(sum(map(padded.__getitem__, pack)), sum(map(squares.__getitem__, pack)), cp, 1)
+        replica_seconds[k % dp] += model.price(features)
     return max(replica_seconds)
 
 
@@ -194,7 +179,6 @@ def plan_statistics(
     request: PlanRequest,
     capacity_bound: CapacityBound,
     model: CostModel,
-    padding: PlanPadding | None = None,
 ) -> PlanStatistics:
     groups: list[CpGroup] = [g for mb in micro_batches for g in mb.cp_groups]
     real = sum(g.real_tokens for g in groups)
@@ -205,7 +189,7 @@ def plan_statistics(
         entry[0] += len(group.sample_ids)
         entry[1] += group.real_tokens
     packed = capacity_bound is CapacityBound.PER_RANK_SUM
-    predicted = step_cost(micro_batches, request, model, packed, padding)
+    predicted = step_cost(micro_batches, request, model, packed)
     lower_bound = model.single_rank_work(request.sequence_lengths) / request.dp_cp_size
     static = static_cp_step_cost(request, model)
     return PlanStatistics(

@@ -22,31 +22,33 @@ def _round_up(length: int, multiple: int) -> int:
 
 
 class PlanPadding:
-    """The padded lengths of each CP group's samples, computed once per plan.
+    """The padding arithmetic of one plan's request: each CP size's padding multiple computed once.
 
-    Building the CP groups (padded_tokens), checking the capacity invariant and pricing the plan
-    all need each sample's padded length at its group's CP size; they share this table instead
-    of computing it three times.
+    Building the CP groups (their padded_tokens) and pricing the static-CP comparison both need
+    padded lengths at some CP size; the statistics then read each group's padded_tokens instead of
+    padding its samples again.
     """
 
     def __init__(self, sequence_lengths: Sequence[int], tensor_parallel_size: int, cp_layout: CpLayout):
         self.sequence_lengths = sequence_lengths
         self._tensor_parallel_size = tensor_parallel_size
         self._cp_layout = cp_layout
-        self._by_group: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
+        self._multiples: dict[int, int] = {}
 
     @classmethod
     def for_request(cls, request: PlanRequest) -> PlanPadding:
         return cls(request.sequence_lengths, request.tensor_parallel_size, request.cp_layout)
 
-    def of_group(self, sample_ids: tuple[int, ...], cp_size: int) -> tuple[int, ...]:
-        """Padded lengths of `sample_ids` on `cp_size` ranks; ids outside the request are skipped
-        (the invariant check reports them)."""
-        key = (sample_ids, cp_size)
-        padded = self._by_group.get(key)
-        if padded is None:
-            multiple = padding_multiple(cp_size, self._tensor_parallel_size, self._cp_layout)
-            lengths = self.sequence_lengths
-            padded = tuple(_round_up(lengths[i], multiple) for i in sample_ids if 0 <= i < len(lengths))
-            self._by_group[key] = padded
-        return padded
+    def multiple(self, cp_size: int) -> int:
+        found = self._multiples.get(cp_size)
+        if found is None:
+            found = self._multiples[cp_size] = padding_multiple(cp_size, self._tensor_parallel_size, self._cp_layout)
+        return found
+
+    def padded_tokens(self, sample_ids: Sequence[int], cp_size: int) -> int:
+        """Sum of the padded lengths of `sample_ids` (all within the request) on `cp_size` ranks."""
+        lengths = self.sequence_lengths
+        multiple = self.multiple(cp_size)
+        if multiple == 1:
+            return sum(map(lengths.__getitem__, sample_ids))
+        return sum([-(-lengths[i] // multiple) * multiple for i in sample_ids])

@@ -97,17 +97,20 @@ def groups_from_rank_assignment(rank_sample_ids: list[list[int]], padding: PlanP
     same samples, which the invariant check then reports.
     """
     lengths = padding.sequence_lengths
+    count, ranks = len(lengths), len(rank_sample_ids)
     groups: list[CpGroup] = []
     rank = 0
-    while rank < len(rank_sample_ids):
+    while rank < ranks:
         first = rank_sample_ids[rank]
         end = rank + 1
-        while end < len(rank_sample_ids) and rank_sample_ids[end] == first:
+        while end < ranks and rank_sample_ids[end] == first:
             end += 1
         size = end - rank
-        ids = tuple(int(i) for i in first)
-        real = sum(lengths[i] for i in ids if 0 <= i < len(lengths))
-        groups.append(CpGroup(rank, size, ids, real, sum(padding.of_group(ids, size))))
+        ids = tuple(map(int, first))
+        # Ids outside the request count for nothing here; the invariant check reports them.
+        known = ids if not ids or (min(ids) >= 0 and max(ids) < count) else tuple(i for i in ids if 0 <= i < count)
+        real = sum(map(lengths.__getitem__, known))
+        groups.append(CpGroup(rank, size, ids, real, padding.padded_tokens(known, size)))
         rank = end
     return tuple(groups)
 
@@ -142,18 +145,18 @@ def check_plan_invariants(plan: Plan, request: PlanRequest, valid_cp_sizes: froz
                 raise InvariantViolationError(
                     "3", f"{_where(mb_index, group)}: first rank is not a multiple of the group size {group.size}"
                 )
-            for sample_id in group.sample_ids:
-                if not 0 <= sample_id < num_samples:
-                    raise InvariantViolationError(
-                        "1", f"{_where(mb_index, group)}: sample id {sample_id} is not in the request (0..{num_samples - 1})"
-                    )
-            seen.update(group.sample_ids)
+            ids = group.sample_ids
+            if min(ids) < 0 or max(ids) >= num_samples:
+                sample_id = next(i for i in ids if not 0 <= i < num_samples)
+                raise InvariantViolationError(
+                    "1", f"{_where(mb_index, group)}: sample id {sample_id} is not in the request (0..{num_samples - 1})"
+                )
+            seen.update(ids)
             # Invariant 4: capacity, in the reading that matches execution, on real tokens - what
             # Megatron-Core's schedulers budget and what the contract promises
             # (PlanRequest.max_seqlen_per_dp_cp_rank). THD/CP padding then adds less than one
             # padding unit per sample shard on top; the proto says so.
-            lengths = [request.sequence_lengths[i] for i in group.sample_ids]
-            real = sum(lengths) if packed else max(lengths)
+            real = (sum if packed else max)(map(request.sequence_lengths.__getitem__, ids))
             if real > limit * group.size:
                 raise InvariantViolationError(
                     "4",

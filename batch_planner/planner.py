@@ -83,7 +83,7 @@ def plan_one_scheduler(request: PlanRequest, limits: RequestLimits, cost_model: 
     validate_request(request, limits)
     spec = SCHEDULER_SPECS[request.scheduler]
     assignment = run_scheduler(request)
-    padding = PlanPadding.for_request(request)  # shared by the groups, the invariants and the statistics
+    padding = PlanPadding.for_request(request)  # each CP size's padding multiple, once per plan
     micro_batches = tuple(MicroBatch(groups_from_rank_assignment(rank_ids, padding)) for rank_ids in assignment)
     plan = Plan(
         plan_id=plan_id_for(request),
@@ -101,5 +101,5 @@ def plan_one_scheduler(request: PlanRequest, limits: RequestLimits, cost_model: 
         request,
         valid_cp_sizes(request.scheduler, request.dp_cp_size, request.context_parallel_size, request.min_cp_size),
     )
-    stats = plan_statistics(micro_batches, request, spec.capacity_bound, cost_model, padding)
+    stats = plan_statistics(micro_batches, request, spec.capacity_bound, cost_model)
     return replace(plan, statistics=stats)
