@@ -2,8 +2,8 @@
 
     python -m bench.fairness --out docs/bench
 
-One real planner (2 workers, --max-queued-requests 6: a bound of 8 slots, --max-job-share 0.5: 4
-per job) on loopback and two simulated training jobs. The quiet job ("quiet") plans 64 samples on 8
+One real planner (2 workers unless `--workers` says otherwise, --max-queued-requests 6: a bound of
+8 slots with 2 workers, --max-job-share 0.5: half of it per job) on loopback and two simulated training jobs. The quiet job ("quiet") plans 64 samples on 8
 ranks (hybrid_cp) one request after another and records each latency. The bursting job ("burst",
 a separate client process, as another job's trainers would be) keeps 32 concurrent requests of 4,096 samples on 256 ranks (hybrid_cp, about 2 s of scheduling
 each) going, retrying RESOURCE_EXHAUSTED with exponential backoff (0.1 s doubling to 1 s, as a
@@ -148,15 +148,15 @@ def codes_text(codes: Counter) -> str:
     return ", ".join(f"{c} {n}" for c, n in sorted(codes.items())) or "-"
 
 
-def run(out: Path, smoke: bool = False, max_queued: int = MAX_QUEUED) -> Report[FairnessRow]:
+def run(out: Path, smoke: bool = False, max_queued: int = MAX_QUEUED, workers: int = WORKERS) -> Report[FairnessRow]:
     from tests.planner_process import start_planner
 
     seconds, rounds = (1.5, 1) if smoke else (8.0, 2)
     concurrency = 8 if smoke else BURST_CONCURRENCY
-    share_slots = max(1, int((WORKERS + max_queued) * SHARE))
+    share_slots = max(1, int((workers + max_queued) * SHARE))
     alone, beside = [], []
     alone_codes, beside_codes, burst_codes = Counter(), Counter(), Counter()
-    server = start_planner("--max-queued-requests", str(max_queued), "--max-job-share", str(SHARE), workers=WORKERS)
+    server = start_planner("--max-queued-requests", str(max_queued), "--max-job-share", str(SHARE), workers=workers)
     try:
         url = server.metrics_url
         with grpc.insecure_channel(server.address) as channel:
@@ -180,13 +180,13 @@ def run(out: Path, smoke: bool = False, max_queued: int = MAX_QUEUED) -> Report[
     # The same burst with no per-job bound: it fills the server's bound, the quiet job is refused.
     off_codes, off_burst = Counter(), Counter()
     off_latencies: list[float] = []
-    server = start_planner("--max-queued-requests", str(max_queued), "--max-job-share", "1.0", workers=WORKERS)
+    server = start_planner("--max-queued-requests", str(max_queued), "--max-job-share", "1.0", workers=workers)
     try:
         url = server.metrics_url
         with grpc.insecure_channel(server.address) as channel:
             stub = planner_pb2_grpc.BatchPlannerStub(channel)
             with Burst(server.address, concurrency) as burst:
-                wait_for(lambda: metric(url, "batch_planner_in_flight_requests") >= WORKERS + max_queued, 60,
+                wait_for(lambda: metric(url, "batch_planner_in_flight_requests") >= workers + max_queued, 60,
                          "the burst to fill the bound")
                 off_latencies, off_codes = quiet_phase(stub, min(seconds, 3.0))
             off_burst = burst.codes
@@ -212,11 +212,12 @@ def run(out: Path, smoke: bool = False, max_queued: int = MAX_QUEUED) -> Report[
         f"The bursting job's requests refused for its share "
         f"(batch_planner_job_share_rejections_total{{training_job=\"burst\"}}): {share_rejections:.0f}."
     )
-    suffix = ("_smoke" if smoke else "") + ("" if max_queued == MAX_QUEUED else f"_q{max_queued}")
+    suffix = (("_smoke" if smoke else "") + ("" if max_queued == MAX_QUEUED else f"_q{max_queued}")
+              + ("" if workers == WORKERS else f"_w{workers}"))
     return write_report(
         out, f"fairness{suffix}", "Fair admission per job: a quiet job beside a bursting one",
         (__doc__ or "").split("\n\n", 2)[2].strip(),
-        [(f"Results (--max-queued-requests {max_queued}: a bound of {WORKERS + max_queued}, "
+        [(f"Results (--workers {workers}, --max-queued-requests {max_queued}: a bound of {workers + max_queued}, "
           f"{share_slots} per job)", table + "\n\n" + result)],
         rows=rows, bars=bars,
     )
@@ -225,8 +226,9 @@ def run(out: Path, smoke: bool = False, max_queued: int = MAX_QUEUED) -> Report[
 def main(argv: list[str] | None = None) -> None:
     parser = argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--max-queued", type=int, default=MAX_QUEUED, help="the server's --max-queued-requests")
+    parser.add_argument("--workers", type=int, default=WORKERS, help="the server's planning workers")
     args = parser.parse_args(argv)
-    print(run(args.out, args.smoke, args.max_queued).path.read_text())
+    print(run(args.out, args.smoke, args.max_queued, args.workers).path.read_text())
 
 
 if __name__ == "__main__":
