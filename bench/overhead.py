@@ -110,7 +110,8 @@ def measure(stub, size: BatchSize, runs: int) -> SizeResult:
 
 def decompose_small(runs: int) -> list[list[str]]:
     """Where the added time goes at 64 samples: the worker's function called in this process vs
-    through the server's PlanningPool (process-pool IPC), and the pool's round trip of a no-op."""
+    through the server's PlanningPool (process-pool IPC), the pool's round trip of a no-op, and a
+    bare gRPC echo (a server process with no handler of ours) of a 64-sample request's bytes."""
     from batch_planner.cost import CostModel
     from batch_planner.validation import RequestLimits
     from planner_server.planning_worker import plan_request_bytes
@@ -140,17 +141,60 @@ def decompose_small(runs: int) -> list[list[str]]:
             noop.append(time.perf_counter() - t)
     finally:
         pool.shutdown()
+    echo = _bare_grpc_echo(payloads)
     ms = 1e3
     rows = [
         ("worker function in this process (parse, plan_batch, serialize)", direct),
         ("the same through PlanningPool (1 worker)", pooled),
         ("PlanningPool round trip of a no-op", noop),
+        ("bare gRPC echo of the request's bytes (synchronous server in another process, no handler of ours)", echo),
     ]
     return [[what, len(v), Spread.of(v).fmt(ms), f"{Spread.of(v).p99 * ms:.2f}"] for what, v in rows if v]
 
 
 def _noop() -> None:
     return None
+
+
+def _echo_server(port_out) -> None:
+    """A synchronous gRPC server whose one method returns its request's bytes: the transport's floor."""
+    from concurrent import futures
+
+    import grpc
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request)}
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    server.add_generic_rpc_handlers((handler,))
+    port_out.send(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    server.wait_for_termination()
+
+
+def _bare_grpc_echo(payloads: list[bytes]) -> list[float]:
+    import multiprocessing
+
+    import grpc
+
+    receive, send = multiprocessing.Pipe(duplex=False)
+    process = multiprocessing.get_context("spawn").Process(target=_echo_server, args=(send,), daemon=True)
+    process.start()
+    try:
+        if not receive.poll(60):
+            return []
+        with grpc.insecure_channel(f"127.0.0.1:{receive.recv()}") as channel:
+            echo = channel.unary_unary("/bench.Echo/Echo")
+            echo(payloads[0], timeout=60)  # the connection
+            seconds = []
+            for payload in payloads:
+                t = time.perf_counter()
+                echo(payload, timeout=60)
+                seconds.append(time.perf_counter() - t)
+        return seconds
+    finally:
+        process.kill()
+        process.join(10)
 
 
 def plot(results: list[SizeResult], path: Path) -> None:
