@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Iterable, Mapping, Sequence
 
-from batch_planner.padding import padded_length, padding_multiple
+from batch_planner.padding import padded_length, padded_sum, padding_multiple
 from batch_planner.plan import CpGroup, MicroBatch, PlanStatistics
 from batch_planner.request import CapacityBound, CpLayout, PlanRequest
 
@@ -164,13 +164,12 @@ def static_cp_step_cost(request: PlanRequest, model: CostModel) -> float:
     cp = request.context_parallel_size
     lengths = request.sequence_lengths
     multiple = padding_multiple(cp, request.tensor_parallel_size, request.cp_layout)
-    padded = [-(-length // multiple) * multiple for length in lengths]
     squares = [length * length for length in lengths]
     dp = request.data_parallel_size
     replica_seconds = [0.0] * dp
     for k, pack in enumerate(pack_in_order(lengths, request.max_seqlen_per_dp_cp_rank * cp)):
-        features = unit_features(sum(map(padded.__getitem__, pack)), sum(map(squares.__getitem__, pack)), cp, 1)
-        replica_seconds[k % dp] += model.price(features)
+        padded = padded_sum(map(lengths.__getitem__, pack), multiple)
+        replica_seconds[k % dp] += model.price(unit_features(padded, sum(map(squares.__getitem__, pack)), cp, 1))
     return max(replica_seconds)
 
 
