@@ -82,10 +82,6 @@ class CostModel:
             if not value >= 0.0 or value == float("inf"):
                 raise ValueError(f"cost model coefficient {f.name} must be a finite number >= 0, got {value!r}")
 
-    def sample_rank_seconds(self, length: int, cp_size: int, tp: int, layout: CpLayout) -> float:
-        """One rank's share of one sample, without the fixed per-pass terms."""
-        return self._rank_seconds(padded_length(length, cp_size, tp, layout), length * length, cp_size)
-
     def group_seconds(
         self,
         lengths: Sequence[int],
@@ -95,9 +91,14 @@ class CostModel:
         packed: bool,
     ) -> float:
         """One rank's time for a CP group running `lengths`."""
-        padded_lengths = [padded_length(length, cp_size, tp, layout) for length in lengths]
-        passes = (1 if packed else len(lengths)) if lengths else 0
-        return self.price(unit_features(sum(padded_lengths), sum(length * length for length in lengths), cp_size, passes))
+        padded = sum(padded_length(length, cp_size, tp, layout) for length in lengths)
+        return self.group_work_seconds(padded, sum(length * length for length in lengths), cp_size, len(lengths), packed)
+
+    def group_work_seconds(self, padded_tokens: int, attention_units: int, cp_size: int, samples: int, packed: bool) -> float:
+        """One rank's time for a CP group of `samples` samples with these padded tokens and sum of
+        L^2: one pass when packed, one per sample otherwise, none for an empty group."""
+        passes = (1 if packed else samples) if samples else 0
+        return self.price(unit_features(padded_tokens, attention_units, cp_size, passes))
 
     def price(self, features: Mapping[str, float]) -> float:
         """Seconds of work with these features (`unit_features`): the coefficients' dot product."""
@@ -108,10 +109,6 @@ class CostModel:
             + self.cp_seconds_per_token * features["cp_seconds_per_token"]
             + self.seconds_per_pass * features["seconds_per_pass"]
         )
-
-    def _rank_seconds(self, padded_tokens: int, attention_units: int, cp_size: int) -> float:
-        """One rank's share of samples with `padded_tokens` padded tokens and sum of L^2 `attention_units`."""
-        return self.price(unit_features(padded_tokens, attention_units, cp_size, 0))
 
     def single_rank_work(self, lengths: Iterable[int]) -> float:
         tokens = attention_units = 0
@@ -129,8 +126,7 @@ def step_cost(micro_batches: Sequence[MicroBatch], request: PlanRequest, model: 
         slowest = 0.0
         for group in micro_batch.cp_groups:
             ids = group.sample_ids
-            passes = (1 if packed else len(ids)) if ids else 0
-            seconds = model.price(unit_features(group.padded_tokens, sum(map(squares.__getitem__, ids)), group.size, passes))
+            seconds = model.group_work_seconds(group.padded_tokens, sum(map(squares.__getitem__, ids)), group.size, len(ids), packed)
             slowest = max(slowest, seconds)
         total += slowest
     return total
@@ -169,7 +165,7 @@ def static_cp_step_cost(request: PlanRequest, model: CostModel) -> float:
     replica_seconds = [0.0] * dp
     for k, pack in enumerate(pack_in_order(lengths, request.max_seqlen_per_dp_cp_rank * cp)):
         padded = padded_sum(map(lengths.__getitem__, pack), multiple)
-        replica_seconds[k % dp] += model.price(unit_features(padded, sum(map(squares.__getitem__, pack)), cp, 1))
+        replica_seconds[k % dp] += model.group_work_seconds(padded, sum(map(squares.__getitem__, pack)), cp, len(pack), True)
     return max(replica_seconds)
 
 
