@@ -109,6 +109,7 @@ class PlannerServer:
         self.probe_server: grpc.Server | None = None
         self.probe_port: int | None = None
         self._stopped = threading.Event()
+        self._stopping = threading.Lock()  # held by the one drain; a second stop waits for it
 
     def start(self) -> None:
         config = self.config
@@ -214,10 +215,18 @@ class PlannerServer:
         self.health.set(SERVICE_NAME, status)
 
     def stop(self, grace: float | None = None) -> None:
-        """Drains: refuse new RPCs, let in-flight ones finish within the grace period, stop workers."""
-        if self._stopped.is_set():
+        """Drains: refuse new RPCs, let in-flight ones finish within the grace period, stop workers.
+        Once: a stop while another drains (SIGTERM after Ctrl-C, say) waits for that drain to end."""
+        if not self._stopping.acquire(blocking=False):
+            self._stopped.wait()
             return
-        grace = self.config.drain_seconds if grace is None else grace
+        try:
+            self._drain(self.config.drain_seconds if grace is None else grace)
+            log.info("stopped")
+        finally:
+            self._stopped.set()  # even after a failed drain: whoever waits on the server may exit
+
+    def _drain(self, grace: float) -> None:
         log.info("draining: NOT_SERVING, in-flight requests get up to %.1f s", grace)
         deadline = time.monotonic() + grace
         if self.servicer is not None:
@@ -234,8 +243,6 @@ class PlannerServer:
             self.pool.shutdown()
         if self.probe_server is not None:
             self.probe_server.stop(0)
-        self._stopped.set()
-        log.info("stopped")
 
     def wait(self) -> None:
         self._stopped.wait()

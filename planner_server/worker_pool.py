@@ -304,6 +304,9 @@ class _Worker:
 
 
 def _worker_main(conn, initargs: tuple) -> None:
+    # The server owns shutdown: a terminal's Ctrl-C reaches the whole process group, and a worker
+    # would otherwise die with a KeyboardInterrupt traceback while the server drains.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker_initializer(*initargs)
     conn.send(("ok", None))
     while True:

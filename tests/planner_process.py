@@ -23,6 +23,7 @@ class PlannerProcess:
     metrics_port: int | None
     probe_port: int | None = None
     log_lines: list[str] = field(default_factory=list)
+    output_closed: threading.Event = field(default_factory=threading.Event)  # every process of it closed stdout
 
     @property
     def address(self) -> str:
@@ -78,7 +79,7 @@ def start_planner(
         start_new_session=True,
     )
     lines: list[str] = []
-    ready = threading.Event()
+    ready, closed = threading.Event(), threading.Event()
     found: dict[str, str] = {}
 
     def pump() -> None:
@@ -90,6 +91,7 @@ def start_planner(
                 found["port"], found["metrics"], found["probe"] = match.group(1), match.group(2), match.group(3)
                 ready.set()
         ready.set()
+        closed.set()
 
     threading.Thread(target=pump, daemon=True).start()
     deadline = time.monotonic() + timeout
@@ -103,5 +105,5 @@ def start_planner(
     metrics, probe = found["metrics"], found["probe"]
     return PlannerProcess(
         proc, int(found["port"]), None if metrics == "None" else int(metrics),
-        probe_port=None if probe in (None, "None") else int(probe), log_lines=lines,
+        probe_port=None if probe in (None, "None") else int(probe), log_lines=lines, output_closed=closed,
     )

@@ -9,8 +9,9 @@ bound of 2 (so at most 4 requests in flight):
 - the forkserver killed, and a storm of worker kills: answers are plans or UNAVAILABLE (retryable),
   never INTERNAL, and the pool recovers;
 - SIGTERM drains: in-flight requests complete OK, new ones are refused, health goes NOT_SERVING,
-  and the process exits 0, within --drain-seconds even with abandoned plans about. The tests that
-  stop a server run last in this file.
+  and the process exits 0, within --drain-seconds even with abandoned plans about; a terminal's
+  Ctrl-C followed by SIGTERM drains once, with no traceback. The tests that stop a server run last
+  in this file.
 
 Every wait is on something the server shows (a metric, a process, an answer), never a guessed
 duration.
@@ -284,5 +285,22 @@ def test_sigterm_drain_ends_within_drain_seconds_with_abandoned_plans_about():
             assert server.proc.wait(60) == 0
             took = time.monotonic() - started
         assert took < drain, f"the drain took {took:.1f} s, --drain-seconds is {drain}"
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_ctrl_c_then_sigterm_drains_once_and_exits_0_without_a_traceback():
+    """What `./dev run` gets on Ctrl-C: the terminal's SIGINT to the whole process group (server,
+    forkserver, workers), then its trap's SIGTERM to the server."""
+    server = start_planner(workers=WORKERS)
+    try:
+        assert len(planning_worker_pids(server.proc.pid)) == WORKERS
+        os.killpg(server.proc.pid, signal.SIGINT)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0
+        assert server.output_closed.wait(60), "a process of the server kept its output open"
+        assert server.log.count("draining:") == 1, server.log
+        assert server.log.count("stopped") == 1, server.log
+        assert "Traceback" not in server.log, server.log
     finally:
         server.stop(signal.SIGKILL)
