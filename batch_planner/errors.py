@@ -101,3 +101,8 @@ class InvariantViolationError(PlanningError):
     def __init__(self, invariant: str, message: str):
         super().__init__(f"plan invariant {invariant} violated: {message}")
         self.invariant = invariant
+
+
+class SchedulerWouldNotTerminate(RuntimeError):
+    """The exact scheduler path (batch_planner/exact) found that Megatron-Core's own code would loop
+    for ever on this input; raised instead of looping, and reported like any scheduler failure."""
