@@ -18,6 +18,8 @@ from typing import Callable
 
 from batch_planner.cp_groups import is_power_of_two, megatron_cp_group_sizes
 from batch_planner.errors import SchedulerFailedError, SchedulerUnavailableError
+from batch_planner.exact import dynamic_cp as exact_dynamic_cp
+from batch_planner.exact.verified import exact_path_status
 from batch_planner.request import CapacityBound, PlanRequest, SchedulerKind
 
 log = logging.getLogger(__name__)
@@ -187,6 +189,17 @@ def align_cp_groups(rank_ids: list[list[int]]) -> list[list[int]]:
 
 
 def _run_dynamic_cp(cls, request: PlanRequest, seqlens: list[tuple[int, int]]) -> RankAssignment:
+    if exact_path_status(SchedulerKind.DYNAMIC_CP).active:
+        utils = _quiet_import("megatron.core.datasets.data_schedule_utils")
+        return exact_dynamic_cp.get_groups_and_subsamples(
+            seqlens,
+            max_seq_len_per_rank=request.max_seqlen_per_dp_cp_rank,
+            total_ranks=request.dp_cp_size,
+            min_cp_size=request.min_cp_size or 1,
+            microbatch_group_size_per_vp_stage=request.micro_batch_group_size,
+            cp_min=utils.dcp_gpus_needed,
+            cap_delta=utils._DYNAMIC_CP_WORKLOAD_CAP_DELTA,
+        )
     scheduler = cls(
         request.max_seqlen_per_dp_cp_rank,
         request.context_parallel_size,

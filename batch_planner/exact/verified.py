@@ -1,0 +1,151 @@
+"""When the exact scheduler path runs instead of Megatron-Core's own code: the one home of that rule.
+
+The exact path (batch_planner/exact) is a faster execution of upstream's algorithm, checked
+byte for byte against upstream's own code by the differential tests. It is only as good as that
+check, so it runs only where
+
+- the setting asks for it (`SchedulerImplementation.EXACT`, the default): the server's
+  `--scheduler-implementation`, the trainer client's `scheduler_implementation`, or the
+  environment variable `BATCH_PLANNER_SCHEDULER_IMPLEMENTATION` for any process; and
+- the installed Megatron-Core's source of every upstream function the exact path reproduces hashes
+  to a fingerprint in `VERIFIED` below: the builds the differential corpus ran against. Any other
+  build (a newer dev commit, a patched release) runs upstream's code, and says so once in the log,
+  in GetCapabilities and in the metric `batch_planner_scheduler_exact_path`.
+
+When upstream's own code changes, run the differential tests against the new build
+(tests/test_exact_differential.py), then add the fingerprint that `fingerprint()` prints here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import os
+from dataclasses import dataclass
+from enum import Enum
+from functools import lru_cache
+
+from batch_planner.request import SchedulerKind
+
+ENVIRONMENT_VARIABLE = "BATCH_PLANNER_SCHEDULER_IMPLEMENTATION"
+
+
+class SchedulerImplementation(str, Enum):
+    """Which code plans: the exact path where it is verified, or always Megatron-Core's own."""
+
+    EXACT = "exact"
+    UPSTREAM = "upstream"
+
+
+# The upstream objects each exact scheduler reproduces: "module:qualified name". Their source (and
+# the value of a constant) makes the fingerprint.
+UPSTREAM_OBJECTS: dict[SchedulerKind, tuple[str, ...]] = {
+    SchedulerKind.DYNAMIC_CP: (
+        "megatron.core.datasets.data_schedule:BasePackingScheduler.__init__",
+        "megatron.core.datasets.data_schedule:DpBalancedScheduler.__init__",
+        "megatron.core.datasets.data_schedule:DefaultDynamicCPScheduler.__init__",
+        "megatron.core.datasets.data_schedule:DefaultDynamicCPScheduler.get_groups_and_subsamples",
+        "megatron.core.datasets.data_schedule_utils:next_hdp_group_packing_aware",
+        "megatron.core.datasets.data_schedule_utils:align_sample_id_groups",
+        "megatron.core.datasets.data_schedule_utils:dcp_gpus_needed",
+        "megatron.core.datasets.data_schedule_utils:_DYNAMIC_CP_WORKLOAD_CAP_DELTA",
+    ),
+}
+
+# Fingerprints of the upstream sources the differential corpus was run against, and the build.
+VERIFIED: dict[SchedulerKind, dict[str, str]] = {
+    SchedulerKind.DYNAMIC_CP: {
+        "bd08514faa222a893819992c5a5cebc5bf83c80a6ede0e82efea87cd61dbf3f9": "0.19.0+dev.d48bd6b (Megatron-LM dev d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1)",
+    },
+}
+
+
+@dataclass(frozen=True)
+class ExactPathStatus:
+    """Whether the exact path plans `scheduler` in this process, and why (or why not)."""
+
+    scheduler: SchedulerKind
+    active: bool
+    reason: str
+
+    @property
+    def implementation(self) -> SchedulerImplementation:
+        return SchedulerImplementation.EXACT if self.active else SchedulerImplementation.UPSTREAM
+
+
+def _resolve(reference: str) -> object:
+    module_name, _, qualified = reference.partition(":")
+    value: object = importlib.import_module(module_name)
+    for part in qualified.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _source_of(value: object) -> str:
+    wrapped = getattr(value, "__wrapped__", value)  # dcp_gpus_needed is wrapped in lru_cache
+    if inspect.isroutine(wrapped) or inspect.isclass(wrapped):
+        return inspect.getsource(wrapped)
+    return repr(value)
+
+
+@lru_cache(maxsize=None)
+def fingerprint(scheduler: SchedulerKind) -> str:
+    """sha256 of the installed upstream objects `scheduler`'s exact path reproduces; raises when
+    one of them is missing."""
+    digest = hashlib.sha256()
+    for reference in UPSTREAM_OBJECTS[scheduler]:
+        digest.update(reference.encode())
+        digest.update(b"\0")
+        digest.update(_source_of(_resolve(reference)).encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+_selected: SchedulerImplementation | None = None
+
+
+def select_implementation(value: SchedulerImplementation | str | None) -> None:
+    """Sets this process's choice (None: back to the environment variable's, else EXACT)."""
+    global _selected
+    _selected = None if value is None else parse_implementation(value, "scheduler_implementation")
+    exact_path_status.cache_clear()
+
+
+def parse_implementation(value: SchedulerImplementation | str, field: str) -> SchedulerImplementation:
+    try:
+        return SchedulerImplementation(value)
+    except ValueError:
+        allowed = ", ".join(repr(v.value) for v in SchedulerImplementation)
+        raise ValueError(f"{field}: got {value!r}; allowed: {allowed}") from None
+
+
+def selected_implementation() -> SchedulerImplementation:
+    if _selected is not None:
+        return _selected
+    from_environment = os.environ.get(ENVIRONMENT_VARIABLE, "")
+    if not from_environment:
+        return SchedulerImplementation.EXACT
+    return parse_implementation(from_environment, ENVIRONMENT_VARIABLE)
+
+
+@lru_cache(maxsize=None)
+def exact_path_status(scheduler: SchedulerKind) -> ExactPathStatus:
+    """Whether `scheduler` runs on the exact path in this process (the server logs it at start-up)."""
+    if scheduler not in UPSTREAM_OBJECTS:
+        return ExactPathStatus(scheduler, False, "no exact path: Megatron-Core's own code plans it")
+    if selected_implementation() is SchedulerImplementation.UPSTREAM:
+        return ExactPathStatus(scheduler, False, "Megatron-Core's own code, as the scheduler_implementation setting asks")
+    try:
+        found = fingerprint(scheduler)
+    except Exception as exc:  # noqa: BLE001 - a build without the scheduler, or a changed layout
+        return ExactPathStatus(scheduler, False, f"upstream code not found ({type(exc).__name__}: {exc})")
+    verified = VERIFIED.get(scheduler, {})
+    if found in verified:
+        return ExactPathStatus(scheduler, True, f"exact path, verified against Megatron-Core {verified[found]}")
+    return ExactPathStatus(
+        scheduler,
+        False,
+        f"Megatron-Core's own code: the installed build's {scheduler.value} source (fingerprint {found[:16]}) "
+        "is not one the exact path was verified against",
+    )
