@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 
 from batch_planner.cost_profiles import cost_model_for_preset, preset_names
 from batch_planner.cost import CostModel
+from batch_planner.exact.verified import SchedulerImplementation
 from batch_planner.validation import RequestLimits
 from planner_server import __version__
 
@@ -44,6 +45,9 @@ class ServerConfig:
     # The default cost model's preset (batch_planner/cost_profiles.py, e.g. llama3-8b-h200); empty:
     # the coefficient flags below. Requests that carry their own cost model use theirs.
     cost_model_preset: str = ""
+    # Which code plans: "exact" (batch_planner/exact, byte-identical to Megatron-Core's, where the
+    # installed build is a verified one) or "upstream" (always Megatron-Core's own code).
+    scheduler_implementation: str = "exact"
     limits: RequestLimits = field(default_factory=RequestLimits)
     cost_model: CostModel = field(default_factory=CostModel)
 
@@ -94,6 +98,9 @@ _HELP = {
     "max_micro_batch_group_size": "largest virtual-pipeline micro-batch group size",
     "cost_model_preset": "default cost model for requests that name none: a preset "
     "(GetCapabilities lists them; e.g. llama3-8b-h200); empty: the coefficient flags",
+    "scheduler_implementation": "exact: Megatron-Core's algorithms through the planner's exact, faster "
+    "execution (the same plans byte for byte) where the installed Megatron-Core is a build it was verified "
+    "against, else Megatron-Core's own code; upstream: always Megatron-Core's own code",
     "seconds_per_token": "cost model: seconds per (padded) token per rank",
     "seconds_per_attention_token_pair": "cost model: seconds per L^2 attention unit per rank",
     "cp_seconds_per_micro_batch": "cost model: fixed seconds per forward pass over a CP group > 1",
@@ -175,6 +182,11 @@ def _range_error(name: str, value) -> str | None:
     if name == "cost_model_preset":
         if value and value not in preset_names():
             return f"{flag}: {value!r} is not a preset; allowed: {', '.join(preset_names())}"
+        return None
+    if name == "scheduler_implementation":
+        allowed = [v.value for v in SchedulerImplementation]
+        if value not in allowed:
+            return f"{flag}: {value!r} is not an implementation; allowed: {', '.join(allowed)}"
         return None
     if name == "log_format":
         if value not in LOG_FORMATS:

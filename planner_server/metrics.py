@@ -135,6 +135,12 @@ class PlannerMetrics:
             "batch_planner_scheduler_available", "1 if the installed Megatron-Core provides the scheduler.",
             ["scheduler"], registry=r,
         )
+        self.scheduler_exact_path = Gauge(
+            "batch_planner_scheduler_exact_path",
+            "1 if the scheduler plans on the exact path (batch_planner/exact: Megatron-Core's algorithm, faster, "
+            "verified against this build), 0 if Megatron-Core's own code plans it.",
+            ["scheduler"], registry=r,
+        )
         self.build_info = Info(
             "batch_planner", "Server version, Megatron-Core version and available schedulers.", registry=r,
         )

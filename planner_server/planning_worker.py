@@ -24,6 +24,7 @@ from batch_planner.errors import ErrorCode, InvariantViolationError, PlanningErr
 from batch_planner.plan import CandidateSummary
 from batch_planner.planner import plan_batch, plan_one_scheduler
 from batch_planner.request import SchedulerKind
+from batch_planner.exact.verified import select_implementation
 from batch_planner.schedulers import megatron_core_version
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.validation import JOB_NAME_PATTERN, RequestLimits, validate_request
@@ -224,10 +225,13 @@ class _WorkerSettings:
 _settings = _WorkerSettings(RequestLimits(), CostModel())
 
 
-def worker_initializer(log_level: str, limits: RequestLimits, cost_model: CostModel, log_format: str = "text") -> None:
-    """Runs once in each worker: the server's limits and cost model arrive here rather than being
-    pickled with every request."""
+def worker_initializer(
+    log_level: str, limits: RequestLimits, cost_model: CostModel, log_format: str = "text", scheduler_implementation: str = "exact"
+) -> None:
+    """Runs once in each worker: the server's limits, cost model and scheduler implementation arrive
+    here rather than being pickled with every request."""
     global _settings
+    select_implementation(scheduler_implementation)
     handler = logging.StreamHandler()
     if log_format == "json":
         from planner_server.request_log import JsonFormatter

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from batch_planner.exact.verified import UPSTREAM_OBJECTS, exact_path_status, select_implementation
 from batch_planner.schedulers import discover_schedulers, megatron_core_version
 from planner_server import __version__
 from planner_server.config import ServerConfig
@@ -114,6 +115,7 @@ class PlannerServer:
     def start(self) -> None:
         config = self.config
         workers = config.worker_count
+        select_implementation(config.scheduler_implementation)  # inline plans; workers get it too
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self._start_probes()
@@ -127,6 +129,7 @@ class PlannerServer:
             inline=InlineBound(config.inline_max_samples, config.inline_max_ranks),
             log_format=config.log_format,
             max_job_share=config.max_job_share,
+            scheduler_implementation=config.scheduler_implementation,
         )
         # Handler threads only wait on workers; enough for every request the pool admits plus the
         # ones it refuses at once, health checks and capability calls.
@@ -171,6 +174,12 @@ class PlannerServer:
         available = [k.value for k, a in discover_schedulers().items() if a.available]
         for kind, availability in discover_schedulers().items():
             self.metrics.scheduler_available.labels(kind.value).set(1 if availability.available else 0)
+            exact = exact_path_status(kind)
+            self.metrics.scheduler_exact_path.labels(kind.value).set(1 if exact.active else 0)
+            if availability.available and kind in UPSTREAM_OBJECTS:
+                log.log(
+                    logging.INFO if exact.active else logging.WARNING, "scheduler %s: %s", kind.value, exact.reason
+                )
             if not availability.available:
                 # Dynamic CP is the product's main path: an image without it still serves, loudly.
                 log.warning(

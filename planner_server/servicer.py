@@ -17,6 +17,7 @@ from batch_planner.convert import SCHEDULER_TO_PROTO, cost_model_to_proto
 from batch_planner.cost_profiles import preset_names
 from batch_planner.errors import ErrorCode
 from batch_planner.request import SchedulerKind
+from batch_planner.exact.verified import exact_path_status
 from batch_planner.schedulers import discover_schedulers, megatron_core_version
 from batch_planner.v1 import planner_pb2 as pb
 from planner_server import __version__
@@ -159,6 +160,8 @@ def capabilities(config: ServerConfig, rates: PlanRates | None = None, workers: 
             available=availability.available,
             megatron_core_class=availability.spec.qualified_name,
             unavailable_reason=availability.reason,
+            implementation=exact_path_status(kind).implementation.value,
+            implementation_reason=exact_path_status(kind).reason,
         )
     # auto is not a Megatron-Core class: the cheapest of the schedulers above (batch_planner/auto.py).
     result.schedulers.add(scheduler=pb.SCHEDULER_AUTO, available=True, megatron_core_class="")

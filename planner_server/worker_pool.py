@@ -333,13 +333,14 @@ class PlanningPool:
         inline: InlineBound = InlineBound(),
         log_format: str = "text",
         max_job_share: float = 1.0,
+        scheduler_implementation: str = "exact",
     ):
         self.workers = workers
         self.admission = Admission(workers + max_queued, max_job_share)
         self.limits = limits
         self.cost_model = cost_model
         self.inline = inline
-        self._initargs = (log_level, limits, cost_model, log_format)
+        self._initargs = (log_level, limits, cost_model, log_format, scheduler_implementation)
         self._on_restart = on_restart or (lambda reason: None)
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(_PRELOAD)

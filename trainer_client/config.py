@@ -18,6 +18,7 @@ from typing import Any
 
 from batch_planner.cost_profiles import spec_from_mapping
 from batch_planner.errors import InvalidRequestError
+from batch_planner.exact.verified import SchedulerImplementation
 from batch_planner.request import PlanningOptions, SchedulerKind
 
 
@@ -71,6 +72,11 @@ class PlannerClientConfig(PlanningOptions):
     fallback_cooldown_seconds: float = 5.0
     # How fast the gRPC channel reconnects to a planner that comes back.
     max_reconnect_backoff_seconds: float = 1.0
+    # Which code plans in this process (the fallback): "exact", the planner's exact and faster
+    # execution of Megatron-Core's algorithm where the installed build is one it was verified
+    # against (the same plan, byte for byte, as Megatron-Core's own code), or "upstream",
+    # Megatron-Core's own code always. The service's setting is its --scheduler-implementation.
+    scheduler_implementation: SchedulerImplementation = SchedulerImplementation.EXACT
 
     # TLS: off by default, like the chart's server (helm values tls.enabled); a mismatch with the
     # server raises TlsMismatchError on the first call instead of falling back. ca_file: the CA

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from batch_planner.convert import plan_from_proto, request_to_proto
 from batch_planner.errors import PlanningError
 from batch_planner.plan import Plan
+from batch_planner.exact.verified import select_implementation
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
 from trainer_client.config import PlannerClientConfig
@@ -51,6 +52,7 @@ class PlanSource:
         self.config = config
         self.metrics = metrics
         self.rpc = PlannerRpcClient(config, metrics) if config.planner_endpoint else None
+        select_implementation(config.scheduler_implementation)  # what the in-process fallback runs
         self._lock = threading.Lock()
         self._outage_reason: str | None = None
         self._retry_service_at = 0.0

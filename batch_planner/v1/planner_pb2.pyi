@@ -241,16 +241,20 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerInfo(_message.Message):
-    __slots__ = ("scheduler", "available", "megatron_core_class", "unavailable_reason")
+    __slots__ = ("scheduler", "available", "megatron_core_class", "unavailable_reason", "implementation", "implementation_reason")
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     MEGATRON_CORE_CLASS_FIELD_NUMBER: _ClassVar[int]
     UNAVAILABLE_REASON_FIELD_NUMBER: _ClassVar[int]
+    IMPLEMENTATION_FIELD_NUMBER: _ClassVar[int]
+    IMPLEMENTATION_REASON_FIELD_NUMBER: _ClassVar[int]
     scheduler: Scheduler
     available: bool
     megatron_core_class: str
     unavailable_reason: str
-    def __init__(self, scheduler: _Optional[_Union[Scheduler, str]] = ..., available: _Optional[bool] = ..., megatron_core_class: _Optional[str] = ..., unavailable_reason: _Optional[str] = ...) -> None: ...
+    implementation: str
+    implementation_reason: str
+    def __init__(self, scheduler: _Optional[_Union[Scheduler, str]] = ..., available: _Optional[bool] = ..., megatron_core_class: _Optional[str] = ..., unavailable_reason: _Optional[str] = ..., implementation: _Optional[str] = ..., implementation_reason: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_samples_per_request", "max_dp_cp_size", "max_sequence_length", "max_receive_message_bytes", "max_tensor_parallel_size", "max_micro_batch_group_size")
