@@ -1,0 +1,121 @@
+"""The differential corpus: seeded scheduler inputs that the exact path (batch_planner/exact) and
+Megatron-Core's own code must answer identically, and the harness that compares them.
+
+A case is one scheduler call: the batch, DP and CP, the per-rank budget and the options. Its
+outcome is what the call returned, or the exception type and message it raised. Cases cover every
+distribution in batch_planner/distributions.py plus all-equal lengths, tiny lengths and one giant
+sample among small ones; DPxCP from 2 to 1,024 including the non-powers of two 6, 10, 12, 20, 24,
+40, 48 and 96; `min_cp_size` and the VPP `micro_batch_group_size`. Sizes are drawn so that
+upstream's own code, which is the slow side, answers each in milliseconds.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
+
+NON_POWERS_OF_TWO = (6, 10, 12, 20, 24, 40, 48, 96)
+POWERS_OF_TWO = tuple(2**i for i in range(1, 11))  # 2 .. 1,024
+SHAPES = (*DISTRIBUTIONS, "all_equal", "tiny", "one_giant")
+BUDGETS = (64, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class Case:
+    lengths: tuple[int, ...]
+    dp: int
+    cp: int
+    max_seqlen: int
+    min_cp_size: int
+    micro_batch_group_size: int | None
+    shape: str
+
+    @property
+    def dp_cp(self) -> int:
+        return self.dp * self.cp
+
+    def describe(self) -> str:
+        return (
+            f"{self.shape}: {len(self.lengths)} samples, DP {self.dp} x CP {self.cp} = {self.dp_cp}, max_seqlen "
+            f"{self.max_seqlen}, min_cp {self.min_cp_size}, micro_batch_group_size {self.micro_batch_group_size}; "
+            f"lengths {list(self.lengths)[:12]}{'...' if len(self.lengths) > 12 else ''}"
+        )
+
+
+def _lengths(rng: random.Random, shape: str, count: int, max_seqlen: int, dp_cp: int) -> list[int]:
+    if shape == "all_equal":
+        return [rng.randint(1, max_seqlen * 2)] * count
+    if shape == "tiny":
+        return [rng.randint(1, 8) for _ in range(count)]
+    if shape == "one_giant":
+        small = [rng.randint(1, max(1, max_seqlen // 4)) for _ in range(count - 1)]
+        giant = rng.randint(max_seqlen, max_seqlen * max(1, dp_cp // 2))
+        small.insert(rng.randrange(count), giant)
+        return small
+    return sample_lengths(shape, count, rng.randrange(1 << 30))
+
+
+def _sample_count(rng: random.Random, dp_cp: int) -> int:
+    """Up to a few thousand sample x rank units, so that upstream answers in milliseconds."""
+    ceiling = max(4, min(400, 6_000 // dp_cp))
+    return rng.choice((1, 2, 3, rng.randint(4, 16), rng.randint(4, ceiling), rng.randint(4, ceiling)))
+
+
+def draw_case(rng: random.Random) -> Case:
+    dp_cp = rng.choice(POWERS_OF_TWO + NON_POWERS_OF_TWO + (2, 4, 8, 16, 32, 64))
+    cp = rng.choice([c for c in (1, 2, 4, 8, 16) if dp_cp % c == 0])
+    max_seqlen = rng.choice(BUDGETS)
+    shape = rng.choice(SHAPES)
+    lengths = _lengths(rng, shape, _sample_count(rng, dp_cp), max_seqlen, dp_cp)
+    min_cp = rng.choice((1, 1, 1, 2, 4))
+    group = rng.choice((None, None, None, 1, 2, 3, 4, 8))
+    return Case(tuple(lengths), dp_cp // cp, cp, max_seqlen, min_cp, group, shape)
+
+
+def corpus(count: int, seed: int) -> list[Case]:
+    rng = random.Random(f"exact-corpus:{seed}")
+    return [draw_case(rng) for _ in range(count)]
+
+
+class _CallBudgetExceeded(Exception):
+    pass
+
+
+def outcome(call: Callable[[], Any], budget: tuple[str, int] | None = None) -> tuple:
+    """("ok", result) or ("raised", type name, message). With `budget` (a function name, a count),
+    the calls of that function are counted and the call is stopped past the count: ("no end",
+    calls)."""
+    if budget is None:
+        try:
+            return ("ok", call())
+        except Exception as exc:  # noqa: BLE001 - the exception is the outcome
+            return ("raised", type(exc).__name__, str(exc))
+    calls = 0
+    name, most = budget
+
+    def count_calls(frame, event, arg):
+        nonlocal calls
+        if frame.f_code.co_name == name:
+            calls += 1
+            if calls > most:
+                raise _CallBudgetExceeded
+        return None
+
+    sys.settrace(count_calls)
+    try:
+        return ("ok", call())
+    except _CallBudgetExceeded:
+        return ("no end", calls)
+    except Exception as exc:  # noqa: BLE001
+        return ("raised", type(exc).__name__, str(exc))
+    finally:
+        sys.settrace(None)
+
+
+def tally(outcomes: list[tuple]) -> Counter:
+    return Counter(o[0] if o[0] != "raised" else f"raised {o[1]}" for o in outcomes)

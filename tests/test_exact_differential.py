@@ -1,0 +1,220 @@
+"""The exact path against Megatron-Core's own code: the same plans, byte for byte, and the same
+exceptions, on a seeded corpus of 10,000 scheduler calls, on hypothesis' inputs and through the
+whole planning pipeline; where upstream loops for ever, the exact path stops and says so.
+
+Runs on both legs: the dev build has dynamic CP; on a build without it (the 0.19.2 release) the
+dynamic-CP tests are skipped with that reason printed, never faked.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batch_planner.convert import plan_to_proto
+from batch_planner.errors import PlanningError
+from batch_planner.exact import dynamic_cp as exact_dynamic_cp
+from batch_planner.exact.verified import (
+    SchedulerImplementation,
+    exact_path_status,
+    fingerprint,
+    select_implementation,
+)
+from batch_planner.planner import plan_batch
+from batch_planner.request import PlanRequest, SchedulerKind
+from batch_planner.schedulers import _load_class, _quiet_import, discover_schedulers
+from tests.exact_corpus import Case, corpus, outcome, tally
+from tests.megatron_builds import require_scheduler
+
+CORPUS_SIZE = 10_000
+CORPUS_WORKERS = 2
+# Where the exact path says upstream loops for ever, upstream's VPP refill step (`fill_empty`) is
+# stopped after this many calls. Each productive call fills at least one empty rank of a split
+# micro-batch of at most 1,024 ranks, so a run that ends needs far fewer.
+LOOP_BUDGET = ("fill_empty", 20_000)
+
+# Issue reproducers: upstream's VPP alignment loops for ever on these (dp, cp, max_seqlen, lengths,
+# micro_batch_group_size).
+LOOPING = (
+    (4, 12, 7, (22, 46), 14),
+    (8, 6, 4096, (100, 200, 300), 4),
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dynamic_cp_build():
+    require_scheduler(SchedulerKind.DYNAMIC_CP)
+    status = exact_path_status(SchedulerKind.DYNAMIC_CP)
+    if not status.active:
+        pytest.fail(f"the exact dynamic-CP path is not active on this build: {status.reason}")
+
+
+def _upstream(case: Case):
+    cls = _load_class(SchedulerKind.DYNAMIC_CP)
+    scheduler = cls(case.max_seqlen, case.cp, case.dp, case.micro_batch_group_size, min_cp_size=case.min_cp_size)
+    return scheduler.get_groups_and_subsamples(list(enumerate(case.lengths)))
+
+
+def _exact(case: Case):
+    utils = _quiet_import("megatron.core.datasets.data_schedule_utils")
+    return exact_dynamic_cp.get_groups_and_subsamples(
+        list(enumerate(case.lengths)),
+        max_seq_len_per_rank=case.max_seqlen,
+        total_ranks=case.dp_cp,
+        min_cp_size=case.min_cp_size,
+        microbatch_group_size_per_vp_stage=case.micro_batch_group_size,
+        cp_min=utils.dcp_gpus_needed,
+        cap_delta=utils._DYNAMIC_CP_WORKLOAD_CAP_DELTA,
+    )
+
+
+def _compare(case: Case) -> tuple[tuple, tuple]:
+    exact = outcome(lambda: _exact(case))
+    if exact[:2] == ("raised", "SchedulerWouldNotTerminate"):
+        return exact, outcome(lambda: _upstream(case), budget=LOOP_BUDGET)
+    return exact, outcome(lambda: _upstream(case))
+
+
+def _agree(exact: tuple, upstream: tuple) -> bool:
+    if exact[:2] == ("raised", "SchedulerWouldNotTerminate"):
+        return upstream[0] == "no end"
+    return exact == upstream
+
+
+def _compare_all(cases: list[Case]) -> list[tuple[tuple, tuple]]:
+    return [_compare(case) for case in cases]
+
+
+@pytest.mark.timeout(1200)  # about a minute on two idle cores; a loaded machine may take much longer
+def test_corpus_of_ten_thousand_calls_gives_identical_plans_and_exceptions(capsys):
+    cases = corpus(CORPUS_SIZE, seed=0)
+    started = time.perf_counter()
+    # Both cores: upstream's side is pure Python and the slow one. Forked workers inherit the
+    # imported Megatron-Core.
+    chunks = [cases[i::CORPUS_WORKERS] for i in range(CORPUS_WORKERS)]
+    with multiprocessing.get_context("fork").Pool(CORPUS_WORKERS) as pool:
+        results = pool.map(_compare_all, chunks)
+    differences, outcomes = [], []
+    for chunk, compared in zip(chunks, results):
+        for case, (exact, upstream) in zip(chunk, compared):
+            outcomes.append(upstream if exact[:2] != ("raised", "SchedulerWouldNotTerminate") else ("loops for ever",))
+            if not _agree(exact, upstream):
+                differences.append((case, exact, upstream))
+    counts = tally(outcomes)
+    with capsys.disabled():
+        print(
+            f"\nexact vs upstream dynamic CP: {len(cases)} requests compared in {time.perf_counter() - started:.0f} s, "
+            f"{len(differences)} differences; upstream outcomes: {dict(sorted(counts.items()))}"
+        )
+    assert not differences, "\n".join(
+        f"{case.describe()}\n  exact: {str(exact)[:300]}\n  upstream: {str(upstream)[:300]}" for case, exact, upstream in differences[:5]
+    )
+    # The corpus reaches every kind of outcome: plans, upstream's own exceptions, and loops.
+    assert counts["ok"] > CORPUS_SIZE // 2
+    assert counts["raised IndexError"] and counts["raised AssertionError"] and counts["loops for ever"]
+
+
+@pytest.mark.parametrize("dp, cp, max_seqlen, lengths, group", LOOPING)
+def test_where_upstream_loops_for_ever_the_exact_path_stops_and_says_so(dp, cp, max_seqlen, lengths, group):
+    case = Case(lengths, dp, cp, max_seqlen, 1, group, "reproducer")
+    started = time.perf_counter()
+    exact = outcome(lambda: _exact(case))
+    assert time.perf_counter() - started < 1.0
+    assert exact[:2] == ("raised", "SchedulerWouldNotTerminate")
+    assert "would loop for ever" in exact[2]
+    upstream = outcome(lambda: _upstream(case), budget=LOOP_BUDGET)
+    assert upstream[0] == "no end", f"upstream finished: {upstream}"
+
+
+_LAYOUTS = st.sampled_from([(dp_cp, cp) for dp_cp in (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128) for cp in (1, 2, 4) if dp_cp % cp == 0])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layout=_LAYOUTS,
+    lengths=st.lists(st.integers(min_value=1, max_value=70_000), min_size=1, max_size=120),
+    max_seqlen=st.sampled_from((16, 1024, 4096, 8192)),
+    min_cp=st.sampled_from((1, 2, 4)),
+    group=st.sampled_from((None, 1, 2, 3, 5)),
+)
+def test_hypothesis_inputs_give_identical_plans_and_exceptions(layout, lengths, max_seqlen, min_cp, group):
+    dp_cp, cp = layout
+    case = Case(tuple(lengths), dp_cp // cp, cp, max_seqlen, min_cp, group, "hypothesis")
+    exact, upstream = _compare(case)
+    assert _agree(exact, upstream), f"{case.describe()}\n  exact: {exact}\n  upstream: {upstream}"
+
+
+def _served_bytes(request: PlanRequest, implementation: SchedulerImplementation) -> tuple:
+    select_implementation(implementation)
+    try:
+        return ("plan", plan_to_proto(plan_batch(request)).SerializeToString(deterministic=True))
+    except PlanningError as error:
+        return ("refused", error.code.value, str(error))
+    finally:
+        select_implementation(None)
+
+
+def test_the_whole_pipeline_serves_the_same_bytes_and_refusals(capsys):
+    """Validation, the scheduler, invariants, statistics, plan id: the response bytes (or the
+    refusal) are the same whichever code plans."""
+    compared = plans = 0
+    for case in corpus(600, seed=1):
+        request = PlanRequest.of(
+            case.lengths,
+            case.dp,
+            case.cp,
+            case.max_seqlen,
+            scheduler=SchedulerKind.DYNAMIC_CP,
+            min_cp_size=case.min_cp_size if case.min_cp_size > 1 else None,
+            micro_batch_group_size=case.micro_batch_group_size,
+        )
+        exact = _served_bytes(request, SchedulerImplementation.EXACT)
+        if "would loop for ever" in str(exact):
+            continue  # upstream's own code never returns here; the loop tests cover it
+        upstream = _served_bytes(request, SchedulerImplementation.UPSTREAM)
+        assert exact == upstream, case.describe()
+        compared += 1
+        plans += exact[0] == "plan"
+    with capsys.disabled():
+        print(f"\nwhole pipeline, exact vs upstream: {compared} requests, {plans} plans, identical bytes and refusals")
+    assert plans > 100
+
+
+def test_exact_path_runs_only_on_a_verified_build_and_setting(monkeypatch):
+    kind = SchedulerKind.DYNAMIC_CP
+    assert discover_schedulers()[kind].available
+    assert exact_path_status(kind).active, exact_path_status(kind).reason
+    assert "verified against Megatron-Core" in exact_path_status(kind).reason
+
+    select_implementation("upstream")
+    try:
+        assert not exact_path_status(kind).active
+        assert "setting" in exact_path_status(kind).reason
+    finally:
+        select_implementation(None)
+
+    monkeypatch.setenv("BATCH_PLANNER_SCHEDULER_IMPLEMENTATION", "upstream")
+    exact_path_status.cache_clear()
+    assert not exact_path_status(kind).active
+    monkeypatch.setenv("BATCH_PLANNER_SCHEDULER_IMPLEMENTATION", "fast")
+    exact_path_status.cache_clear()
+    with pytest.raises(ValueError, match="BATCH_PLANNER_SCHEDULER_IMPLEMENTATION: got 'fast'; allowed: 'exact', 'upstream'"):
+        exact_path_status(kind)
+    monkeypatch.delenv("BATCH_PLANNER_SCHEDULER_IMPLEMENTATION")
+    exact_path_status.cache_clear()
+
+    # Another build's source (here: a fingerprint the list does not hold) runs upstream's code.
+    monkeypatch.setattr("batch_planner.exact.verified.VERIFIED", {kind: {"0" * 64: "some other build"}})
+    exact_path_status.cache_clear()
+    try:
+        status = exact_path_status(kind)
+        assert not status.active
+        assert f"fingerprint {fingerprint(kind)[:16]}" in status.reason and "not one the exact path was verified against" in status.reason
+    finally:
+        monkeypatch.undo()
+        exact_path_status.cache_clear()
+    assert exact_path_status(kind).active
