@@ -37,9 +37,16 @@ def unit_shard(
 ) -> list[ShardRange]:
     """The ranges rank `cp_rank` holds of a unit of sequences with real `lengths`, in the order
     they sit in that rank's shard. Adjacent ranges of one sequence are merged."""
+    padded = [padded_length(n, cp_size, tensor_parallel_size, layout) for n in lengths]
+    return padded_unit_shard(padded, cp_size, cp_rank, layout)
+
+
+def padded_unit_shard(padded: Sequence[int], cp_size: int, cp_rank: int, layout: CpLayout) -> list[ShardRange]:
+    """`unit_shard` of sequences already padded to `padded` rows (each a multiple of `cp_size`;
+    zigzag cuts each into 2c chunks of `padded // 2c` rows, and rows past the last chunk, when a
+    length is not a multiple of 2c, belong to no range)."""
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} is outside a CP group of size {cp_size}")
-    padded = [padded_length(n, cp_size, tensor_parallel_size, layout) for n in lengths]
     if cp_size == 1:
         return [ShardRange(i, 0, p) for i, p in enumerate(padded)]
     if layout is CpLayout.ZIGZAG:

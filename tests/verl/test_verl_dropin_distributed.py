@@ -1,0 +1,171 @@
+"""verl's Megatron-engine contract on real gloo ranks, Megatron-Core's parallel_state (dev build,
+dynamic CP groups), a real planner server on loopback and the installed verl 0.9.1:
+
+- every rank's micro-batches from `trainer_client.verl.DynamicCPScheduler` equal, key by key and
+  tensor by tensor, those of verl's own `DynamicCPScheduler.schedule` on the same batch (4 and 8
+  ranks, TP 1 and 2, zigzag and contiguous, `min_local_rows` set and unset), with the plans served
+  by the service, and again with the service down (in-process fallback);
+- verl's `postprocess_dynamic_cp_batch` restores every sample's output in order from them;
+- the RL shape: old log-probs, reference log-probs and 2 epochs over 4 mini-batches ask the
+  service for 4 plans, not 16 (the client's metrics); the plan cache is bounded; `auto` runs
+  only dynamic-CP candidates, whose plans run through the same contract.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.megatron_init import initialize_dpxcp_groups, run_ranks
+
+MAX_SEQLEN = 64  # tokens per DPxCP rank: small, so long samples span several CP ranks
+MIN_LOCAL_ROWS = 96  # larger than most short groups' buffers: the padding past it is exercised
+DEADLINE = 240.0
+
+
+def _init(rank: int, world: int, store_path: str, tp: int, cp: int):
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    initialize_dpxcp_groups(cp, tp)
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_data_parallel_group(with_context_parallel=True)
+    return group, mpu.get_data_parallel_world_size(), mpu.get_context_parallel_world_size()
+
+
+def _sample(job: str, source: str, planner) -> float:
+    value = planner.metrics.registry.get_sample_value(
+        "batch_planner_client_plans_total", {"training_job": planner.metrics.job, "source": source}
+    )
+    return value or 0.0
+
+
+def _schedule_both(batch, group, dp, cp, tp, layout, min_rows, where):
+    from verl.utils.dynamic_cp_scheduler import DynamicCPScheduler as VerlScheduler
+    from verl.utils.dynamic_cp_scheduler import postprocess_dynamic_cp_batch
+
+    from tests.verl.support import assert_same_micro_batches, fake_outputs
+    from trainer_client.verl import DynamicCPScheduler
+
+    theirs = VerlScheduler(MAX_SEQLEN, dp, cp).schedule(batch, group, tp_size=tp, cp_layout=layout, min_local_rows=min_rows)
+    ours = DynamicCPScheduler(MAX_SEQLEN, dp, cp).schedule(batch, group, tp_size=tp, cp_layout=layout, min_local_rows=min_rows)
+    assert_same_micro_batches(ours, theirs, where)
+    restored = postprocess_dynamic_cp_batch(fake_outputs(ours), len(batch), group)
+    expected = [t.float() * 0.5 for t in batch["input_ids"].unbind()]
+    got = restored["model_output"]["log_probs"].unbind()
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected)), f"{where}: outputs"
+    reference = postprocess_dynamic_cp_batch(fake_outputs(theirs), len(batch), group)
+    assert restored["loss"] == reference["loss"] and restored["metrics"] == reference["metrics"], where
+    return ours
+
+
+def _equality_rank(rank: int, world: int, store_path: str, tp: int, cp: int, source: str) -> None:
+    from tests.verl.support import long_tail, mini_batch
+    from trainer_client.verl import close_planners, planners
+
+    group, dp, cpw = _init(rank, world, store_path, tp, cp)
+    cases = list(itertools.product(("zigzag", "contiguous"), (None, MIN_LOCAL_ROWS)))
+    for case, (layout, min_rows) in enumerate(cases):
+        lengths = long_tail(5 * group.size(), MAX_SEQLEN * group.size(), seed=100 * world + 10 * tp + case)
+        batch = mini_batch(lengths, seed=case)
+        where = f"rank {rank}, world {world} TP{tp} CP{cpw}, {layout}, min_local_rows={min_rows}"
+        _schedule_both(batch, group, dp, cpw, tp, layout, min_rows, where)
+    asked = sum(_sample(p.metrics.job, source, p) for p in planners())
+    other = sum(_sample(p.metrics.job, "fallback" if source == "service" else "service", p) for p in planners())
+    if group.rank() == 0:  # the asking rank: one plan per distinct mini-batch, all from `source`
+        assert (asked, other) == (len(cases), 0.0), f"rank {rank}: plans from {source} {asked}, other {other}"
+    else:
+        assert (asked, other) == (0.0, 0.0), f"rank {rank} asked the planner but is not its group's asking rank"
+    if source == "fallback" and group.rank() == 0:
+        fallbacks = planners()[0].metrics.registry.get_sample_value(
+            "batch_planner_client_fallbacks_total", {"training_job": planners()[0].metrics.job, "reason": "unavailable"}
+        )
+        assert fallbacks and fallbacks >= 1, fallbacks
+    close_planners()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,tp,cp", [(4, 1, 2), (4, 2, 2), (8, 1, 4), (8, 2, 2)])
+def test_micro_batches_equal_verls_own_where_the_service_plans(world, tp, cp, tmp_path, planner, monkeypatch):
+    monkeypatch.setenv("BATCH_PLANNER_ENDPOINT", planner.address)
+    monkeypatch.delenv("BATCH_PLANNER_CONFIG", raising=False)
+    run_ranks(_equality_rank, (world, str(tmp_path / "store"), tp, cp, "service"), world, DEADLINE)
+
+
+@pytest.mark.slow
+def test_micro_batches_equal_verls_own_when_planned_in_process(tmp_path, monkeypatch):
+    # Nothing listens there: every plan is the in-process fallback (Megatron-Core in this process).
+    monkeypatch.setenv("BATCH_PLANNER_ENDPOINT", "127.0.0.1:9")
+    monkeypatch.delenv("BATCH_PLANNER_CONFIG", raising=False)
+    run_ranks(_equality_rank, (4, str(tmp_path / "store"), 1, 2, "fallback"), 4, DEADLINE)
+
+
+def _rl_rank(rank: int, world: int, store_path: str, auto_config: str) -> None:
+    from batch_planner.request import SchedulerKind
+    from tests.verl.support import long_tail, mini_batch
+    from trainer_client.verl import DynamicCPScheduler, close_planners
+    from trainer_client.verl.planning import CachedPlanner
+
+    group, dp, cp = _init(rank, world, store_path, 1, 2)
+    minis = [mini_batch(long_tail(12, 3 * MAX_SEQLEN, seed=50 + i), seed=50 + i) for i in range(4)]
+    # As soon as the rollout batch exists: every mini-batch's plan at once.
+    DynamicCPScheduler(MAX_SEQLEN, dp, cp).prefetch(minis, group, tp_size=1)
+    passes = ["old_log_prob", "ref_log_prob", "update epoch 0", "update epoch 1"]
+    for name in passes:
+        for index, batch in enumerate(minis):  # verl builds a new scheduler for every call
+            _schedule_both(batch, group, dp, cp, 1, "zigzag", None, f"rank {rank}, {name}, mini-batch {index}")
+    planner = DynamicCPScheduler(MAX_SEQLEN, dp, cp).planner(group, tp_size=1)
+    job = planner.metrics.job
+    registry = planner.metrics.registry
+    service = registry.get_sample_value("batch_planner_client_plans_total", {"training_job": job, "source": "service"}) or 0
+    waits = registry.get_sample_value("batch_planner_client_plan_wait_seconds_count", {"training_job": job})
+    assert waits == 16, f"rank {rank}: {waits} schedule calls"
+    if group.rank() == 0:
+        assert service == 4, f"the service was asked for {service} plans, not 4"
+        assert (planner.hits, planner.misses) == (16, 0), (planner.hits, planner.misses)
+    else:
+        assert service == 0, f"rank {rank} asked the service"
+
+    # Bounded: 2 plans kept; a third mini-batch pushes the first out, which is then asked again.
+    small = CachedPlanner(planner.client.config, group, cache_size=2)
+    for batch in [*minis[:3], minis[0]]:
+        small.plan(batch["input_ids"].offsets().diff().tolist())
+    if group.rank() == 0:
+        asked = small.metrics.registry.get_sample_value(
+            "batch_planner_client_plans_total", {"training_job": small.metrics.job, "source": "service"}
+        )
+        assert (small.cached(), asked) == (2, 4), (small.cached(), asked)
+    small.close()
+
+    # auto: restricted to dynamic CP through auto_schedulers; its plans run through verl's contract.
+    os.environ["BATCH_PLANNER_CONFIG"] = auto_config
+    from verl.utils.dynamic_cp_scheduler import postprocess_dynamic_cp_batch
+
+    from tests.verl.support import fake_outputs
+
+    scheduler = DynamicCPScheduler(MAX_SEQLEN, dp, cp)
+    auto = scheduler.planner(group, tp_size=1)
+    assert auto.client.config.scheduler is SchedulerKind.AUTO
+    assert auto.client._options.auto_schedulers == (SchedulerKind.DYNAMIC_CP,)
+    for batch in minis:
+        ours = scheduler.schedule(batch, group, tp_size=1)
+        restored = postprocess_dynamic_cp_batch(fake_outputs(ours), len(batch), group)
+        expected = [t.float() * 0.5 for t in batch["input_ids"].unbind()]
+        assert all(torch.equal(a, b) for a, b in zip(restored["model_output"]["log_probs"].unbind(), expected))
+    close_planners()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_rl_loop_plans_each_mini_batch_once(tmp_path, planner, monkeypatch):
+    monkeypatch.setenv("BATCH_PLANNER_ENDPOINT", planner.address)
+    monkeypatch.delenv("BATCH_PLANNER_CONFIG", raising=False)
+    auto = tmp_path / "auto.yaml"
+    auto.write_text("batch_planner:\n  scheduler: auto\n  deadline_seconds: 20.0\n")
+    run_ranks(_rl_rank, (4, str(tmp_path / "store"), str(auto)), 4, DEADLINE)

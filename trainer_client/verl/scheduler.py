@@ -1,0 +1,113 @@
+"""`DynamicCPScheduler`: verl 0.9's class (`verl.utils.dynamic_cp_scheduler`), planned by the
+batch planner.
+
+Same constructor, same `schedule()` arguments, same return value: this rank's micro-batch
+TensorDicts, which verl's `postprocess_dynamic_cp_batch` collects unchanged. What changes: the
+plan comes from the planner service (one rank of `dcp_group` asks, every rank checks it holds the
+same plan for the same batch, in-process fallback with the same Megatron-Core scheduler), and each
+distinct mini-batch is planned once (trainer_client/verl/planning.py). `prefetch` plans several
+mini-batches ahead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+from tensordict import TensorDict
+
+from batch_planner.request import CpLayout
+from trainer_client.megatron_lm import sample_id_groups
+from trainer_client.verl.micro_batches import rank_micro_batches
+from trainer_client.verl.planning import CachedPlanner, planner_for
+from trainer_client.verl.settings import planner_settings, verl_planner_config
+
+
+class DynamicCPScheduler:
+    """Drop-in for `verl.utils.dynamic_cp_scheduler.DynamicCPScheduler`."""
+
+    def __init__(self, max_seqlen_per_dp_cp_rank: int, dp_size: int, cp_size: int):
+        for name, value in (("max_seqlen_per_dp_cp_rank", max_seqlen_per_dp_cp_rank), ("dp_size", dp_size), ("cp_size", cp_size)):
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"{name}: {value!r} is not allowed; Dynamic CP scheduler sizes must be positive integers")
+        self.max_seqlen_per_dp_cp_rank = max_seqlen_per_dp_cp_rank
+        self.dp_size = dp_size
+        self.cp_size = cp_size
+        self.total_ranks = dp_size * cp_size
+
+    def schedule(
+        self,
+        batch: TensorDict,
+        dcp_group,
+        *,
+        tp_size: int,
+        cp_layout: str = "zigzag",
+        min_local_rows: int | None = None,
+    ) -> list[TensorDict]:
+        """This rank's micro-batches of `batch` (replicated on every rank of `dcp_group`); a
+        collective over `dcp_group`."""
+        layout = _layout(cp_layout)
+        if min_local_rows is not None and (type(min_local_rows) is not int or min_local_rows <= 0):
+            raise ValueError(f"min_local_rows: {min_local_rows!r} is not allowed; expected None or a positive integer")
+        lengths = self._lengths(batch, dcp_group)
+        planner = self.planner(dcp_group, tp_size=tp_size, cp_layout=cp_layout)
+        plan = planner.plan(lengths)
+        return rank_micro_batches(
+            batch, sample_id_groups(plan), lengths, dcp_group.rank(),
+            tp_size=tp_size, cp_layout=layout, min_local_rows=min_local_rows,
+        )
+
+    def prefetch(self, batches: Sequence[TensorDict], dcp_group, *, tp_size: int, cp_layout: str = "zigzag") -> None:
+        """Starts planning each of `batches` (e.g. every mini-batch of a rollout batch, as soon as
+        it exists) in the background, so that `schedule` finds the plans ready. Not a collective:
+        only the asking rank plans; any rank may call it."""
+        planner = self.planner(dcp_group, tp_size=tp_size, cp_layout=cp_layout)
+        planner.prefetch([self._lengths(b, dcp_group) for b in batches])
+
+    def planner(self, dcp_group, *, tp_size: int, cp_layout: str = "zigzag") -> CachedPlanner:
+        """The planner (client, cache, metrics) this process uses for `dcp_group` and these sizes."""
+        config = verl_planner_config(
+            planner_settings(), max_seqlen_per_dp_cp_rank=self.max_seqlen_per_dp_cp_rank,
+            cp_size=self.cp_size, tp_size=tp_size, cp_layout=_layout(cp_layout),
+        )
+        return planner_for(config, dcp_group)
+
+    def _lengths(self, batch: TensorDict, dcp_group: Any) -> list[int]:
+        input_ids = batch.get("input_ids", None)
+        if not isinstance(input_ids, torch.Tensor) or not input_ids.is_nested:
+            raise ValueError(
+                f"input_ids: {type(input_ids).__name__} is not allowed; Dynamic CP requires input_ids to be a "
+                "jagged NestedTensor"
+            )
+        if len(batch) == 0:
+            raise ValueError("batch: 0 samples is not allowed; Dynamic CP cannot schedule an empty batch")
+        if dcp_group.size() != self.total_ranks:
+            raise ValueError(
+                f"dcp_group: DPxCP group size {dcp_group.size()} does not match dp_size * cp_size "
+                f"({self.dp_size} * {self.cp_size})"
+            )
+        lengths = [int(n) for n in input_ids.offsets().diff().tolist()]
+        empty = [i for i, n in enumerate(lengths) if n <= 0]
+        if empty:
+            raise ValueError(f"input_ids: samples {empty} have no token; Dynamic CP requires every input sequence to contain at least one token")
+        longest = max(lengths)
+        needed = math.ceil(longest / self.max_seqlen_per_dp_cp_rank)
+        if needed > self.total_ranks:
+            raise ValueError(
+                f"input_ids: a sequence with {longest} tokens needs at least {needed} ranks at "
+                f"max_seqlen_per_dp_cp_rank={self.max_seqlen_per_dp_cp_rank}, but the DPxCP group only has "
+                f"{self.total_ranks} ranks; allowed: sequences of at most "
+                f"{self.total_ranks * self.max_seqlen_per_dp_cp_rank} tokens"
+            )
+        return lengths
+
+
+def _layout(cp_layout: str) -> CpLayout:
+    try:
+        return CpLayout(cp_layout)
+    except ValueError:
+        raise ValueError(
+            f"cp_layout: {cp_layout!r} is not allowed; Unsupported context parallel layout, allowed: "
+            f"{[layout.value for layout in CpLayout]}"
+        ) from None

@@ -1,0 +1,76 @@
+"""The planner settings of a verl job: the client's own config format, from the environment.
+
+- `BATCH_PLANNER_CONFIG`: a YAML file with a top-level `batch_planner` section
+  (trainer_client/config.py's keys), as for the Megatron-LM drop-in;
+- `BATCH_PLANNER_ENDPOINT`: the planner's address ("host:port" or "dns:///name:port"); set, it
+  wins over the file's `planner_endpoint`.
+
+Neither set: planning in-process only. The sizes come from verl's engine (its `DynamicCPScheduler`
+arguments), never from the settings: a size in both must agree (ConfigError names both).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from batch_planner.request import CpLayout, SchedulerKind
+from trainer_client.config import ConfigError, PlannerClientConfig
+from trainer_client.megatron_lm import CONFIG_ENV, _given_planner_settings
+
+ENDPOINT_ENV = "BATCH_PLANNER_ENDPOINT"
+# verl's engine runs the dynamic-CP contract: every rank of the DPxCP group gets a sample list in
+# every micro-batch, CP groups are aligned runs of ranks, a group's samples are packed into one
+# THD buffer. Of the service's schedulers only dynamic CP plans for that (docs/verl.md).
+VERL_SCHEDULERS = (SchedulerKind.DYNAMIC_CP,)
+_ALLOWED = (SchedulerKind.DYNAMIC_CP, SchedulerKind.AUTO)
+
+
+def planner_settings() -> dict[str, Any]:
+    """The settings the environment names (see the module docstring)."""
+    given = _given_planner_settings(None) if os.environ.get(CONFIG_ENV) else {}
+    endpoint = os.environ.get(ENDPOINT_ENV, "").strip()
+    if endpoint:
+        given["planner_endpoint"] = endpoint
+    return given
+
+
+def verl_planner_config(
+    settings: dict[str, Any],
+    *,
+    max_seqlen_per_dp_cp_rank: int,
+    cp_size: int,
+    tp_size: int,
+    cp_layout: CpLayout,
+) -> PlannerClientConfig:
+    """The client config for one of verl's schedule calls: the settings plus the engine's sizes;
+    scheduler dynamic_cp (verl's own) unless the settings say auto, whose candidates are then
+    restricted to dynamic CP through `auto_schedulers`."""
+    derived = {
+        "max_seqlen_per_dp_cp_rank": max_seqlen_per_dp_cp_rank,
+        "context_parallel_size": cp_size,
+        "tensor_parallel_size": tp_size,
+        "cp_layout": cp_layout.value,
+    }
+    for key, value in derived.items():
+        if key in settings and settings[key] != value:
+            raise ConfigError(
+                f"{key}: the planner settings say {settings[key]!r} but verl's engine runs {value!r}; drop {key} "
+                "from the planner settings (the verl drop-in takes it from the engine)"
+            )
+    values = {**settings, **derived}
+    scheduler = values.setdefault("scheduler", SchedulerKind.DYNAMIC_CP.value)
+    if getattr(scheduler, "value", scheduler) not in [k.value for k in _ALLOWED]:
+        raise ConfigError(
+            f"scheduler: {scheduler!r} is not allowed for verl's engine; allowed: {[k.value for k in _ALLOWED]} "
+            "(verl's engine runs the dynamic-CP contract, docs/verl.md)"
+        )
+    wanted = values.get("auto_schedulers") or ()
+    other = [name for name in (getattr(k, "value", k) for k in wanted) if name not in [k.value for k in VERL_SCHEDULERS]]
+    if other:
+        raise ConfigError(
+            f"auto_schedulers: {other} is not allowed for verl's engine; allowed: {[k.value for k in VERL_SCHEDULERS]}"
+        )
+    auto = getattr(scheduler, "value", scheduler) == SchedulerKind.AUTO.value
+    values["auto_schedulers"] = [k.value for k in VERL_SCHEDULERS] if auto else []
+    return PlannerClientConfig.from_dict(values)
