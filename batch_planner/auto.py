@@ -18,14 +18,22 @@ the request's cost model (docs/cost-model.md), ties going to the earlier candida
 A candidate the installed Megatron-Core lacks, that validation refuses, whose scheduler fails, or
 whose plan breaks an invariant is listed with the reason and never served. With none left the
 request fails, naming every candidate's reason.
+
+Skipping what cannot win: hybrid CP candidates are planned after the others (`deferred`), and one
+whose proven lower bound (`lower_bound`) is above the cheapest cost already planned is listed as
+skipped, with its bound, instead of being planned. The served plan is the one planning every
+candidate would serve: a skipped candidate's cost is above that bound, so it cannot be the
+cheapest, and ties go to the earlier candidate either way (docs/design.md, "The auto policy",
+states the proof).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from batch_planner.cost import CostModel, static_cp_step_cost
 from batch_planner.cp_groups import megatron_cp_group_sizes
@@ -39,6 +47,9 @@ MAX_SEQLEN_FRACTIONS = (1.0, 0.75, 0.5)
 DYNAMIC_MIN_CP_SIZE = 2
 # Reasons listed in an error when no candidate could plan: enough to act on, bounded in size.
 MAX_REASONS_IN_ERROR = 6
+# How far (relatively) a lower bound must exceed the best cost before its candidate is skipped:
+# far above the rounding error of the float sums on either side, far below any real difference.
+SKIP_MARGIN = 1e-9
 
 
 @dataclass(frozen=True)
@@ -48,11 +59,11 @@ class Candidate:
     name: str
     request: PlanRequest  # a concrete request (its scheduler is not AUTO)
 
-    def summary(self, cost: float | None, reason: str = "", served: bool = False) -> CandidateSummary:
+    def summary(self, cost: float | None, reason: str = "", served: bool = False, skipped_lower_bound: float | None = None) -> CandidateSummary:
         r = self.request
         return CandidateSummary(
             self.name, r.scheduler, r.max_seqlen_per_dp_cp_rank, r.min_cp_size, r.context_parallel_size,
-            cost, served, reason,
+            cost, served, reason, skipped_lower_bound,
         )
 
 
@@ -64,6 +75,7 @@ class Outcome:
     plan: Plan | None
     code: str = ""  # the ErrorCode of the failure, when there is no plan
     reason: str = ""
+    skipped_lower_bound: float | None = None  # skipped: the bound that proved it cannot win
 
     @property
     def cost(self) -> float | None:
@@ -103,6 +115,60 @@ def _static(request: PlanRequest, cp: int) -> Candidate:
         min_cp_size=None, auto_schedulers=(),
     )
     return Candidate(f"static_cp{cp}", concrete)
+
+
+def lower_bound(request: PlanRequest, model: CostModel) -> float | None:
+    """A lower bound on the predicted step cost of every plan hybrid CP can return for `request`
+    (None for the other schedulers: their candidates are cheap to plan).
+
+    Hybrid CP runs each sample of a CP group as its own pass (capacity bound per sample), and
+    every DPxCP rank is in exactly one CP group of each micro-batch. A micro-batch lasts as long as
+    its slowest rank, which is at least the average over its ranks, so the step (the sum over
+    micro-batches) is at least the total rank-seconds of all groups divided by DPxCP. A sample of
+    length L on a group of c ranks adds c times its share of the group's time (cost.unit_features):
+
+        seconds_per_token * P + seconds_per_attention_token_pair * L^2
+        + c * (seconds_per_pass + cp_seconds_per_micro_batch [c > 1]) + cp_seconds_per_token * P * (c - 1)
+
+    with P >= L its padded length, and c at least the CP size BalancedCPScheduler gives L (the
+    smallest power of two with c * max_seqlen_per_dp_cp_rank >= L; it only ever grows a group).
+    Every term grows with P and c, so L and that c give the bound.
+    """
+    if request.scheduler is not SchedulerKind.HYBRID_CP:
+        return None
+    budget = request.max_seqlen_per_dp_cp_rank
+    total = 0.0
+    for length in request.sequence_lengths:
+        cp = max(1, 2 ** math.ceil(math.log2(length / budget)))  # BalancedCPScheduler.gpus_needed
+        fixed = model.seconds_per_pass + (model.cp_seconds_per_micro_batch if cp > 1 else 0.0)
+        total += (
+            model.seconds_per_token * length
+            + model.seconds_per_attention_token_pair * float(length * length)
+            + cp * fixed
+            + model.cp_seconds_per_token * length * (cp - 1)
+        )
+    return total / request.dp_cp_size
+
+
+def deferred(found: Sequence[Candidate]) -> tuple[int, ...]:
+    """The candidates planned last, so that the best cost of the others may skip them: those with a
+    lower bound (hybrid CP's, the slowest to plan)."""
+    return tuple(k for k, c in enumerate(found) if c.request.scheduler is SchedulerKind.HYBRID_CP)
+
+
+def best_cost(costs: Iterable[float | None]) -> float | None:
+    planned = [cost for cost in costs if cost is not None]
+    return min(planned) if planned else None
+
+
+def skip_if_beaten(candidate: Candidate, model: CostModel, best: float | None) -> Outcome | None:
+    """The candidate as skipped when its lower bound exceeds `best` (a cost already planned), else
+    None: it must be planned."""
+    bound = lower_bound(candidate.request, model) if best is not None else None
+    if bound is None or best is None or not bound > best * (1.0 + SKIP_MARGIN):
+        return None
+    reason = f"skipped: no plan of it can cost less than {bound:.6g} s, above {best:.6g} s already planned"
+    return Outcome(candidate, None, "", reason, skipped_lower_bound=bound)
 
 
 def plan_candidate(candidate: Candidate, plan_one: Callable[[PlanRequest], Plan]) -> Outcome:
@@ -156,7 +222,8 @@ def serve(request: PlanRequest, outcomes: Sequence[Outcome], cost_model: CostMod
     """The winner's plan as auto's answer: its own id, every candidate listed, its speedup over the
     job's static CP. Raises when no candidate has a plan."""
     result = answer(
-        [o.candidate.summary(o.cost, o.reason) for o in outcomes], [o.code for o in outcomes],
+        [o.candidate.summary(o.cost, o.reason, skipped_lower_bound=o.skipped_lower_bound) for o in outcomes],
+        [o.code for o in outcomes],
         request.context_parallel_size, lambda: static_cp_step_cost(request, cost_model),
     )
     winner = outcomes[result.winner]

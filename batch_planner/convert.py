@@ -196,6 +196,7 @@ def _add_candidates(response: pb.PlanResponse, summaries: Sequence[CandidateSumm
             name=c.name, scheduler=SCHEDULER_TO_PROTO[c.scheduler], max_seqlen_per_dp_cp_rank=c.max_seqlen_per_dp_cp_rank,
             context_parallel_size=c.context_parallel_size, planned=c.predicted_step_cost is not None,
             predicted_step_cost=c.predicted_step_cost or 0.0, served=c.served, not_planned_reason=c.not_planned_reason,
+            skipped=c.skipped_lower_bound is not None, lower_bound_cost=c.skipped_lower_bound or 0.0,
             **({"min_cp_size": c.min_cp_size} if c.min_cp_size is not None else {}),
         )
 
@@ -249,6 +250,7 @@ def plan_from_proto(message: pb.PlanResponse) -> Plan:
                 c.name, SCHEDULER_FROM_PROTO[c.scheduler], c.max_seqlen_per_dp_cp_rank,
                 c.min_cp_size if c.HasField("min_cp_size") else None, c.context_parallel_size,
                 c.predicted_step_cost if c.planned else None, c.served, c.not_planned_reason,
+                c.lower_bound_cost if c.skipped else None,
             )
             for c in message.candidates
         ),

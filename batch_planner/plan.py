@@ -62,6 +62,9 @@ class CandidateSummary:
     predicted_step_cost: float | None  # None: not planned
     served: bool = False
     not_planned_reason: str = ""
+    # Skipped by auto: a proven lower bound on any plan of this candidate, above a cost already
+    # planned (batch_planner/auto.py, `lower_bound`); None when the candidate was planned or failed.
+    skipped_lower_bound: float | None = None
 
 
 @dataclass(frozen=True)

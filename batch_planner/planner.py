@@ -11,15 +11,17 @@ from dataclasses import replace
 from functools import partial
 from typing import Any, Callable, Sequence
 
-from batch_planner.auto import Candidate, Outcome, candidates, plan_candidate, serve
+from batch_planner.auto import Candidate, Outcome, best_cost, candidates, deferred, plan_candidate, serve, skip_if_beaten
 from batch_planner.cost import CostModel, plan_statistics
 from batch_planner.cost_profiles import resolve_cost_model
 from batch_planner.padding import PlanPadding
 from batch_planner.plan import MicroBatch, Plan, check_plan_invariants, groups_from_rank_assignment
 from batch_planner.request import PlanRequest, SchedulerKind
+from batch_planner.errors import PlanningError
 from batch_planner.schedulers import (
     SCHEDULER_SPECS,
     megatron_core_version,
+    require_scheduler,
     run_scheduler,
     valid_cp_sizes,
 )
@@ -73,9 +75,44 @@ def plan_batch(
     validate_request(request, limits)
     model = resolve_cost_model(request.cost_model, cost_model or CostModel(), request.tensor_parallel_size)
     if request.scheduler is SchedulerKind.AUTO:
-        outcomes = run_candidates(candidates(request), partial(plan_one_scheduler, limits=limits, cost_model=model))
-        return serve(request, outcomes, model, megatron_core_version())
+        return serve(request, plan_candidates(candidates(request), limits, model, run_candidates), model, megatron_core_version())
     return plan_one_scheduler(request, limits, model)
+
+
+def plan_candidates(found: Sequence[Candidate], limits: RequestLimits, model: CostModel, run_candidates: RunCandidates) -> list[Outcome]:
+    """auto's candidates in two rounds: first every one but the deferred (batch_planner/auto.py),
+    then those of the deferred that the first round's best cost does not skip."""
+    plan_one = partial(plan_one_scheduler, limits=limits, cost_model=model)
+    later = set(deferred(found))
+    first = [k for k in range(len(found)) if k not in later]
+    outcomes: dict[int, Outcome] = dict(zip(first, run_candidates([found[k] for k in first], plan_one)))
+    best = best_cost(o.cost for o in outcomes.values())
+    to_plan = []
+    for k in sorted(later):
+        skipped = skipped_outcome(found[k], limits, model, best)
+        if skipped is not None:
+            outcomes[k] = skipped
+        else:
+            to_plan.append(k)
+    outcomes.update(zip(to_plan, run_candidates([found[k] for k in to_plan], plan_one)))
+    return [outcomes[k] for k in range(len(found))]
+
+
+def skipped_outcome(candidate: Candidate, limits: RequestLimits, model: CostModel, best: float | None) -> Outcome | None:
+    """The candidate as skipped when its lower bound beats `best` (batch_planner.auto.skip_if_beaten)
+    and it would plan; None when it must be planned. One that would be refused (validation, a
+    scheduler this build lacks) is planned, so that its refusal, not a skip, is what auto lists."""
+    skipped = skip_if_beaten(candidate, model, best)
+    return skipped if skipped is not None and _would_plan(candidate.request, limits) else None
+
+
+def _would_plan(request: PlanRequest, limits: RequestLimits) -> bool:
+    try:
+        validate_request(request, limits)
+        require_scheduler(request.scheduler)
+    except PlanningError:
+        return False
+    return True
 
 
 def plan_one_scheduler(request: PlanRequest, limits: RequestLimits, cost_model: CostModel) -> Plan:

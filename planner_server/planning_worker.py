@@ -16,13 +16,13 @@ from typing import Sequence
 
 from google.protobuf.message import DecodeError
 
-from batch_planner.auto import answer, auto_plan_id, candidates, plan_candidate
+from batch_planner.auto import answer, auto_plan_id, candidates, deferred, plan_candidate
 from batch_planner.convert import auto_patch_to_proto, plan_to_proto, request_from_proto, scheduler_label
 from batch_planner.cost import CostModel, static_cp_step_cost
 from batch_planner.cost_profiles import resolve_cost_model
 from batch_planner.errors import ErrorCode, InvariantViolationError, PlanningError
 from batch_planner.plan import CandidateSummary
-from batch_planner.planner import plan_batch, plan_one_scheduler
+from batch_planner.planner import plan_batch, plan_one_scheduler, skipped_outcome
 from batch_planner.request import SchedulerKind
 from batch_planner.exact.verified import select_implementation
 from batch_planner.schedulers import megatron_core_version
@@ -68,11 +68,13 @@ def plan_request_bytes(
 
 
 def plan_part(
-    request_bytes: bytes, deadline: float, index: int | None, limits: RequestLimits, cost_model: CostModel
+    request_bytes: bytes, deadline: float, index: int | None, limits: RequestLimits, cost_model: CostModel,
+    best: float | None = None,
 ) -> tuple[WorkerResult, AutoPart | None]:
-    """With `index`: candidate `index` of an auto request, its WorkerResult and its AutoPart.
-    A request that is not auto, or refused as a whole, or `index` None: planned (or refused) in
-    full, with no AutoPart."""
+    """With `index`: candidate `index` of an auto request, its WorkerResult and its AutoPart
+    (`best`: the cheapest cost already planned, which may skip a deferred candidate). A request
+    that is not auto, or refused as a whole, or `index` None: planned (or refused) in full, with
+    no AutoPart."""
     received = time.perf_counter()
     parsed = _parse(request_bytes, deadline)
     if isinstance(parsed, WorkerResult):
@@ -82,7 +84,7 @@ def plan_part(
         request = request_from_proto(message)
         if index is not None and request.scheduler is SchedulerKind.AUTO:
             validate_request(request, limits)
-            return _plan_candidate(request, index, limits, cost_model, about)
+            return _plan_candidate(request, index, limits, cost_model, about, best)
         started = time.perf_counter()
         plan = plan_batch(request, limits, cost_model)
         elapsed = time.perf_counter() - started
@@ -157,22 +159,29 @@ class AutoPart:
     code: str  # the ErrorCode of the candidate's failure ("" when planned)
     plan_id: str  # auto's plan id, should this candidate win
     static_estimate: float  # static CP at the job's CP size, estimated (candidate 0 only)
+    deferred: tuple[int, ...] = ()  # the candidates to plan after the others (batch_planner.auto.deferred)
 
 
 def _plan_candidate(
-    request, index: int, limits: RequestLimits, cost_model: CostModel, about: dict
+    request, index: int, limits: RequestLimits, cost_model: CostModel, about: dict, best: float | None
 ) -> tuple[WorkerResult, AutoPart]:
     found = candidates(request)
     model = resolve_cost_model(request.cost_model, cost_model, request.tensor_parallel_size)
     candidate = found[index]
     started = time.perf_counter()
-    outcome = plan_candidate(candidate, partial(plan_one_scheduler, limits=limits, cost_model=model))
+    outcome = skipped_outcome(candidate, limits, model, best) or plan_candidate(
+        candidate, partial(plan_one_scheduler, limits=limits, cost_model=model)
+    )
     elapsed = time.perf_counter() - started
     estimate = static_cp_step_cost(request, model) if index == 0 else 0.0
     part = AutoPart(
-        len(found), request.context_parallel_size, candidate.summary(outcome.cost, outcome.reason), outcome.code,
+        len(found), request.context_parallel_size,
+        candidate.summary(outcome.cost, outcome.reason, skipped_lower_bound=outcome.skipped_lower_bound), outcome.code,
         auto_plan_id(request, candidate, model, megatron_core_version()), estimate,
+        deferred(found) if index == 0 else (),
     )
+    if outcome.skipped_lower_bound is not None:
+        return WorkerResult(ErrorCode.OK, message=outcome.reason, **about), part
     if outcome.plan is None:
         return WorkerResult(ErrorCode(outcome.code), message=outcome.reason, **about), part
     return _success(outcome.plan, elapsed, about), part
@@ -244,9 +253,11 @@ def worker_initializer(
     warm_up()
 
 
-def plan_part_in_worker(request_bytes: bytes, deadline: float, index: int) -> tuple[WorkerResult, AutoPart | None]:
+def plan_part_in_worker(
+    request_bytes: bytes, deadline: float, index: int, best: float | None = None
+) -> tuple[WorkerResult, AutoPart | None]:
     """What the pool submits for one of auto's candidates (plan_part with the worker's settings)."""
-    return plan_part(request_bytes, deadline, index, _settings.limits, _settings.cost_model)
+    return plan_part(request_bytes, deadline, index, _settings.limits, _settings.cost_model, best)
 
 
 def plan_in_worker(request_bytes: bytes, deadline: float) -> WorkerResult:

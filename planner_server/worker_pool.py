@@ -38,6 +38,7 @@ from multiprocessing.connection import wait as wait_for
 
 from google.protobuf.message import DecodeError
 
+from batch_planner.auto import best_cost
 from batch_planner.cost import CostModel
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.validation import RequestLimits
@@ -416,22 +417,31 @@ class PlanningPool:
         return self._plan_auto_rest(request_bytes, deadline, end, on_abandon, (result, part), job)
 
     def _plan_auto_rest(self, request_bytes: bytes, deadline: float, end: float, on_abandon, first, job: str = "") -> WorkerResult:
-        """auto's other candidates, side by side on the workers: the request holds a slot for each
-        (the work it really causes), all stopped together when its caller goes away."""
-        work = self.admit(first[1].count - 1, job)
+        """auto's other candidates, side by side on the workers, in two rounds: every one but the
+        deferred, then the deferred with the best cost so far, which may skip them
+        (batch_planner.planner.plan_candidates does the same in one process). The request holds a
+        slot for each candidate (the work it really causes), all stopped together when its caller
+        goes away."""
+        count, later = first[1].count, first[1].deferred
+        work = self.admit(count - 1, job)
         try:
             if on_abandon is not None and on_abandon(work.cancel) is False:
                 work.cancel()  # the RPC has already ended
-            tasks = [work.submit(plan_part_in_worker, request_bytes, deadline, k) for k in range(1, first[1].count)]
-            parts = [first]
-            for task in tasks:
-                try:
-                    parts.append(task.result(max(0.0, end - time.monotonic())))
-                except TaskCancelled:
-                    raise TimeoutError from None
+            parts = {0: first}
+
+            def run_round(indices, best=None) -> None:
+                tasks = [(k, work.submit(plan_part_in_worker, request_bytes, deadline, k, best)) for k in indices]
+                for k, task in tasks:
+                    try:
+                        parts[k] = task.result(max(0.0, end - time.monotonic()))
+                    except TaskCancelled:
+                        raise TimeoutError from None
+
+            run_round([k for k in range(1, count) if k not in later])
+            run_round([k for k in later if k != 0], best_cost(part.summary.predicted_step_cost for _, part in parts.values()))
         finally:
             work.close()
-        return assemble_auto(parts, job_cp=first[1].job_cp)
+        return assemble_auto([parts[k] for k in range(count)], job_cp=first[1].job_cp)
 
     def _run(self, work: Work, fn, *args, timeout: float, on_abandon):
         if on_abandon is not None and on_abandon(work.cancel) is False:

@@ -215,7 +215,7 @@ class PlanResponse(_message.Message):
     def __init__(self, plan_id: _Optional[str] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., scheduler_class: _Optional[str] = ..., megatron_core_version: _Optional[str] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., statistics: _Optional[_Union[PlanStatistics, _Mapping]] = ..., capacity_bound: _Optional[_Union[CapacityBound, str]] = ..., dp_cp_size: _Optional[int] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., tensor_parallel_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ...) -> None: ...
 
 class Candidate(_message.Message):
-    __slots__ = ("name", "scheduler", "max_seqlen_per_dp_cp_rank", "min_cp_size", "context_parallel_size", "planned", "predicted_step_cost", "served", "not_planned_reason")
+    __slots__ = ("name", "scheduler", "max_seqlen_per_dp_cp_rank", "min_cp_size", "context_parallel_size", "planned", "predicted_step_cost", "served", "not_planned_reason", "skipped", "lower_bound_cost")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQLEN_PER_DP_CP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,8 @@ class Candidate(_message.Message):
     PREDICTED_STEP_COST_FIELD_NUMBER: _ClassVar[int]
     SERVED_FIELD_NUMBER: _ClassVar[int]
     NOT_PLANNED_REASON_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    LOWER_BOUND_COST_FIELD_NUMBER: _ClassVar[int]
     name: str
     scheduler: Scheduler
     max_seqlen_per_dp_cp_rank: int
@@ -234,7 +236,9 @@ class Candidate(_message.Message):
     predicted_step_cost: float
     served: bool
     not_planned_reason: str
-    def __init__(self, name: _Optional[str] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., max_seqlen_per_dp_cp_rank: _Optional[int] = ..., min_cp_size: _Optional[int] = ..., context_parallel_size: _Optional[int] = ..., planned: _Optional[bool] = ..., predicted_step_cost: _Optional[float] = ..., served: _Optional[bool] = ..., not_planned_reason: _Optional[str] = ...) -> None: ...
+    skipped: bool
+    lower_bound_cost: float
+    def __init__(self, name: _Optional[str] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., max_seqlen_per_dp_cp_rank: _Optional[int] = ..., min_cp_size: _Optional[int] = ..., context_parallel_size: _Optional[int] = ..., planned: _Optional[bool] = ..., predicted_step_cost: _Optional[float] = ..., served: _Optional[bool] = ..., not_planned_reason: _Optional[str] = ..., skipped: _Optional[bool] = ..., lower_bound_cost: _Optional[float] = ...) -> None: ...
 
 class GetCapabilitiesRequest(_message.Message):
     __slots__ = ()
