@@ -120,6 +120,12 @@ def test_corpus_matches_upstream():
     assert len(outcomes) > 2  # the corpus reaches upstream's failures too
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("count", "ranks", "max_seqlen"), [(2048, 128, 4096), (4096, 256, 8192)])
+def test_at_scale_matches_upstream(count, ranks, max_seqlen):
+    assert compare(sample_lengths("lognormal_32k", count, 0), max_seqlen, ranks) == "ok"
+
+
 def test_ids_are_carried_not_positions():
     rng = random.Random(7)
     lengths = sample_lengths("lognormal_32k", 200, 3)

@@ -74,6 +74,7 @@ _BUCKET_SLACK = 1.1  # make_buckets_equal's "too much work" factor
 NO_GROUP_MESSAGE = "There should be at least one group existing, cannot reditribute, "
 NOT_ENOUGH_MESSAGE = "Empty GPUs were detected but not enough to expand."
 INDEX_MESSAGE = "list assignment index out of range"
+EMPTY_MAX_MESSAGE = "max() iterable argument is empty"
 
 
 def _gpus_needed(length: int, max_seq_len_per_rank: int) -> int:
@@ -126,9 +127,7 @@ class _MicroBatch:
         return min(heap[0][0] for heap in self.heaps.values())
 
 
-def _next_micro_batch(
-    ids: list, lengths: list[int], needs: list[int], costs: list[float], total_ranks: int
-) -> tuple[list[list], list[int]]:
+def _next_micro_batch(ids: list, needs: list[int], costs: list[float], total_ranks: int) -> tuple[list[list], list[int]]:
     """One micro-batch: its sample ids per DPxCP rank, and the positions of the samples left over
     (upstream's leftover order)."""
     cost_array = np.array(costs, dtype=np.float64)
@@ -261,9 +260,7 @@ def _fill_empty_ranks(batch: _MicroBatch) -> None:
         batch.used += needed
 
 
-def get_groups_and_subsamples(
-    sample_id_seqlens: list[tuple[int, int]], *, max_seq_len_per_rank: int, total_ranks: int
-) -> list[list[list[int]]]:
+def get_groups_and_subsamples(sample_id_seqlens: list[tuple[int, int]], *, max_seq_len_per_rank: int, total_ranks: int) -> list[list[list[int]]]:
     """`BalancedCPScheduler(max_seq_len_per_rank, <group of size total_ranks>)
     .get_groups_and_subsamples(sample_id_seqlens, None)[1]` (the sample_id_groups), exactly."""
     ordered = sorted(sample_id_seqlens, key=lambda x: x[1], reverse=True)
@@ -279,12 +276,11 @@ def get_groups_and_subsamples(
     costs = [(length * length) / needed for length, needed in zip(lengths, needs)]
     sample_id_groups: list[list[list[int]]] = []
     while ids:
-        if total_ranks <= 0:
-            max([])  # upstream: trim_overload's max(exec_times) over no ranks raises ValueError
-        per_rank, left = _next_micro_batch(ids, lengths, needs, costs, total_ranks)
+        if total_ranks <= 0:  # upstream places nothing, then trim_overload's max() of no ranks raises
+            raise ValueError(EMPTY_MAX_MESSAGE)
+        per_rank, left = _next_micro_batch(ids, needs, costs, total_ranks)
         sample_id_groups.append(per_rank)
         ids = [ids[p] for p in left]
-        lengths = [lengths[p] for p in left]
         needs = [needs[p] for p in left]
         costs = [costs[p] for p in left]
     return sample_id_groups
