@@ -157,3 +157,12 @@ def test_hypothesis_matches_upstream(ranks, max_seqlen, lengths):
 def test_hypothesis_outcomes_reported():
     if _hypothesis_outcomes:
         print(f"\nhybrid CP hypothesis: {sum(_hypothesis_outcomes.values())} examples: {dict(sorted(_hypothesis_outcomes.items()))}")
+
+
+def test_guard_against_a_micro_batch_that_consumes_nothing(monkeypatch):
+    """Unreachable with upstream's algorithm (module doc); the guard raises instead of looping."""
+    from batch_planner.errors import SchedulerWouldNotTerminate
+
+    monkeypatch.setattr(hybrid_cp, "_next_micro_batch", lambda ids, needs, costs, ranks: ([[]] * ranks, list(range(len(ids)))))
+    with pytest.raises(SchedulerWouldNotTerminate, match="placed none of the 3 samples"):
+        hybrid_cp.get_groups_and_subsamples([(0, 5), (1, 6), (2, 7)], max_seq_len_per_rank=8, total_ranks=4)

@@ -50,10 +50,25 @@ operations in the same order, on a group-level state instead of a rank-level one
   and IndexError exactly when upstream's writes would pass the last rank (used - 1 + growth >= ranks).
   The times it writes are never read for `sample_id_groups`.
 
-So upstream cannot loop for ever here (every call places at least one sample, which trimming
-never takes back, and every fill step grows the used ranks or raises), and this module never
-raises `SchedulerWouldNotTerminate`. Each placement costs O(buckets + CP sizes + log groups)
-instead of O(ranks + groups); each micro-batch's bucketing is a few numpy passes.
+So upstream cannot loop for ever here: every call places at least one sample, which trimming
+never takes back (a group keeps its last sample), or else places none and the fill step raises;
+every fill step grows the used ranks or raises; and `fill_empty_gpus` never returns None (its loop
+always reaches a group of the smallest size, and that iteration returns or raises), so upstream's
+unpacking TypeError cannot happen. `SchedulerWouldNotTerminate` is only a guard on the first
+argument: it is raised should a micro-batch ever consume nothing, where upstream would repeat it.
+
+Upstream's quirks, kept: a bucket also closes when `len - i <= remaining_k - len(buckets)`, i.e.
+k - 2 * (buckets closed so far); `prev_needed` is set once per micro-batch (the first sample's CP
+size), so the balance check starts at the first smaller CP size and stays on; `trim_overload`
+pops the most loaded group's last sample (LIFO) and appends it after the bucket leftovers, so the
+next micro-batch's list is not sorted. Quirks with no effect on `sample_id_groups`: the
+`@lru_cache` on methods (pure functions of their arguments), `[[]] * n` in `fill_empty_gpus`
+(upstream's expanded ranks share one list object; here each rank has its own, equal, list), the
+exec times `fill_empty_gpus` writes (only the first sample's work), and
+`sample_ids.extend([] * ...)` (extends by nothing).
+
+Each placement costs O(buckets + CP sizes + log groups) instead of O(ranks + groups); each
+micro-batch's bucketing is a few numpy passes over the samples left.
 
 Inputs: lengths are ints (the planner's). Invalid values fail as upstream does: a length <= 0 or a
 negative `max_seq_len_per_rank` raises ValueError('math domain error'), a zero one
@@ -68,6 +83,8 @@ from bisect import insort
 from math import ceil, log2
 
 import numpy as np
+
+from batch_planner.errors import SchedulerWouldNotTerminate
 
 _DELTA = 0.05  # next_hdp_group's default `delta`: the balance slack
 _BUCKET_SLACK = 1.1  # make_buckets_equal's "too much work" factor
@@ -279,6 +296,10 @@ def get_groups_and_subsamples(sample_id_seqlens: list[tuple[int, int]], *, max_s
         if total_ranks <= 0:  # upstream places nothing, then trim_overload's max() of no ranks raises
             raise ValueError(EMPTY_MAX_MESSAGE)
         per_rank, left = _next_micro_batch(ids, needs, costs, total_ranks)
+        if len(left) >= len(ids):  # unreachable (module doc); upstream would repeat this call for ever
+            raise SchedulerWouldNotTerminate(
+                f"Megatron-Core's BalancedCPScheduler would loop for ever on this batch: a micro-batch placed none of the {len(ids)} samples left"
+            )
         sample_id_groups.append(per_rank)
         ids = [ids[p] for p in left]
         needs = [needs[p] for p in left]
