@@ -19,6 +19,7 @@ from typing import Callable
 from batch_planner.cp_groups import is_power_of_two, megatron_cp_group_sizes
 from batch_planner.errors import SchedulerFailedError, SchedulerUnavailableError
 from batch_planner.exact import dynamic_cp as exact_dynamic_cp
+from batch_planner.exact import hybrid_cp as exact_hybrid_cp
 from batch_planner.exact.verified import exact_path_status
 from batch_planner.request import CapacityBound, PlanRequest, SchedulerKind
 
@@ -152,8 +153,13 @@ class _DpCpGroupSize:
 
 
 def _run_hybrid_cp(cls, request: PlanRequest, seqlens: list[tuple[int, int]]) -> RankAssignment:
-    scheduler = cls(request.max_seqlen_per_dp_cp_rank, _DpCpGroupSize(request.dp_cp_size))
-    _, sample_id_groups = scheduler.get_groups_and_subsamples(seqlens, None)
+    if exact_path_status(SchedulerKind.HYBRID_CP).active:
+        sample_id_groups = exact_hybrid_cp.get_groups_and_subsamples(
+            seqlens, max_seq_len_per_rank=request.max_seqlen_per_dp_cp_rank, total_ranks=request.dp_cp_size
+        )
+    else:
+        scheduler = cls(request.max_seqlen_per_dp_cp_rank, _DpCpGroupSize(request.dp_cp_size))
+        _, sample_id_groups = scheduler.get_groups_and_subsamples(seqlens, None)
     return [align_cp_groups(rank_ids) for rank_ids in sample_id_groups]
 
 

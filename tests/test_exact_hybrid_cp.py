@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
 from batch_planner.exact import hybrid_cp
+from tests.exact_corpus import outcome
 
 os.environ.setdefault("NO_VCS_VERSION", "1")
 with warnings.catch_warnings():
@@ -43,13 +44,6 @@ class _GroupOfSize:
         return self._size
 
 
-def _outcome(call):
-    try:
-        return ("ok", call())
-    except Exception as exc:  # noqa: BLE001 - compared as (type, message)
-        return (type(exc).__name__, str(exc))
-
-
 def _upstream(pairs, max_seqlen, ranks):
     scheduler = BalancedCPScheduler(max_seqlen, _GroupOfSize(ranks))
     return scheduler.get_groups_and_subsamples(list(pairs), None)[1]
@@ -61,10 +55,10 @@ def _exact(pairs, max_seqlen, ranks):
 
 def compare(lengths, max_seqlen, ranks, ids=None):
     pairs = list(zip(ids if ids is not None else range(len(lengths)), lengths))
-    expected = _outcome(lambda: _upstream(pairs, max_seqlen, ranks))
-    got = _outcome(lambda: _exact(pairs, max_seqlen, ranks))
+    expected = outcome(lambda: _upstream(pairs, max_seqlen, ranks))
+    got = outcome(lambda: _exact(pairs, max_seqlen, ranks))
     assert got == expected, f"ranks={ranks} max_seqlen={max_seqlen} lengths={lengths}: {got!r:.300} != {expected!r:.300}"
-    return expected[0]
+    return expected[0] if expected[0] == "ok" else expected[1]
 
 
 def _lengths(kind: str, count: int, rng: random.Random, max_seqlen: int) -> list[int]:
@@ -110,12 +104,13 @@ def corpus():
     return cases
 
 
-@pytest.mark.timeout(240)
-def test_corpus_matches_upstream():
+@pytest.mark.timeout(600)  # about 25 s on an idle core
+def test_corpus_matches_upstream(capsys):
     outcomes = Counter()
     for lengths, max_seqlen, ranks in corpus():
         outcomes[compare(lengths, max_seqlen, ranks)] += 1
-    print(f"\nhybrid CP exact vs upstream: {sum(outcomes.values())} cases compared: {dict(sorted(outcomes.items()))}")
+    with capsys.disabled():
+        print(f"\nhybrid CP exact vs upstream: {sum(outcomes.values())} requests compared, 0 differences: {dict(sorted(outcomes.items()))}")
     assert outcomes["ok"] > 1000
     assert len(outcomes) > 2  # the corpus reaches upstream's failures too
 
@@ -154,9 +149,10 @@ def test_hypothesis_matches_upstream(ranks, max_seqlen, lengths):
     _hypothesis_outcomes[compare(lengths, max_seqlen, ranks)] += 1
 
 
-def test_hypothesis_outcomes_reported():
+def test_hypothesis_outcomes_reported(capsys):
     if _hypothesis_outcomes:
-        print(f"\nhybrid CP hypothesis: {sum(_hypothesis_outcomes.values())} examples: {dict(sorted(_hypothesis_outcomes.items()))}")
+        with capsys.disabled():
+            print(f"\nhybrid CP hypothesis: {sum(_hypothesis_outcomes.values())} examples: {dict(sorted(_hypothesis_outcomes.items()))}")
 
 
 def test_guard_against_a_micro_batch_that_consumes_nothing(monkeypatch):
@@ -166,3 +162,40 @@ def test_guard_against_a_micro_batch_that_consumes_nothing(monkeypatch):
     monkeypatch.setattr(hybrid_cp, "_next_micro_batch", lambda ids, needs, costs, ranks: ([[]] * ranks, list(range(len(ids)))))
     with pytest.raises(SchedulerWouldNotTerminate, match="placed none of the 3 samples"):
         hybrid_cp.get_groups_and_subsamples([(0, 5), (1, 6), (2, 7)], max_seq_len_per_rank=8, total_ranks=4)
+
+
+def test_the_whole_pipeline_serves_the_same_bytes_and_refusals(capsys):
+    """Validation, the scheduler, the alignment of CP groups, invariants, statistics, plan id: the
+    response bytes (or the refusal) are the same whichever code plans hybrid CP."""
+    from batch_planner.convert import plan_to_proto
+    from batch_planner.errors import PlanningError
+    from batch_planner.exact.verified import SchedulerImplementation, exact_path_status, select_implementation
+    from batch_planner.planner import plan_batch
+    from batch_planner.request import PlanRequest, SchedulerKind
+
+    assert exact_path_status(SchedulerKind.HYBRID_CP).active, exact_path_status(SchedulerKind.HYBRID_CP).reason
+
+    def served(request, implementation):
+        select_implementation(implementation)
+        try:
+            return ("plan", plan_to_proto(plan_batch(request)).SerializeToString(deterministic=True))
+        except PlanningError as error:
+            return ("refused", error.code.value, str(error))
+        finally:
+            select_implementation(None)
+
+    rng = random.Random(11)
+    plans = 0
+    for _ in range(300):
+        ranks = rng.choice(POWERS[:8])
+        cp = rng.choice([c for c in (1, 2, 4) if ranks % c == 0])
+        max_seqlen = rng.choice(MAX_SEQLENS)
+        count = rng.choice([1, 5, 40, 200])
+        lengths = [int(length) for length in _lengths(rng.choice(KINDS), count, rng, max_seqlen)]
+        request = PlanRequest.of(lengths, ranks // cp, cp, max_seqlen, scheduler=SchedulerKind.HYBRID_CP)
+        exact = served(request, SchedulerImplementation.EXACT)
+        assert exact == served(request, SchedulerImplementation.UPSTREAM), f"ranks={ranks} cp={cp} max_seqlen={max_seqlen} lengths={lengths}"
+        plans += exact[0] == "plan"
+    with capsys.disabled():
+        print(f"\nwhole pipeline, hybrid CP exact vs upstream: 300 requests, {plans} plans, identical bytes and refusals")
+    assert plans > 100

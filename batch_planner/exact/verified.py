@@ -51,12 +51,17 @@ UPSTREAM_OBJECTS: dict[SchedulerKind, tuple[str, ...]] = {
         "megatron.core.datasets.data_schedule_utils:dcp_gpus_needed",
         "megatron.core.datasets.data_schedule_utils:_DYNAMIC_CP_WORKLOAD_CAP_DELTA",
     ),
+    SchedulerKind.HYBRID_CP: ("megatron.core.pipeline_parallel.hybrid_cp_schedule:BalancedCPScheduler",),
 }
 
 # Fingerprints of the upstream sources the differential corpus was run against, and the build.
 VERIFIED: dict[SchedulerKind, dict[str, str]] = {
     SchedulerKind.DYNAMIC_CP: {
         "bd08514faa222a893819992c5a5cebc5bf83c80a6ede0e82efea87cd61dbf3f9": "0.19.0+dev.d48bd6b (Megatron-LM dev d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1)",
+    },
+    # The class's source is the same in both builds.
+    SchedulerKind.HYBRID_CP: {
+        "55d611b39fa953243548264ecb6953b7aa6197b8906d0c57345b8b9f10acd275": "0.19.2 and 0.19.0+dev.d48bd6b",
     },
 }
 
