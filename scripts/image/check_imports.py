@@ -38,7 +38,7 @@ def check_megatron_core() -> str:
         import megatron.core
     except ModuleNotFoundError as error:
         if error.name == "triton":
-            fail("megatron.core imports triton, which is not installed (the CPU build of torch does not bring it): "
+            fail(f"megatron.core imports triton ({error}; the CPU build of torch does not bring it): "
                  "requirements/image.lock must pin triton (scripts/lock_requirements.py keeps it).")
         raise
     import triton
