@@ -17,7 +17,7 @@
 #   podman build --network none --volume "$PWD/wheels:/wheels:ro" --build-arg WHEELHOUSE=/wheels \
 #     --build-arg MEGATRON_CORE_SPEC='megatron-core==0.19.0+dev.d48bd6b' .
 # TORCH_VARIANT=cpu (default) refuses a CUDA build of torch; TORCH_VARIANT=cuda accepts one (where
-# no CPU wheel can be had; the image is then about 5.8 GB instead of about 1.5 GB).
+# no CPU wheel can be had; the image is then about 5.9 GB, its nvidia-* libraries alone 3.2 GB).
 #
 # The base image is pinned by its full version tag. To pin it by digest as well, pass
 #   --build-arg PYTHON_IMAGE=python:3.12.12-slim-bookworm@sha256:<digest>
