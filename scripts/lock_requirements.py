@@ -5,7 +5,8 @@
 
 torch and the packages only the CUDA build of torch pulls in are dropped from image.lock: the image
 installs the CPU build of torch from PyTorch's CPU index before the lock (Dockerfile), and its
-wheels are not the ones an index of CUDA builds would hash. Index options of the machine that
+wheels are not the ones an index of CUDA builds would hash. triton is kept: megatron.core imports
+it, and the CPU build of torch does not bring it (image.in). Index options of the machine that
 ran the resolution, and its paths in the annotations, are dropped too.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIREMENTS = ROOT / "requirements"
-CUDA_ONLY = re.compile(r"^(torch|triton|nvidia-[\w-]+|cuda-[\w-]+)==")
+CUDA_ONLY = re.compile(r"^(torch|nvidia-[\w-]+|cuda-[\w-]+)==")
 
 
 def compile_lock(name: str) -> None:
@@ -42,5 +43,6 @@ def compile_lock(name: str) -> None:
 
 
 if __name__ == "__main__":
-    compile_lock("image")
-    compile_lock("ci")
+    # python scripts/lock_requirements.py [image|ci ...]: only the named locks (default both).
+    for lock in sys.argv[1:] or ("image", "ci"):
+        compile_lock(lock)

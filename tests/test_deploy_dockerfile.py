@@ -1,5 +1,6 @@
 """The planner image's Dockerfile: lint-clean with hadolint, and the promises docs/deployment.md
-makes about it. (No container engine here: the image itself is not built in CI.)"""
+makes about it. The image itself is built and run by the CI's image leg (./dev image,
+scripts/image/run); tests/test_image_*.py cover the build's import check and the chart's parity."""
 
 from __future__ import annotations
 
@@ -58,6 +59,22 @@ def test_megatron_core_is_a_build_argument_defaulting_to_the_pinned_dev_commit()
     assert text.index('--index-url "${TORCH_INDEX_URL}"') < text.index('pip install --no-cache-dir --no-deps "${MEGATRON_CORE_SPEC}" .')
 
 
+def test_defaults_build_from_the_indexes_with_cpu_torch_and_refuse_a_cuda_one():
+    """WHEELHOUSE empty: the indexes; TORCH_VARIANT cpu: the import check refuses a CUDA torch."""
+    args = dict(a.split("=", 1) for op, a in instructions() if op == "ARG" and "=" in a)
+    assert args["WHEELHOUSE"] == '""' and args["TORCH_VARIANT"] == "cpu"
+    runs = [a for op, a in instructions() if op == "RUN"]
+    # Every pip install takes its source from the one switch: the wheelhouse, no index.
+    installs = [r for r in runs if "pip install" in r]
+    switch = 'if [ -n "${WHEELHOUSE}" ]; then export PIP_NO_INDEX=1 PIP_FIND_LINKS="${WHEELHOUSE}"; fi;'
+    assert len(installs) == 3 and all(r.startswith(switch) for r in installs), installs
+    (check,) = [r for r in runs if "check_imports.py" in r]
+    assert 'python scripts/image/check_imports.py "${TORCH_VARIANT}"' in check
+    # SHELL needs the docker format under podman/buildah (scripts/image/build passes it).
+    assert ("SHELL", '["/bin/bash", "-o", "pipefail", "-c"]') in instructions()
+    assert "--format docker" in (ROOT / "scripts" / "image" / "build").read_text()
+
+
 def test_dockerignore_lets_in_what_the_build_copies_and_nothing_else():
     ignore = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")]
     assert ignore[0] == "*"
@@ -103,3 +120,18 @@ def test_the_image_installs_a_hash_locked_set_that_satisfies_pyproject():
             continue
         assert key in locked and requirement.specifier.contains(locked[key]), (spec, locked.get(key))
     assert "--require-hashes --no-deps -r requirements/image.lock" in DOCKERFILE.read_text()
+
+
+def test_the_lock_pins_triton_which_megatron_core_imports_and_cpu_torch_lacks():
+    """megatron.core imports triton; the CPU build of torch does not bring it, so the lock must.
+    Its pin is the triton the CUDA build of torch asks for (the same in both images)."""
+    from importlib.metadata import requires, version
+
+    from packaging.requirements import Requirement
+
+    lock = (ROOT / "requirements" / "image.lock").read_text()
+    pinned = re.search(r"^triton==(\S+) ", lock, re.M)
+    assert pinned, "requirements/image.lock has no triton (scripts/lock_requirements.py must keep it)"
+    torch_wants = [r for r in requires("torch") or [] if r.startswith("triton")]
+    if version("torch").split("+")[0] == re.search(r"^ARG TORCH_VERSION=(\S+)$", DOCKERFILE.read_text(), re.M).group(1):
+        assert torch_wants and Requirement(torch_wants[0]).specifier.contains(pinned.group(1)), torch_wants
