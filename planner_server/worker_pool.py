@@ -347,6 +347,9 @@ class PlanningPool:
         self._wakeup = threading.Condition()
         self._stopping = False
         self.tasks_run = 0  # tasks that workers have answered (inline ones not included)
+        # Requests planning in a handler thread now: nothing can stop one, so a server that drains
+        # with one still running ends its process rather than wait for it (server.serve).
+        self.inline_running = 0
         self._live: dict[int, _Worker] = {}  # slot -> its current worker
         self._ready = threading.Semaphore(0)
         self._threads = [
@@ -400,9 +403,13 @@ class PlanningPool:
         job = read_job(request_bytes)
         if self.inline.admits(request_bytes):
             self.admission.reserve(1, job)
+            with self._wakeup:
+                self.inline_running += 1
             try:
                 return self._plan_inline(request_bytes, deadline, timeout)
             finally:
+                with self._wakeup:
+                    self.inline_running -= 1
                 self.admission.release(1, job)
         end = time.monotonic() + timeout
         work = self.admit(1, job)
