@@ -91,12 +91,12 @@ class SchedulerDomain:
 DOMAINS: dict[SchedulerKind, SchedulerDomain] = {
     SchedulerKind.DYNAMIC_CP: SchedulerDomain(
         SchedulerKind.DYNAMIC_CP, "dev 0.19.0+dev.d48bd6b (no PyPI release has it)",
-        "powers of two (2 to 1024), with or without micro_batch_group_size",
+        "a power of two (2 to 1024), with or without micro_batch_group_size",
         "`auto` serves static_packing here", vpp=True,
     ),
     SchedulerKind.HYBRID_CP: SchedulerDomain(
         SchedulerKind.HYBRID_CP, "0.19.2 and dev 0.19.0+dev.d48bd6b",
-        "powers of two (2 to 1024), without micro_batch_group_size",
+        "a power of two (2 to 1024), without micro_batch_group_size",
         "`auto` serves static_packing here", vpp=False,
     ),
     SchedulerKind.STATIC_PACKING: SchedulerDomain(
@@ -120,7 +120,7 @@ def layout_refusal(scheduler: SchedulerKind, data_parallel_size: int, context_pa
     if domain.plans(dp_cp):
         return None
     return (
-        f"{scheduler.value} plans only DPxCP sizes that are {domain.rule}; got {data_parallel_size}x{context_parallel_size} = {dp_cp}"
+        f"{scheduler.value} plans only a DPxCP that is {domain.rule}; got {data_parallel_size}x{context_parallel_size} = {dp_cp}"
         f"{'; ' + domain.instead if domain.instead else ''}"
     )
 
