@@ -216,6 +216,14 @@ def run_all(cases: list[dict], timeout: float, env: dict, enough_failures: int) 
     return results
 
 
+def render(report: dict) -> str:
+    """The report as JSON, lists of numbers on one line each (diffs stay readable)."""
+    import re
+
+    text = json.dumps(report, indent=1, sort_keys=True)
+    return re.sub(r"\[\s*([-0-9.,\s]+?)\s*\]", lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]", text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -304,7 +312,7 @@ def main() -> None:
         }
         ran = sum(r is not None for a in answers for r in a)
         print(f"{name}: {ran} of {len(cases)} batches on {len(sizes)} sizes in {time.monotonic() - started:.0f} s", file=sys.stderr)
-    text = json.dumps(report, indent=1, sort_keys=True)
+    text = render(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")

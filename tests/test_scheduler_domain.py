@@ -26,7 +26,7 @@ import pytest
 
 from batch_planner.convert import plan_to_proto, request_to_proto
 from batch_planner.distributions import sample_lengths
-from batch_planner.domain import BATCH_LIMITS, NO_VPP, domain_table, plans_layout
+from batch_planner.domain import BATCH_LIMITS, domain_table, plans_layout
 from batch_planner.errors import ErrorCode, PlanningError
 from batch_planner.exact.verified import SchedulerImplementation, select_implementation
 from batch_planner.planner import plan_batch
@@ -183,7 +183,7 @@ def test_the_domain_accepts_exactly_the_layouts_the_sweep_found_plannable(path: 
                     f"{'plannable' if size in accepted else measured['failing'].get(str(size))}"
                 )
                 checked += 1
-    assert checked > 100
+    assert checked > 50
 
 
 def test_design_doc_holds_the_domain_table():
