@@ -18,7 +18,9 @@ when they die or when the task they run is abandoned.
 - Inline: a request within `InlineBound` is planned in the calling (gRPC handler) thread. The
   schedulers hold the GIL, so this is only for requests that plan in a few milliseconds, for which
   the hop to a worker costs about as much as the planning; it cannot be cancelled, which is why it
-  is bounded.
+  is bounded, and it is never given work that can loop: validation refuses every layout where
+  upstream's code can (batch_planner/domain.py). A drain that still finds one running ends the
+  process rather than wait for the thread (planner_server/server.py, `serve`).
 
 Several tasks of one request (the candidates of a policy that compares schedulers) run side by side:
 `work = pool.admit(slots=n)`, then `work.submit(...)` n times, and one `work.cancel()` stops all.
