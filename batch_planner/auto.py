@@ -37,7 +37,7 @@ from typing import Callable, Iterable, Sequence
 
 from batch_planner.cost import CostModel, static_cp_step_cost
 from batch_planner.cp_groups import megatron_cp_group_sizes
-from batch_planner.errors import ErrorCode, InvalidRequestError, PlanningError, SchedulerFailedError
+from batch_planner.errors import BatchNotPlannableError, ErrorCode, InvalidRequestError, PlanningError, SchedulerFailedError
 from batch_planner.plan import CandidateSummary, Plan
 from batch_planner.request import PlanRequest, SchedulerKind
 
@@ -260,7 +260,11 @@ def _no_plan_error(summaries: Sequence[CandidateSummary], codes: Sequence[str]) 
     reasons = "; ".join(f"{s.name}: {s.not_planned_reason}" for s in summaries[:MAX_REASONS_IN_ERROR])
     more = f"; and {len(summaries) - MAX_REASONS_IN_ERROR} more" if len(summaries) > MAX_REASONS_IN_ERROR else ""
     message = f"scheduler: auto found no candidate that can plan this batch ({reasons}{more})"
-    # The caller's fault only when every candidate refused the request itself.
-    if all(code in (ErrorCode.INVALID_ARGUMENT.value, ErrorCode.FAILED_PRECONDITION.value) for code in codes):
+    # The caller's fault only when every candidate refused the request itself; the batch's (OUT_OF_RANGE)
+    # when upstream refused it on some candidate and validation refused the others; ours otherwise.
+    refusals = (ErrorCode.INVALID_ARGUMENT.value, ErrorCode.FAILED_PRECONDITION.value)
+    if all(code in refusals for code in codes):
         return InvalidRequestError(message, field="scheduler")
+    if all(code in (*refusals, ErrorCode.OUT_OF_RANGE.value) for code in codes):
+        return BatchNotPlannableError(message, field="scheduler")
     return SchedulerFailedError(message, field="scheduler")

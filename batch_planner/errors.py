@@ -25,9 +25,14 @@ class ErrorCode(str, Enum):
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # the server's in-flight bound, or a message too large
     FAILED_PRECONDITION = "FAILED_PRECONDITION"  # this replica's Megatron-Core lacks the scheduler
     ABORTED = "ABORTED"
+    # Megatron-Core's scheduler refused this batch on a layout it plans (batch_planner/domain.py,
+    # BATCH_LIMITS: e.g. too few samples for the VPP micro-batch groups): bounded, upstream's reason
+    # named; the same batch fails the same way everywhere, in-process too.
     OUT_OF_RANGE = "OUT_OF_RANGE"
     UNIMPLEMENTED = "UNIMPLEMENTED"
-    INTERNAL = "INTERNAL"  # a scheduler failure or invariant violation: deterministic, a bug
+    # Our own bug: an invariant violation in a plan we built, an unexpected exception in our code,
+    # or an upstream failure on a layout batch_planner/domain.py accepts (the domain is then wrong).
+    INTERNAL = "INTERNAL"
     UNAVAILABLE = "UNAVAILABLE"  # transient and ours: draining, a planning worker lost or restarting
     DATA_LOSS = "DATA_LOSS"
     UNAUTHENTICATED = "UNAUTHENTICATED"
@@ -53,11 +58,13 @@ CLIENT_ACTION: dict[ErrorCode, ClientAction] = {
     ErrorCode.NOT_FOUND: ClientAction.FALLBACK,
     ErrorCode.ALREADY_EXISTS: ClientAction.FALLBACK,
     ErrorCode.PERMISSION_DENIED: ClientAction.FALLBACK,
-    ErrorCode.OUT_OF_RANGE: ClientAction.FALLBACK,
     ErrorCode.UNIMPLEMENTED: ClientAction.FALLBACK,  # not a planner (or an older one) at that address
     ErrorCode.DATA_LOSS: ClientAction.FALLBACK,
     ErrorCode.UNAUTHENTICATED: ClientAction.FALLBACK,
     ErrorCode.INVALID_ARGUMENT: ClientAction.REJECT,
+    # The batch is outside what the scheduler plans: in-process planning runs the same upstream
+    # code and would refuse it too, so the trainer raises upstream's reason at once, on every rank.
+    ErrorCode.OUT_OF_RANGE: ClientAction.REJECT,
 }
 
 
@@ -88,9 +95,18 @@ class SchedulerUnavailableError(PlanningError):
 
 
 class SchedulerFailedError(PlanningError):
-    """Megatron-Core's scheduler raised on input that passed validation."""
+    """Megatron-Core's scheduler raised on input that passed validation, other than by one of the
+    batch refusals batch_planner/domain.py lists: the domain let through a layout it should not."""
 
     code = ErrorCode.INTERNAL
+
+
+class BatchNotPlannableError(PlanningError):
+    """Megatron-Core's scheduler refused this batch, on a layout it plans, with one of its own
+    bounded refusals (batch_planner/domain.py, BATCH_LIMITS); the message names upstream's reason
+    and what to send instead. Deterministic: retrying or planning in-process fails the same way."""
+
+    code = ErrorCode.OUT_OF_RANGE
 
 
 class InvariantViolationError(PlanningError):

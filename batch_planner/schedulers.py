@@ -17,7 +17,13 @@ from functools import lru_cache
 from typing import Callable
 
 from batch_planner.cp_groups import is_power_of_two, megatron_cp_group_sizes
-from batch_planner.errors import SchedulerFailedError, SchedulerUnavailableError
+from batch_planner.domain import batch_limit
+from batch_planner.errors import (
+    BatchNotPlannableError,
+    SchedulerFailedError,
+    SchedulerUnavailableError,
+    SchedulerWouldNotTerminate,
+)
 from batch_planner.exact import dynamic_cp as exact_dynamic_cp
 from batch_planner.exact import hybrid_cp as exact_hybrid_cp
 from batch_planner.exact.verified import exact_path_status
@@ -239,8 +245,10 @@ _RUNNERS: dict[SchedulerKind, Callable[..., RankAssignment]] = {
 def run_scheduler(request: PlanRequest) -> RankAssignment:
     """Calls Megatron-Core's scheduler on a validated request.
 
-    Any upstream exception becomes a SchedulerFailedError naming the scheduler and the error,
-    never a stack trace to the caller (the server logs the trace).
+    One of upstream's own refusals of the batch (batch_planner/domain.py, BATCH_LIMITS) becomes a
+    BatchNotPlannableError (OUT_OF_RANGE) naming upstream's reason; any other upstream exception a
+    SchedulerFailedError (INTERNAL: the domain let through a layout it should not), naming the
+    scheduler and the error, never a stack trace to the caller (the server logs the trace).
     """
     spec = require_scheduler(request.scheduler)
     cls = _load_class(request.scheduler)
@@ -248,6 +256,17 @@ def run_scheduler(request: PlanRequest) -> RankAssignment:
     try:
         return _RUNNERS[request.scheduler](cls, request, seqlens)
     except Exception as exc:  # noqa: BLE001 - translate every upstream failure
+        limit = batch_limit(request.scheduler, exc)
+        if limit is not None:
+            raise BatchNotPlannableError(
+                f"sequence_lengths: Megatron-Core {spec.class_name} ({megatron_core_version()}) cannot plan "
+                f"these {len(seqlens)} samples on DPxCP {request.dp_cp_size} with micro_batch_group_size "
+                f"{request.micro_batch_group_size}: {limit.meaning} (upstream: \"{limit.upstream_message}\"); "
+                f"{limit.instead}",
+                field="sequence_lengths",
+            ) from exc
+        if isinstance(exc, SchedulerWouldNotTerminate):
+            log.error("validation let through a request Megatron-Core's %s would loop on: %s", spec.class_name, exc)
         log.exception("Megatron-Core %s failed on a validated request", spec.class_name)
         raise SchedulerFailedError(
             f"Megatron-Core {spec.class_name} ({megatron_core_version()}) failed on this batch: "

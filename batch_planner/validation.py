@@ -1,8 +1,9 @@
 """The one place that accepts or rejects a planning request.
 
 Every unsupported combination, every input that crashes or misleads Megatron-Core's schedulers
-(docs/design.md, "What Megatron-Core does with bad or unusual input"), is rejected here, before any
-scheduler runs, with a message that names the field, the value and what is allowed.
+(docs/design.md, "What Megatron-Core does with bad or unusual input"), and every layout outside a
+scheduler's measured domain (batch_planner/domain.py) is rejected here, before any scheduler runs,
+with a message that names the field, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from batch_planner.cp_groups import is_power_of_two, largest_power_of_two_group, megatron_cp_group_sizes
+from batch_planner.domain import layout_refusal
 from batch_planner.errors import InvalidRequestError
 from batch_planner.request import PlanRequest, SchedulerKind
 from batch_planner.schedulers import require_scheduler
@@ -83,25 +85,22 @@ def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
         return  # each of auto's candidates is a concrete request, validated on its own
     require_scheduler(kind)
 
+    # The layouts Megatron-Core's scheduler plans, as measured (batch_planner/domain.py): outside
+    # them upstream crashes, returns plans no process group runs, or loops for ever.
+    refusal = layout_refusal(kind, request.data_parallel_size, request.context_parallel_size)
+    if refusal is not None:
+        _reject("layout", refusal)
     if kind is SchedulerKind.HYBRID_CP:
-        # Odd sizes, 1, and even non-powers of two (10, 20, ...) crash or mislead 0.19's
-        # BalancedCPScheduler (IndexError while filling empty ranks).
-        if dp_cp < 2 or not is_power_of_two(dp_cp):
-            _reject(
-                "layout",
-                f"hybrid_cp needs DPxCP to be a power of two >= 2; got "
-                f"{request.data_parallel_size}x{request.context_parallel_size} = {dp_cp} "
-                "(dynamic_cp plans even sizes such as 24)",
-            )
         capacity, capacity_name = request.max_seqlen_per_dp_cp_rank * dp_cp, "max_seqlen_per_dp_cp_rank x DPxCP"
     elif kind is SchedulerKind.DYNAMIC_CP:
-        # The dev build's parallel_state asserts an even DPxCP; it builds power-of-two groups
-        # plus the whole group (docs/design.md, "What each Megatron-Core build offers").
-        if dp_cp < 2 or dp_cp % 2:
+        group_size = request.micro_batch_group_size
+        if group_size is not None and group_size > len(lengths):
+            # Every micro-batch holds a sample, and VPP makes their count a multiple of the group.
             _reject(
-                "layout",
-                f"dynamic_cp needs an even DPxCP >= 2 (Megatron-Core's dynamic CP groups); got "
-                f"{request.data_parallel_size}x{request.context_parallel_size} = {dp_cp}",
+                "micro_batch_group_size",
+                f"got {group_size} with {len(lengths)} samples; dynamic_cp needs at least "
+                "micro_batch_group_size samples (a micro-batch per sample at most); send more "
+                "samples or a smaller micro_batch_group_size",
             )
         # A sample gets a power-of-two CP size, so the longest fits the largest power-of-two
         # group (the whole group only when DPxCP is a power of two).

@@ -8,6 +8,7 @@ SERVING. On SIGTERM/SIGINT: health NOT_SERVING, new RPCs refused, in-flight ones
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -257,14 +258,44 @@ class PlannerServer:
         self._stopped.wait()
 
 
+# Seconds past --drain-seconds after which a drain that has not finished ends the process anyway.
+DRAIN_MARGIN_SECONDS = 3.0
+
+
+def _exit_now(code: int) -> None:
+    """Ends the process without waiting for other threads: a gRPC handler thread planning inline
+    cannot be interrupted, and the interpreter's exit would wait for it without end."""
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(code)
+
+
 def serve(config: ServerConfig) -> None:
+    """Runs the server until SIGTERM/SIGINT; the process then ends within --drain-seconds plus
+    DRAIN_MARGIN_SECONDS whatever still runs (a plan stuck in a worker is killed by the drain; one
+    stuck in a handler thread is left behind by ending the process)."""
     server = PlannerServer(config)
+
+    def watchdog() -> None:
+        time.sleep(config.drain_seconds + DRAIN_MARGIN_SECONDS)
+        log.error("the drain did not finish within %.1f s (+%.1f s); exiting with planning still running",
+                  config.drain_seconds, DRAIN_MARGIN_SECONDS)
+        _exit_now(1)
 
     def on_signal(signum, _frame):
         log.info("received %s", signal.Signals(signum).name)
+        threading.Thread(target=watchdog, name="drain-watchdog", daemon=True).start()
         threading.Thread(target=server.stop, name="drain", daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
     server.wait()
+    stuck = server.pool.inline_running if server.pool is not None else 0
+    if stuck:
+        # The interpreter's exit would join the handler thread, which never returns.
+        log.warning("exiting with %d request(s) still planning inline in a handler thread", stuck)
+        _exit_now(0)

@@ -18,7 +18,9 @@ when they die or when the task they run is abandoned.
 - Inline: a request within `InlineBound` is planned in the calling (gRPC handler) thread. The
   schedulers hold the GIL, so this is only for requests that plan in a few milliseconds, for which
   the hop to a worker costs about as much as the planning; it cannot be cancelled, which is why it
-  is bounded.
+  is bounded, and it is never given work that can loop: validation refuses every layout where
+  upstream's code can (batch_planner/domain.py). A drain that still finds one running ends the
+  process rather than wait for the thread (planner_server/server.py, `serve`).
 
 Several tasks of one request (the candidates of a policy that compares schedulers) run side by side:
 `work = pool.admit(slots=n)`, then `work.submit(...)` n times, and one `work.cancel()` stops all.
@@ -349,6 +351,9 @@ class PlanningPool:
         self._wakeup = threading.Condition()
         self._stopping = False
         self.tasks_run = 0  # tasks that workers have answered (inline ones not included)
+        # Requests planning in a handler thread now: nothing can stop one, so a server that drains
+        # with one still running ends its process rather than wait for it (server.serve).
+        self.inline_running = 0
         self._live: dict[int, _Worker] = {}  # slot -> its current worker
         self._ready = threading.Semaphore(0)
         self._threads = [
@@ -402,9 +407,13 @@ class PlanningPool:
         job = read_job(request_bytes)
         if self.inline.admits(request_bytes):
             self.admission.reserve(1, job)
+            with self._wakeup:
+                self.inline_running += 1
             try:
                 return self._plan_inline(request_bytes, deadline, timeout)
             finally:
+                with self._wakeup:
+                    self.inline_running -= 1
                 self.admission.release(1, job)
         end = time.monotonic() + timeout
         work = self.admit(1, job)

@@ -230,3 +230,31 @@ def wait_until(predicate, timeout: float, what: str, poll: float = 0.02):
         if time.monotonic() > end:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(poll)
+
+
+# --- the server's metrics ---------------------------------------------------------------------------
+
+
+def metric(server, name: str, **labels: str) -> float:
+    """The sum of a metric's samples with these labels on a PlannerProcess's /metrics page."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    page = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    total = 0.0
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def wait_for_metric(server, name: str, check, what: str, timeout: float = 30.0, **labels) -> float:
+    def ready():
+        value = metric(server, name, **labels)
+        return (value,) if check(value) else None
+
+    return wait_until(ready, timeout, what)[0]
+
+

@@ -23,13 +23,11 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from batch_planner.distributions import sample_lengths
 from batch_planner.v1 import planner_pb2 as pb
@@ -39,7 +37,9 @@ from tests.reliability_support import (
     assert_plan_well_formed,
     forkserver_pid,
     health_status,
+    metric,
     planning_worker_pids,
+    wait_for_metric,
     wait_until,
 )
 
@@ -83,16 +83,6 @@ def stub(channel):
     return planner_pb2_grpc.BatchPlannerStub(channel)
 
 
-def metric(server: PlannerProcess, name: str, **labels: str) -> float:
-    page = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    total = 0.0
-    for family in text_string_to_metric_families(page):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
 def huge_request(seed: int = 0) -> pb.PlanRequest:
     """The default limits' largest request: 16,384 samples on 1,024 ranks, tens of seconds of
     Megatron-Core scheduling on one core."""
@@ -102,14 +92,6 @@ def huge_request(seed: int = 0) -> pb.PlanRequest:
         max_seqlen_per_dp_cp_rank=8192,
         scheduler=pb.SCHEDULER_HYBRID_CP,
     )
-
-
-def wait_for_metric(server: PlannerProcess, name: str, check, what: str, timeout: float = 30.0, **labels) -> float:
-    def ready():
-        value = metric(server, name, **labels)
-        return (value,) if check(value) else None
-
-    return wait_until(ready, timeout, what)[0]
 
 
 def timed_plan(stub, request: pb.PlanRequest, timeout: float = 120.0) -> tuple[str, float, pb.PlanResponse | None]:

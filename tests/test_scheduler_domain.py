@@ -1,0 +1,264 @@
+"""Issue 24: every request gets a plan or a clear refusal, fast, and the server stops on SIGTERM
+whatever runs.
+
+- The issue's reproducers (Megatron-Core looping, raising IndexError or asserting on layouts the
+  service used to accept): each is refused (INVALID_ARGUMENT naming the field) or answered
+  OUT_OF_RANGE (upstream's own refusal of the batch, named) within 2 s, never INTERNAL: in
+  process, on Megatron-Core's own code (scheduler_implementation=upstream), through the server,
+  and through the trainer client, with and without a service.
+- batch_planner/domain.py agrees with the sweep's measurements (docs/domain/*.json, made by
+  scripts/characterize_domain.py) and docs/design.md holds its table.
+- A seeded property test over random layouts.
+- SIGTERM while upstream code loops in a worker and in a handler thread (a server whose domain
+  check is switched off, tests/unbounded_domain): the process ends within --drain-seconds + 5 s.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from batch_planner.convert import plan_to_proto, request_to_proto
+from batch_planner.distributions import sample_lengths
+from batch_planner.domain import BATCH_LIMITS, domain_table, plans_layout
+from batch_planner.errors import ErrorCode, PlanningError
+from batch_planner.exact.verified import SchedulerImplementation, select_implementation
+from batch_planner.planner import plan_batch
+from batch_planner.request import PlanRequest, SchedulerKind
+from batch_planner.schedulers import discover_schedulers
+from batch_planner.v1 import planner_pb2_grpc
+from tests.planner_process import ROOT, start_planner
+from tests.reliability_support import assert_plan_well_formed, wait_for_metric
+
+DYNAMIC, STATIC, HYBRID, AUTO = SchedulerKind.DYNAMIC_CP, SchedulerKind.STATIC_PACKING, SchedulerKind.HYBRID_CP, SchedulerKind.AUTO
+BOUND_SECONDS = 2.0
+
+# Found with the exact path (SchedulerWouldNotTerminate): upstream's align_sample_id_groups loops
+# for ever on these, with at least micro_batch_group_size samples. 12 ranks and 6 samples: planned
+# inline by a default server; 48 ranks: on a worker.
+LOOPS_INLINE = PlanRequest.of((2538, 3172, 3192, 58, 2900, 1874), 6, 2, 1024, scheduler=DYNAMIC, micro_batch_group_size=3)
+LOOPS_ON_A_WORKER = PlanRequest.of((1891, 1984, 2718, 1604, 3280, 909, 434, 2048, 166), 4, 12, 1024,
+                                   scheduler=DYNAMIC, micro_batch_group_size=3)
+
+# (name, request, the code, the field the message starts with)
+REPRODUCERS = [
+    # 1. dynamic CP, non-power-of-two DPxCP with VPP grouping: upstream loops for ever.
+    ("loops-48-ranks", PlanRequest.of((22, 46), 4, 12, 7, scheduler=DYNAMIC, micro_batch_group_size=14), "INVALID_ARGUMENT", "layout"),
+    ("loops-48-ranks-b", PlanRequest.of((100, 200, 300), 8, 6, 4096, scheduler=DYNAMIC, micro_batch_group_size=4), "INVALID_ARGUMENT", "layout"),
+    ("loops-12-ranks-inline", LOOPS_INLINE, "INVALID_ARGUMENT", "layout"),
+    ("loops-48-ranks-worker", LOOPS_ON_A_WORKER, "INVALID_ARGUMENT", "layout"),
+    # 2. dynamic CP, non-power-of-two DPxCP without VPP: IndexError in fill_empty_gpus_once.
+    *[(f"indexerror-{n}-ranks", PlanRequest.of(tuple(sample_lengths("megatron_dcp", 64, seed=n)), n, 1, 1024, scheduler=DYNAMIC),
+       "INVALID_ARGUMENT", "layout") for n in (10, 14, 18, 20, 22, 26, 30, 34, 108)],
+    # ... and a CP group parallel_state does not build (16 on 24 ranks).
+    ("group-16-on-24-ranks", PlanRequest.of(tuple(sample_lengths("lognormal_32k", 128, seed=3)), 12, 2, 8192, scheduler=DYNAMIC),
+     "INVALID_ARGUMENT", "layout"),
+    # 3. dynamic CP, VPP grouping with few samples: upstream asserts "no tail microbatch has enough ids".
+    ("vpp-2-samples-group-54", PlanRequest.of((31818, 31818), 2, 4, 32768, scheduler=DYNAMIC, micro_batch_group_size=54),
+     "INVALID_ARGUMENT", "micro_batch_group_size"),
+    ("vpp-4-samples-group-3", PlanRequest.of((100, 200, 300, 400), 16, 2, 4096, scheduler=DYNAMIC, micro_batch_group_size=3),
+     "OUT_OF_RANGE", "sequence_lengths"),
+    # 4. static packing with max_seqs_per_micro_batch and VPP grouping: "Not enough samples to move".
+    ("static-packing-49-samples", PlanRequest.of(tuple(range(100, 5000, 100))[:49], 1, 8, 8192, scheduler=STATIC,
+                                                 max_seqs_per_micro_batch=1, micro_batch_group_size=2), "OUT_OF_RANGE", "sequence_lengths"),
+    # hybrid CP on a non-power-of-two DPxCP (IndexError in 0.19's fill_empty_gpus).
+    ("hybrid-20-ranks", PlanRequest.of(tuple(sample_lengths("lognormal_32k", 64, seed=1)), 10, 2, 8192, scheduler=HYBRID),
+     "INVALID_ARGUMENT", "layout"),
+]
+IDS = [name for name, *_ in REPRODUCERS]
+
+
+def _available(request: PlanRequest) -> None:
+    if not discover_schedulers()[request.scheduler].available:
+        pytest.skip(f"this Megatron-Core has no {request.scheduler.value}")
+
+
+def _answer(request: PlanRequest):
+    started = time.perf_counter()
+    try:
+        result = plan_batch(request)
+    except PlanningError as error:
+        result = error
+    return result, time.perf_counter() - started
+
+
+def _check_refusal(result, seconds: float, code: str, field: str) -> None:
+    assert isinstance(result, PlanningError), "planned a request the domain refuses"
+    assert result.code.value == code, result
+    assert result.code is not ErrorCode.INTERNAL
+    assert str(result).startswith(f"{field}: "), result
+    assert seconds < BOUND_SECONDS, f"answered in {seconds:.2f} s"
+
+
+@pytest.mark.parametrize("implementation", list(SchedulerImplementation))
+@pytest.mark.parametrize("name, request_, code, field", REPRODUCERS, ids=IDS)
+def test_reproducers_are_refused_or_answered_out_of_range_in_process(name, request_, code, field, implementation):
+    _available(request_)
+    select_implementation(implementation)  # upstream: Megatron-Core's own code, which can loop
+    try:
+        plan_batch(PlanRequest.of((512,) * 8, 2, 2, 4096, scheduler=request_.scheduler))  # imports paid
+        result, seconds = _answer(request_)
+    finally:
+        select_implementation(None)
+    _check_refusal(result, seconds, code, field)
+    if code == "INVALID_ARGUMENT" and field == "layout":
+        assert "power of two" in str(result) and "auto" in str(result), result
+    if code == "OUT_OF_RANGE":
+        assert any(limit.upstream_message in str(result) for limit in BATCH_LIMITS), result
+
+
+@pytest.mark.parametrize("name, request_, code, field", REPRODUCERS, ids=IDS)
+def test_reproducers_through_the_server_get_the_in_process_answer(stub, name, request_, code, field):
+    _available(request_)
+    expected, _ = _answer(request_)
+    started = time.perf_counter()
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Plan(request_to_proto(request_), timeout=30)
+    seconds = time.perf_counter() - started
+    assert caught.value.code().name == code
+    assert caught.value.details() == str(expected)
+    assert seconds < BOUND_SECONDS, f"answered in {seconds:.2f} s"
+
+
+def _client(request: PlanRequest, endpoint: str):
+    from trainer_client.client import BatchPlannerClient
+    from trainer_client.config import PlannerClientConfig
+
+    config = PlannerClientConfig(
+        planner_endpoint=endpoint, tls=False, scheduler=request.scheduler, context_parallel_size=request.context_parallel_size,
+        max_seqlen_per_dp_cp_rank=request.max_seqlen_per_dp_cp_rank, micro_batch_group_size=request.micro_batch_group_size,
+        max_seqs_per_micro_batch=request.max_seqs_per_micro_batch, calibration=False, job="domain",
+        deadline_seconds=30.0,
+    )
+    return BatchPlannerClient(config, dp_cp_size=request.dp_cp_size, rank=0)
+
+
+@pytest.mark.parametrize("with_service", [False, True], ids=["in-process-fallback", "service"])
+@pytest.mark.parametrize("name, request_, code, field", REPRODUCERS, ids=IDS)
+def test_the_trainer_client_raises_the_same_clear_error_at_once(planner, name, request_, code, field, with_service):
+    """Without a service the client plans in process: validation refuses before any scheduler
+    runs; with one, the refusal is not retried and not planned in process again (REJECT)."""
+    from trainer_client.rpc_client import PlanRejectedError
+
+    _available(request_)
+    expected, _ = _answer(request_)
+    client = _client(request_, planner.address if with_service else "")
+    try:
+        started = time.perf_counter()
+        with pytest.raises(PlanRejectedError) as caught:
+            client.plan_step(0, list(request_.sequence_lengths))
+        seconds = time.perf_counter() - started
+        fallbacks = sum(s.value for m in client.metrics.registry.collect() if m.name == "batch_planner_client_fallbacks"
+                        for s in m.samples if s.name.endswith("_total"))
+    finally:
+        client.close()
+    assert caught.value.code == code and caught.value.server_message == str(expected)
+    assert seconds < BOUND_SECONDS, f"raised after {seconds:.2f} s"
+    assert fallbacks == 0, "a refusal was planned in process again"
+
+
+# --- the domain against the sweep's measurements, and the table in the design doc ---------------
+
+DOMAIN_FILES = sorted((ROOT / "docs" / "domain").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", DOMAIN_FILES, ids=[p.stem for p in DOMAIN_FILES])
+def test_the_domain_accepts_exactly_the_layouts_the_sweep_found_plannable(path: Path):
+    report = json.loads(path.read_text())
+    checked = 0
+    for name, found in report["schedulers"].items():
+        if not found["available"]:
+            continue
+        for option_class, measured in found["classes"].items():
+            accepted = set(measured["accepted_sizes"])
+            for size in measured["sizes"]:
+                assert plans_layout(SchedulerKind(name), size, option_class) == (size in accepted), (
+                    f"{name} {option_class} on DPxCP {size}: the sweep says "
+                    f"{'plannable' if size in accepted else measured['failing'].get(str(size))}"
+                )
+                checked += 1
+    assert checked > 50
+
+
+def test_design_doc_holds_the_domain_table():
+    design = (ROOT / "docs" / "design.md").read_text()
+    assert domain_table() in design, "docs/design.md's domain table differs from batch_planner.domain.domain_table()"
+
+
+# --- a seeded property test over random layouts --------------------------------------------------
+
+
+def _random_request(rng: random.Random) -> PlanRequest:
+    dp_cp = rng.choice([2 * rng.randint(1, 64), 2 ** rng.randint(1, 7)])
+    cp = rng.choice([c for c in (1, 2, 4, 8) if dp_cp % c == 0])
+    many = rng.random() < 0.5
+    count = rng.randint(64, 512) if many else rng.randint(1, 12)
+    per_rank = rng.choice([1024, 4096, 8192])
+    lengths = tuple(max(1, min(per_rank * cp, n)) for n in sample_lengths(rng.choice(["megatron_dcp", "long_tail_16k"]), count,
+                                                                          rng.randint(0, 999)))
+    scheduler = rng.choice([DYNAMIC, DYNAMIC, STATIC, HYBRID, AUTO])
+    group = rng.choice([None, None, *range(1, 9)]) if scheduler is not HYBRID else None
+    max_seqs = rng.choice([None, None, 1, 2, 8]) if scheduler is STATIC else None
+    return PlanRequest.of(lengths, dp_cp // cp, cp, per_rank, scheduler=scheduler, micro_batch_group_size=group,
+                          max_seqs_per_micro_batch=max_seqs)
+
+
+def test_random_layouts_get_a_valid_plan_or_a_refusal_never_slower_than_a_plan():
+    rng = random.Random(24)
+    plan_batch(PlanRequest.of((512,) * 8, 2, 2, 4096))  # imports paid
+    answers = []
+    for _ in range(160):
+        request = _random_request(rng)
+        result, seconds = _answer(request)
+        if isinstance(result, PlanningError):
+            assert result.code in (ErrorCode.INVALID_ARGUMENT, ErrorCode.OUT_OF_RANGE, ErrorCode.FAILED_PRECONDITION), (
+                f"{result.code.value} for {request}: {result}")
+            assert result.field and str(result).startswith(result.field), result
+        else:
+            assert_plan_well_formed(plan_to_proto(result), list(request.sequence_lengths), request.dp_cp_size)
+        answers.append((request, result, seconds))
+    planned = [(r, s) for r, result, s in answers if not isinstance(result, PlanningError)]
+    refused = [(r, s) for r, result, s in answers if isinstance(result, PlanningError)]
+    assert len(planned) >= 40 and len(refused) >= 20, (len(planned), len(refused))
+    # A refusal costs no more than planning an accepted request of its size (its sample count
+    # band) does: no refusal waits on a loop or a long run of upstream code.
+    for request, seconds in refused:
+        band = [s for r, s in planned if (r.num_samples >= 64) == (request.num_samples >= 64)]
+        assert seconds <= max(band) + 0.05, f"refused in {seconds:.3f} s, plans of its size took at most {max(band):.3f} s"
+    assert max(s for _, _, s in answers) < BOUND_SECONDS
+
+
+# --- shutdown while upstream code loops ----------------------------------------------------------
+
+
+def test_sigterm_ends_the_server_within_drain_seconds_while_upstream_loops_inline_and_on_a_worker(monkeypatch):
+    """The domain check switched off (tests/unbounded_domain) and Megatron-Core's own code
+    (scheduler_implementation=upstream): the two looping reproducers really loop, one in a gRPC
+    handler thread (12 ranks, 6 samples: inline) and one on a worker (48 ranks)."""
+    if not discover_schedulers()[DYNAMIC].available:
+        pytest.skip("this Megatron-Core has no dynamic_cp")
+    drain = 2.0
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'tests' / 'unbounded_domain'}")
+    monkeypatch.setenv("BATCH_PLANNER_SCHEDULER_IMPLEMENTATION", "upstream")
+    server = start_planner("--drain-seconds", str(drain), "--inline-max-ranks", "16", "--inline-max-samples", "128", workers=1)
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = planner_pb2_grpc.BatchPlannerStub(channel)
+            calls = [stub.Plan.future(request_to_proto(r), timeout=120) for r in (LOOPS_INLINE, LOOPS_ON_A_WORKER)]
+            wait_for_metric(server, "batch_planner_in_flight_requests", lambda v: v >= 2, "both plans running")
+            wait_for_metric(server, "batch_planner_busy_workers", lambda v: v >= 1, "the worker planning")
+            assert not any(call.done() for call in calls), "a looping plan returned"
+            started = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            server.proc.wait(drain + 30)
+            took = time.monotonic() - started
+        assert took < drain + 5, f"the server took {took:.1f} s to exit after SIGTERM, --drain-seconds is {drain}"
+        assert "still planning inline" in server.log or "did not finish" in server.log, server.log[-2000:]
+    finally:
+        server.stop(signal.SIGKILL)
