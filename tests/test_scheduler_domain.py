@@ -31,9 +31,9 @@ from batch_planner.errors import ErrorCode, PlanningError
 from batch_planner.exact.verified import SchedulerImplementation, select_implementation
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest, SchedulerKind
-from batch_planner.schedulers import discover_schedulers
 from batch_planner.v1 import planner_pb2_grpc
 from tests.planner_process import ROOT, start_planner
+from tests.megatron_builds import require_scheduler
 from tests.reliability_support import assert_plan_well_formed, wait_for_metric
 
 DYNAMIC, STATIC, HYBRID, AUTO = SchedulerKind.DYNAMIC_CP, SchedulerKind.STATIC_PACKING, SchedulerKind.HYBRID_CP, SchedulerKind.AUTO
@@ -75,8 +75,7 @@ IDS = [name for name, *_ in REPRODUCERS]
 
 
 def _available(request: PlanRequest) -> None:
-    if not discover_schedulers()[request.scheduler].available:
-        pytest.skip(f"this Megatron-Core has no {request.scheduler.value}")
+    require_scheduler(request.scheduler)
 
 
 def _answer(request: PlanRequest):
@@ -241,12 +240,13 @@ def test_sigterm_ends_the_server_within_drain_seconds_while_upstream_loops_inlin
     """The domain check switched off (tests/unbounded_domain) and Megatron-Core's own code
     (scheduler_implementation=upstream): the two looping reproducers really loop, one in a gRPC
     handler thread (12 ranks, 6 samples: inline) and one on a worker (48 ranks)."""
-    if not discover_schedulers()[DYNAMIC].available:
-        pytest.skip("this Megatron-Core has no dynamic_cp")
+    require_scheduler(DYNAMIC)
     drain = 2.0
     monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'tests' / 'unbounded_domain'}")
-    monkeypatch.setenv("BATCH_PLANNER_SCHEDULER_IMPLEMENTATION", "upstream")
-    server = start_planner("--drain-seconds", str(drain), "--inline-max-ranks", "16", "--inline-max-samples", "128", workers=1)
+    server = start_planner(
+        "--drain-seconds", str(drain), "--inline-max-ranks", "16", "--inline-max-samples", "128",
+        "--scheduler-implementation", "upstream", workers=1,
+    )
     try:
         with grpc.insecure_channel(server.address) as channel:
             stub = planner_pb2_grpc.BatchPlannerStub(channel)

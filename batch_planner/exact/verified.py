@@ -5,8 +5,10 @@ byte for byte against upstream's own code by the differential tests. It is only 
 check, so it runs only where
 
 - the setting asks for it (`SchedulerImplementation.EXACT`, the default): the server's
-  `--scheduler-implementation`, the trainer client's `scheduler_implementation`, or the
-  environment variable `BATCH_PLANNER_SCHEDULER_IMPLEMENTATION` for any process; and
+  `--scheduler-implementation` (env `PLANNER_SCHEDULER_IMPLEMENTATION`, like every server flag)
+  and the trainer client's `scheduler_implementation` set it for their process; the environment
+  variable `BATCH_PLANNER_SCHEDULER_IMPLEMENTATION` is the default of a process that sets neither
+  (a script or benchmark calling batch_planner directly); and
 - the installed Megatron-Core's source of every upstream function the exact path reproduces hashes
   to a fingerprint in `VERIFIED` below: the builds the differential corpus ran against. Any other
   build (a newer dev commit, a patched release) runs upstream's code, and says so once in the log,
