@@ -117,5 +117,22 @@ def outcome(call: Callable[[], Any], budget: tuple[str, int] | None = None) -> t
         sys.settrace(None)
 
 
+def served_bytes(request, implementation) -> tuple:
+    """The whole planning pipeline's answer to `request` with `implementation` planning: the
+    response bytes, or the refusal's code and message."""
+    from batch_planner.convert import plan_to_proto
+    from batch_planner.errors import PlanningError
+    from batch_planner.exact.verified import select_implementation
+    from batch_planner.planner import plan_batch
+
+    select_implementation(implementation)
+    try:
+        return ("plan", plan_to_proto(plan_batch(request)).SerializeToString(deterministic=True))
+    except PlanningError as error:
+        return ("refused", error.code.value, str(error))
+    finally:
+        select_implementation(None)
+
+
 def tally(outcomes: list[tuple]) -> Counter:
     return Counter(o[0] if o[0] != "raised" else f"raised {o[1]}" for o in outcomes)

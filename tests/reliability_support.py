@@ -239,11 +239,16 @@ def metric(server, name: str, **labels: str) -> float:
     """The sum of a metric's samples with these labels on a PlannerProcess's /metrics page."""
     import urllib.request
 
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        return sample_value(response.read().decode(), name, **labels)
+
+
+def sample_value(text: str, name: str, **labels) -> float:
+    """The sum of a metric's samples with these labels in a Prometheus exposition page."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    page = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     total = 0.0
-    for family in text_string_to_metric_families(page):
+    for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value

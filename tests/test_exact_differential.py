@@ -15,8 +15,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batch_planner.convert import plan_to_proto
-from batch_planner.errors import PlanningError
 from batch_planner.exact import dynamic_cp as exact_dynamic_cp
 from batch_planner.exact.verified import (
     SchedulerImplementation,
@@ -24,10 +22,9 @@ from batch_planner.exact.verified import (
     fingerprint,
     select_implementation,
 )
-from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest, SchedulerKind
 from batch_planner.schedulers import _load_class, _quiet_import, discover_schedulers
-from tests.exact_corpus import Case, corpus, outcome, tally
+from tests.exact_corpus import Case, corpus, outcome, served_bytes, tally
 from tests.megatron_builds import require_scheduler
 
 CORPUS_SIZE = 10_000
@@ -147,16 +144,6 @@ def test_hypothesis_inputs_give_identical_plans_and_exceptions(layout, lengths, 
     assert _agree(exact, upstream), f"{case.describe()}\n  exact: {exact}\n  upstream: {upstream}"
 
 
-def _served_bytes(request: PlanRequest, implementation: SchedulerImplementation) -> tuple:
-    select_implementation(implementation)
-    try:
-        return ("plan", plan_to_proto(plan_batch(request)).SerializeToString(deterministic=True))
-    except PlanningError as error:
-        return ("refused", error.code.value, str(error))
-    finally:
-        select_implementation(None)
-
-
 def test_the_whole_pipeline_serves_the_same_bytes_and_refusals(capsys):
     """Validation, the scheduler, invariants, statistics, plan id: the response bytes (or the
     refusal) are the same whichever code plans."""
@@ -171,10 +158,10 @@ def test_the_whole_pipeline_serves_the_same_bytes_and_refusals(capsys):
             min_cp_size=case.min_cp_size if case.min_cp_size > 1 else None,
             micro_batch_group_size=case.micro_batch_group_size,
         )
-        exact = _served_bytes(request, SchedulerImplementation.EXACT)
+        exact = served_bytes(request, SchedulerImplementation.EXACT)
         if "would loop for ever" in str(exact):
             continue  # upstream's own code never returns here; the loop tests cover it
-        upstream = _served_bytes(request, SchedulerImplementation.UPSTREAM)
+        upstream = served_bytes(request, SchedulerImplementation.UPSTREAM)
         assert exact == upstream, case.describe()
         compared += 1
         plans += exact[0] == "plan"

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
 from batch_planner.exact import hybrid_cp
-from tests.exact_corpus import outcome
+from tests.exact_corpus import outcome, served_bytes
 
 os.environ.setdefault("NO_VCS_VERSION", "1")
 with warnings.catch_warnings():
@@ -167,22 +167,11 @@ def test_guard_against_a_micro_batch_that_consumes_nothing(monkeypatch):
 def test_the_whole_pipeline_serves_the_same_bytes_and_refusals(capsys):
     """Validation, the scheduler, the alignment of CP groups, invariants, statistics, plan id: the
     response bytes (or the refusal) are the same whichever code plans hybrid CP."""
-    from batch_planner.convert import plan_to_proto
-    from batch_planner.errors import PlanningError
-    from batch_planner.exact.verified import SchedulerImplementation, exact_path_status, select_implementation
-    from batch_planner.planner import plan_batch
+    from batch_planner.exact.verified import SchedulerImplementation, exact_path_status
     from batch_planner.request import PlanRequest, SchedulerKind
 
     assert exact_path_status(SchedulerKind.HYBRID_CP).active, exact_path_status(SchedulerKind.HYBRID_CP).reason
-
-    def served(request, implementation):
-        select_implementation(implementation)
-        try:
-            return ("plan", plan_to_proto(plan_batch(request)).SerializeToString(deterministic=True))
-        except PlanningError as error:
-            return ("refused", error.code.value, str(error))
-        finally:
-            select_implementation(None)
+    served = served_bytes
 
     rng = random.Random(11)
     plans = 0

@@ -14,6 +14,7 @@ from batch_planner.convert import plan_from_proto, request_to_proto
 from batch_planner.distributions import sample_lengths
 from batch_planner.request import PlanRequest
 from tests.planner_process import start_planner
+from tests.reliability_support import sample_value
 from batch_planner.v1 import planner_pb2_grpc
 from tests.deploy_tools import find_tool
 
@@ -31,13 +32,6 @@ def scrape(url: str) -> str:
         return response.read().decode()
 
 
-def sample_value(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 def test_counters_move_by_known_amounts(fresh_planner):
