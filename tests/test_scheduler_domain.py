@@ -31,6 +31,7 @@ from batch_planner.errors import ErrorCode, PlanningError
 from batch_planner.exact.verified import SchedulerImplementation, select_implementation
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest, SchedulerKind
+from batch_planner.schedulers import discover_schedulers
 from batch_planner.v1 import planner_pb2_grpc
 from tests.planner_process import ROOT, start_planner
 from tests.megatron_builds import require_scheduler
@@ -201,7 +202,8 @@ def _random_request(rng: random.Random) -> PlanRequest:
     per_rank = rng.choice([1024, 4096, 8192])
     lengths = tuple(max(1, min(per_rank * cp, n)) for n in sample_lengths(rng.choice(["megatron_dcp", "long_tail_16k"]), count,
                                                                           rng.randint(0, 999)))
-    scheduler = rng.choice([DYNAMIC, DYNAMIC, STATIC, HYBRID, AUTO])
+    # The schedulers this build has (the release leg has hybrid CP only), auto always.
+    scheduler = rng.choice([k for k in (DYNAMIC, DYNAMIC, STATIC, HYBRID) if discover_schedulers()[k].available] + [AUTO])
     group = rng.choice([None, None, *range(1, 9)]) if scheduler is not HYBRID else None
     max_seqs = rng.choice([None, None, 1, 2, 8]) if scheduler is STATIC else None
     return PlanRequest.of(lengths, dp_cp // cp, cp, per_rank, scheduler=scheduler, micro_batch_group_size=group,
