@@ -331,7 +331,8 @@ def write(
         ("**Partial: the run is still going.**\n\n" if partial else "")
         + (__doc__ or "").split("\n\n", 2)[2].strip()
         + f"\n\nThis run: cap {cap:g} s per upstream cell, at least {min_seconds:g} s or {max_runs} runs per cell; "
-        f"{setup}. A cell in *italics* was not run: its time is the fit's extrapolation.",
+        f"{setup}. A cell in *italics* was not run: its time is the fit's extrapolation (the load average "
+        "below is the one when the report was written).",
         sections,
         rows=[c for by_i in results.values() for cells in by_i.values() for c in cells],
         bars=found,
@@ -356,7 +357,7 @@ def run(
     # One spawned timing process (one torch thread, one core), so this process's imports and
     # threads are not in the measurement.
     with multiprocessing.get_context("spawn").Pool(1, timer_initializer, (names,)) as pool:
-        setup = pool.apply(timer_setup)
+        setup = f"load average when the run started {os.getloadavg()[0]:.2f}; " + pool.apply(timer_setup)
         print(f"growth: {setup}", flush=True)
 
         def progress(name: str, cells: dict[str, list[Cell]]) -> None:
