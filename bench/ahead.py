@@ -206,10 +206,12 @@ def workers_text(workers: int) -> str:
 def run(
     out: Path, smoke: bool = False, address: str | None = None, depth: int = DEPTH, workers: int = WORKERS,
     step_fraction: float = STEP_FRACTION, steps: int = STEPS, scheduler: str = SCHEDULER, name: str = "ahead",
+    max_job_share: float | None = None,
 ) -> Report[AheadResult]:
     size = SMOKE_SIZE if smoke else SIZE
     settings = Settings(size, 2 if smoke else depth, workers, step_fraction, 4 if smoke else steps, scheduler)
-    with planner_server(address, workers=workers) as addr:
+    server_args = ("--max-job-share", str(max_job_share)) if max_job_share is not None else ()
+    with planner_server(address, workers=workers, args=server_args) as addr:
         raised = raise_priority(TRAINER_NICE) if not smoke else False
         try:
             result = measure(addr, settings)
@@ -235,7 +237,8 @@ def run(
         + f"\n\nThe trainer ran at nice {TRAINER_NICE if raised else 0} once the server (nice 0) was up"
         + (" (on a cluster they are different machines; here the trainer's wake-up at the end of a step "
            "would otherwise queue behind the planner's busy workers for a core)." if raised else ".")
-        + f"\n\nBatches: `{DISTRIBUTION}`, scheduler `{scheduler}`, a new seed every step.",
+        + f"\n\nBatches: `{DISTRIBUTION}`, scheduler `{scheduler}`, a new seed every step. Server: "
+        + (f"`--max-job-share {max_job_share:g}`" if max_job_share is not None else "default settings") + ".",
         [("Setup", setup), ("Results", table + f"\n\n![plan ahead by depth]({name}.png)")],
         rows=[result],
         bars=[Bar(f"{scheduler}, {size.label}, depth {settings.depth}, {workers_text(workers)}", BAR, result.met)],
@@ -251,9 +254,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=STEPS, help="steps per run")
     parser.add_argument("--scheduler", default=SCHEDULER, help="the trainer's scheduler (auto, dynamic_cp, hybrid_cp)")
     parser.add_argument("--name", default="ahead", help="report name: <out>/<name>.md and .png")
+    parser.add_argument("--max-job-share", type=float, default=None,
+                        help="the started server's --max-job-share (auto takes a slot per candidate)")
     args = parser.parse_args(argv)
     report = run(args.out, args.smoke, args.address, args.depth, args.workers, args.step_fraction, args.steps,
-                 args.scheduler, args.name)
+                 args.scheduler, args.name, args.max_job_share)
     print(report.path.read_text())
 
 
