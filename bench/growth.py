@@ -386,7 +386,7 @@ def run_cells(out: Path, cells: list[tuple[str, BatchSize]], jobs: int, max_runs
     than cells, to measure what the sequential run can only extrapolate."""
     names = tuple(sorted({name for name, _ in cells}))
     with multiprocessing.get_context("spawn").Pool(jobs, timer_initializer, (names,), maxtasksperchild=1) as pool:
-        futures = [pool.apply_async(time_cell, ((n, b.samples, b.ranks, 0.0, max_runs, IMPLEMENTATIONS),)) for n, b in cells]
+        futures = [pool.apply_async(time_cell, ((n, b.samples, b.ranks, math.inf, max_runs, IMPLEMENTATIONS),)) for n, b in cells]
         results = [f.get() for f in futures]
     rows = [
         Cell(n, b, Spread.of(t[i]) if t.get(i) and not e else None, None, e, i, tuple(t.get(i, ())))
