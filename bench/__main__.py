@@ -6,7 +6,7 @@
 
 One server with 2 workers serves the overhead, plan-ahead (hidden, ahead) and scaling (2-worker arm)
 benchmarks; a second with 1 worker is the other scaling arm; growth (the schedulers in process,
-tens of minutes), start-up and fairness (servers of their own) run after both are stopped.
+tens of minutes), start-up, fairness and the RL wait (servers of their own) run after both are stopped.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import contextlib
 import time
 from pathlib import Path
 
-from bench import ahead, dropin, fairness, growth, hidden, overhead, quality, scaling, startup, trainer_cost
+from bench import ahead, dropin, fairness, growth, hidden, overhead, quality, rl_wait, scaling, startup, trainer_cost
 from bench.common import argument_parser, bars_path, markdown_table, planner_server, read_bars, verdict, write_report
 
 
-BENCHMARKS = ("overhead", "hidden", "ahead", "scaling", "dropin", "trainer_cost", "quality", "growth", "startup", "fairness")
+BENCHMARKS = ("overhead", "hidden", "ahead", "scaling", "dropin", "trainer_cost", "quality", "growth", "startup", "fairness", "rl_wait")
 
 
 def summary(out: Path, reports: list[Path], seconds: float) -> Path:
@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
         startup.run(out, smoke)
     if "fairness" in only:
         fairness.run(out, smoke)  # its own servers: one with --max-job-share 0.5, one with 1.0
+    if "rl_wait" in only:
+        rl_wait.run(out, smoke)  # its own server, with the default workers (one per core)
     suffix = "_smoke" if smoke else ""
     reports = [out / f"{name}{suffix}.md" for name in BENCHMARKS if bars_path(out / f"{name}{suffix}.md").exists()]
     print(summary(out, reports, time.perf_counter() - started).read_text())

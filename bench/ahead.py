@@ -1,10 +1,11 @@
 """Planning far enough ahead: a simulated trainer whose step is shorter than one plan's latency.
 
-    python -m bench.ahead --out docs/bench                       # 16,384 samples on 1,024 ranks
-    python -m bench.ahead --out docs/bench --depth 4 --step-fraction 0.5 --steps 12
+    python -m bench.ahead --out docs/bench                       # 16,384 samples on 1,024 ranks, auto
+    python -m bench.ahead --out docs/bench --depth 4 --step-fraction 0.5 --steps 12 --scheduler hybrid_cp
 
-A trainer loop (trainer_client's BatchPlannerClient, one rank, service only, hybrid CP) against a
-real server with `--workers` planning workers. It first measures one plan's latency L (synchronous
+A trainer loop (trainer_client's BatchPlannerClient, one rank, service only, `--scheduler`: `auto`
+by default) against a real server with `--workers` planning workers (default 0: the server's
+default, one per core). It first measures one plan's latency L (synchronous
 `plan_step` calls). The training step is then a sleep of `step_fraction` x L: shorter than one
 plan, so planning one step ahead cannot hide it, and longer than L / depth, so `depth` plans in
 flight over the workers can. Two runs on the same batches, one after the other:
@@ -45,7 +46,8 @@ from bench.common import (
 
 DISTRIBUTION = "lognormal_32k"
 SIZE, SMOKE_SIZE = BatchSize(16384, 1024), BatchSize(256, 32)
-DEPTH, WORKERS, STEP_FRACTION, STEPS, SYNC_CALLS = 3, 2, 0.8, 12, 2
+DEPTH, WORKERS, STEP_FRACTION, STEPS, SYNC_CALLS = 2, 0, 0.8, 12, 2
+SCHEDULER = "auto"
 TRAINER_NICE = -5  # the simulated trainer's priority once the server runs (the server keeps 0)
 BAR_S, BAR = 1e-3, "steady-state wait p99 <= 1 ms"
 
@@ -57,6 +59,7 @@ class Settings:
     workers: int
     step_fraction: float
     steps: int
+    scheduler: str = SCHEDULER
 
 
 @dataclass(frozen=True)
@@ -86,14 +89,14 @@ class AheadResult:
         return self.deep.spread.p99 <= BAR_S
 
 
-def make_client(address: str, size: BatchSize, depth: int):
+def make_client(address: str, size: BatchSize, depth: int, scheduler: str = SCHEDULER):
     from trainer_client.client import BatchPlannerClient
     from trainer_client.config import PlannerClientConfig
     from batch_planner.request import SchedulerKind
 
     config = PlannerClientConfig(
         planner_endpoint=address, max_seqlen_per_dp_cp_rank=MAX_SEQLEN_PER_DP_CP_RANK,
-        context_parallel_size=JOB_CP_SIZE, scheduler=SchedulerKind.HYBRID_CP, job="bench", tls=False,
+        context_parallel_size=JOB_CP_SIZE, scheduler=SchedulerKind(scheduler), job="bench", tls=False,
         deadline_seconds=600.0, fallback=False, plan_ahead_depth=depth,
     )
     return BatchPlannerClient(config, dp_cp_size=size.ranks, rank=0, cp_groups=None)
@@ -103,8 +106,8 @@ def batches(size: BatchSize, count: int, first_seed: int) -> list[tuple[int, ...
     return [make_request(DISTRIBUTION, size, seed=first_seed + s).sequence_lengths for s in range(count)]
 
 
-def sync_latency(address: str, size: BatchSize, calls: int) -> Spread:
-    client = make_client(address, size, 1)
+def sync_latency(address: str, size: BatchSize, calls: int, scheduler: str) -> Spread:
+    client = make_client(address, size, 1, scheduler)
     times = []
     try:
         for k, lengths in enumerate(batches(size, calls, 50_000)):
@@ -116,9 +119,9 @@ def sync_latency(address: str, size: BatchSize, calls: int) -> Spread:
     return Spread.of(times)
 
 
-def trainer_loop(address: str, size: BatchSize, depth: int, steps: int, step_seconds: float) -> RunResult:
+def trainer_loop(address: str, size: BatchSize, depth: int, steps: int, step_seconds: float, scheduler: str) -> RunResult:
     data = batches(size, steps + depth + 1, 0)
-    client = make_client(address, size, depth)
+    client = make_client(address, size, depth, scheduler)
     waits, sources = [], []
     try:
         client.prefetch(0, data[0])
@@ -156,10 +159,10 @@ def raise_priority(increment: int) -> bool:
 
 
 def measure(address: str, settings: Settings) -> AheadResult:
-    latency = sync_latency(address, settings.size, SYNC_CALLS)
+    latency = sync_latency(address, settings.size, SYNC_CALLS, settings.scheduler)
     step_seconds = settings.step_fraction * latency.p50
-    deep = trainer_loop(address, settings.size, settings.depth, settings.steps, step_seconds)
-    shallow = trainer_loop(address, settings.size, 1, settings.steps, step_seconds)
+    deep = trainer_loop(address, settings.size, settings.depth, settings.steps, step_seconds, settings.scheduler)
+    shallow = trainer_loop(address, settings.size, 1, settings.steps, step_seconds, settings.scheduler)
     return AheadResult(settings, latency, step_seconds, deep, shallow)
 
 
@@ -176,7 +179,7 @@ def plot(result: AheadResult, path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("trainer-visible wait, ms (log)")
     s = result.settings
-    ax.set_title(f"{s.size.label} ranks, {s.workers} workers; step {result.step_seconds:.1f} s, "
+    ax.set_title(f"{s.scheduler}, {s.size.label} ranks, {workers_text(s.workers)}; step {result.step_seconds:.1f} s, "
                  f"one plan {result.latency.p50:.1f} s", fontsize=9)
     ax.legend(fontsize=8)
     save_figure(fig, path)
@@ -193,25 +196,34 @@ def run_row(result: AheadResult, run: RunResult) -> list[object]:
     ]
 
 
+def workers_text(workers: int) -> str:
+    """--workers as the server reads it: 0 is its default, one per available core."""
+    import os
+
+    return f"{workers} workers" if workers else f"default workers ({len(os.sched_getaffinity(0))}, one per core)"
+
+
 def run(
     out: Path, smoke: bool = False, address: str | None = None, depth: int = DEPTH, workers: int = WORKERS,
-    step_fraction: float = STEP_FRACTION, steps: int = STEPS,
+    step_fraction: float = STEP_FRACTION, steps: int = STEPS, scheduler: str = SCHEDULER, name: str = "ahead",
+    max_job_share: float | None = None,
 ) -> Report[AheadResult]:
     size = SMOKE_SIZE if smoke else SIZE
-    settings = Settings(size, 2 if smoke else depth, workers, step_fraction, 4 if smoke else steps)
-    with planner_server(address, workers=workers) as addr:
+    settings = Settings(size, 2 if smoke else depth, workers, step_fraction, 4 if smoke else steps, scheduler)
+    server_args = ("--max-job-share", str(max_job_share)) if max_job_share is not None else ()
+    with planner_server(address, workers=workers, args=server_args) as addr:
         raised = raise_priority(TRAINER_NICE) if not smoke else False
         try:
             result = measure(addr, settings)
         finally:
             if raised:
                 raise_priority(-TRAINER_NICE)
-    suffix = "_smoke" if smoke else ""
-    plot(result, out / f"ahead{suffix}.png")
+    name += "_smoke" if smoke else ""
+    plot(result, out / f"{name}.png")
     lat = result.latency
     setup = markdown_table(
         ["batch", "workers", "one plan s p50 (min..max)", "step s", "step / plan", "plan / depth s", "steps per run"],
-        [[size.label, workers, lat.fmt(1, 2), f"{result.step_seconds:.2f}", f"{step_fraction:g}",
+        [[size.label, workers_text(workers), lat.fmt(1, 2), f"{result.step_seconds:.2f}", f"{step_fraction:g}",
           f"{lat.p50 / settings.depth:.2f}", settings.steps]],
     )
     table = markdown_table(
@@ -220,16 +232,16 @@ def run(
         [run_row(result, result.deep), run_row(result, result.shallow)],
     )
     return write_report(
-        out, f"ahead{suffix}", "Planning far enough ahead: step shorter than one plan",
+        out, name, "Planning far enough ahead: step shorter than one plan",
         (__doc__ or "").split("\n\n", 2)[2].strip()
         + f"\n\nThe trainer ran at nice {TRAINER_NICE if raised else 0} once the server (nice 0) was up"
         + (" (on a cluster they are different machines; here the trainer's wake-up at the end of a step "
            "would otherwise queue behind the planner's busy workers for a core)." if raised else ".")
-        + f"\n\nBatches: `{DISTRIBUTION}`, hybrid CP (Megatron-Core's `BalancedCPScheduler`; dynamic CP "
-        "takes many minutes per plan at this size on one core, docs/bench/growth.md), a new seed every step.",
-        [("Setup", setup), ("Results", table + f"\n\n![plan ahead by depth](ahead{suffix}.png)")],
+        + f"\n\nBatches: `{DISTRIBUTION}`, scheduler `{scheduler}`, a new seed every step. Server: "
+        + (f"`--max-job-share {max_job_share:g}`" if max_job_share is not None else "default settings") + ".",
+        [("Setup", setup), ("Results", table + f"\n\n![plan ahead by depth]({name}.png)")],
         rows=[result],
-        bars=[Bar(f"{size.label}, depth {settings.depth}, {workers} workers", BAR, result.met)],
+        bars=[Bar(f"{scheduler}, {size.label}, depth {settings.depth}, {workers_text(workers)}", BAR, result.met)],
     )
 
 
@@ -240,8 +252,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=WORKERS, help="planning workers of the server started")
     parser.add_argument("--step-fraction", type=float, default=STEP_FRACTION, help="step time / one plan's latency")
     parser.add_argument("--steps", type=int, default=STEPS, help="steps per run")
+    parser.add_argument("--scheduler", default=SCHEDULER, help="the trainer's scheduler (auto, dynamic_cp, hybrid_cp)")
+    parser.add_argument("--name", default="ahead", help="report name: <out>/<name>.md and .png")
+    parser.add_argument("--max-job-share", type=float, default=None,
+                        help="the started server's --max-job-share (auto takes a slot per candidate)")
     args = parser.parse_args(argv)
-    report = run(args.out, args.smoke, args.address, args.depth, args.workers, args.step_fraction, args.steps)
+    report = run(args.out, args.smoke, args.address, args.depth, args.workers, args.step_fraction, args.steps,
+                 args.scheduler, args.name, args.max_job_share)
     print(report.path.read_text())
 
 

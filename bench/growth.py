@@ -1,28 +1,37 @@
-"""Growth: Megatron-Core's scheduler time from 64 to 16,384 samples and 8 to 1,024 DPxCP ranks.
+"""Growth: scheduler time from 64 to 16,384 samples and 8 to 1,024 DPxCP ranks, Megatron-Core's own
+code and the exact path side by side.
 
     python -m bench.growth --out docs/bench                 # measure what fits, extrapolate the rest
-    python -m bench.growth --out docs/bench --cap-seconds 90 --jobs 1
+    python -m bench.growth --out docs/bench --cap-seconds 120 --schedulers dynamic_cp
 
 Each cell is one scheduler on one batch size (`lognormal_32k`, job CP 2, 8,192 tokens per rank),
-timed in a timing process of its own with one torch thread, after a warm-up plan per scheduler (`batch_planner.schedulers.run_scheduler`:
-Megatron-Core's call and nothing else; one core). Cells run smallest first; once three cells of a
-scheduler are measured, a log-log fit `t = a * samples^b * ranks^c` over them predicts the next
-cell, and a cell predicted above `--cap-seconds` is not run: it is reported as an extrapolation of
-the fit, marked as such, never as a measurement (the number shown is the final fit over every
-measured cell, so it can differ from the prediction that skipped the cell). Runs per cell: repeated until `--min-seconds` of
-scheduler time or `--max-runs`, each on a new seed; the table shows the median and min..max.
+timed in a timing process of its own with one torch thread, pinned to one core where the OS allows
+(`os.sched_setaffinity`), after a warm-up plan per scheduler and implementation
+(`batch_planner.schedulers.run_scheduler`: the scheduler's call and nothing else). Both
+implementations plan the same batches, interleaved run by run in that process: for each seed,
+Megatron-Core's own code (`upstream`, `select_implementation("upstream")`), then the exact path
+(`exact`, batch_planner/exact, byte-identical plans), so the ratio upstream / exact of a cell is
+the median of ratios of runs on the same batch. Cells run smallest first; once three cells of an
+implementation are measured, a log-log fit `t = a * samples^b * ranks^c` over them predicts the
+next cell, and where the fit predicts upstream above `--cap-seconds` upstream is not run: its time
+is the fit's extrapolation, marked as such, never a measurement (the number shown is the final fit
+over every measured cell, so it can differ from the prediction that skipped the cell). The exact
+path is measured in every cell. Runs per cell: repeated until `--min-seconds` of the slowest
+implementation's time or `--max-runs`, each on a new seed; the tables show the median and min..max.
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from batch_planner.request import SchedulerKind
 from bench.common import (
+    Bar,
     Report,
     Spread,
     argument_parser,
@@ -30,22 +39,26 @@ from bench.common import (
     markdown_table,
     pyplot,
     save_figure,
+    verdict,
     write_report,
     BatchSize,
 )
 
 DISTRIBUTION = "lognormal_32k"
 SAMPLES = (64, 256, 1024, 4096, 16384)
-RANKS = (8, 32, 128, 512, 1024)
+RANKS = (8, 32, 128, 256, 1024)
 SMOKE_SAMPLES, SMOKE_RANKS = (64, 128), (8, 16)
-CAP_S, MIN_S, MAX_RUNS = 90.0, 3.0, 5
+CAP_S, MIN_S, MAX_RUNS = 120.0, 3.0, 5
+IMPLEMENTATIONS = ("upstream", "exact")  # the order of the runs on each batch
+# The bars (issue 23), on dynamic CP in the same run: upstream / exact at 4,096 on 256, and the exact
+# path's time at 16,384 on 1,024 on one core.
+RATIO_BAR, RATIO_SIZE = 30.0, BatchSize(4096, 256)
+TIME_BAR_S, TIME_SIZE = 10.0, BatchSize(16384, 1024)
 
 
 def schedulers() -> tuple[SchedulerKind, ...]:
-    """Hybrid and dynamic CP, and `auto` where this checkout has it."""
-    kinds = [SchedulerKind.HYBRID_CP, SchedulerKind.DYNAMIC_CP]
-    auto = getattr(SchedulerKind, "AUTO", None)
-    return tuple(kinds + ([auto] if auto is not None else []))
+    """The schedulers with an exact path: hybrid and dynamic CP (`auto` on request, --schedulers)."""
+    return (SchedulerKind.HYBRID_CP, SchedulerKind.DYNAMIC_CP)
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,8 @@ class Cell:
     seconds: Spread | None  # measured; None when extrapolated or failed
     predicted: float | None  # the fit's prediction (for every cell once a fit exists)
     error: str = ""  # why a measured cell has no time (the scheduler refused the batch)
+    implementation: str = "upstream"
+    times: tuple[float, ...] = ()  # run by run, seed 0, 1, ... (the pairing for the ratio)
 
     @property
     def measured(self) -> bool:
@@ -104,32 +119,62 @@ def scheduler_call(scheduler: str):
     return plan_batch if scheduler == "auto" else run_scheduler
 
 
+def pin_to_one_core() -> str:
+    """Pins this process to the last core it may run on; says which (or why not)."""
+    try:
+        core = max(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {core})
+    except (AttributeError, OSError) as exc:
+        return f"not pinned ({type(exc).__name__})"
+    return f"pinned to core {core}"
+
+
 def timer_initializer(kinds: tuple[str, ...]) -> None:
-    """The timing process: one torch thread, every scheduler imported and run once on a small
-    batch (the first call imports Megatron-Core, seconds that are no part of planning)."""
+    """The timing process: one torch thread, one core, every scheduler imported and run once per
+    implementation on a small batch (the first call imports Megatron-Core, seconds that are no
+    part of planning)."""
     import torch
 
+    from batch_planner.exact.verified import select_implementation
+
     torch.set_num_threads(1)
+    pin_to_one_core()
     for kind in kinds:
-        scheduler_call(kind)(make_request(DISTRIBUTION, BatchSize(64, 8), seed=10_000, scheduler=SchedulerKind(kind)))
+        for implementation in IMPLEMENTATIONS:
+            select_implementation(implementation)
+            scheduler_call(kind)(make_request(DISTRIBUTION, BatchSize(64, 8), seed=10_000, scheduler=SchedulerKind(kind)))
 
 
-def time_cell(args: tuple[str, int, int, float, int]) -> tuple[list[float], str]:
-    """In the timing process: the scheduler on new seeds until min_seconds or max_runs."""
+def timer_setup() -> str:
+    """In the timing process: how it is pinned, and which code each implementation runs."""
+    from batch_planner.exact.verified import exact_path_status, select_implementation
+
+    select_implementation("exact")
+    status = {k.value: exact_path_status(k).reason for k in schedulers()}
+    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return f"timing process on cores {affinity}; exact path: " + "; ".join(f"{k}: {r}" for k, r in status.items())
+
+
+def time_cell(args: tuple[str, int, int, float, int, tuple[str, ...]]) -> tuple[dict[str, list[float]], str]:
+    """In the timing process: on new seeds until min_seconds (of the slowest implementation) or
+    max_runs, each batch planned by every implementation asked for, one after the other."""
     from batch_planner.errors import PlanningError
+    from batch_planner.exact.verified import select_implementation
 
-    scheduler, samples, ranks, min_seconds, max_runs = args
+    scheduler, samples, ranks, min_seconds, max_runs, implementations = args
     plan = scheduler_call(scheduler)
-    times: list[float] = []
+    times: dict[str, list[float]] = {i: [] for i in implementations}
     for seed in range(max_runs):
         request = make_request(DISTRIBUTION, BatchSize(samples, ranks), seed=seed, scheduler=SchedulerKind(scheduler))
-        started = time.perf_counter()
-        try:
-            plan(request)
-        except PlanningError as error:
-            return times, error.message.split(":")[0][:80]
-        times.append(time.perf_counter() - started)
-        if sum(times) >= min_seconds:
+        for implementation in implementations:
+            select_implementation(implementation)
+            started = time.perf_counter()
+            try:
+                plan(request)
+            except PlanningError as error:
+                return times, error.message.split(":")[0][:80]
+            times[implementation].append(time.perf_counter() - started)
+        if max(sum(t) for t in times.values()) >= min_seconds:
             break
     return times, ""
 
@@ -140,20 +185,42 @@ def grid(samples: tuple[int, ...], ranks: tuple[int, ...]) -> list[BatchSize]:
 
 
 def measure_scheduler(
-    pool, scheduler: str, sizes: list[BatchSize], cap: float, min_s: float, max_runs: int
-) -> list[Cell]:
-    cells: list[Cell] = []
+    pool, scheduler: str, sizes: list[BatchSize], cap: float, min_s: float, max_runs: int,
+    progress=None,
+) -> dict[str, list[Cell]]:
+    """Every cell of `scheduler`: the exact path always, upstream where its fit so far predicts at
+    most `cap`. `progress(cells)` is called after each cell (partial reports)."""
+    cells: dict[str, list[Cell]] = {i: [] for i in IMPLEMENTATIONS}
     for size in sizes:
-        current = fit(cells)
-        predicted = current.predict(size) if current else None
-        if predicted is not None and predicted > cap:
-            cells.append(Cell(scheduler, size, None, predicted))
-            continue
-        times, error = pool.apply(time_cell, ((scheduler, size.samples, size.ranks, min_s, max_runs),))
-        cells.append(Cell(scheduler, size, Spread.of(times) if times and not error else None, predicted, error))
-        print(f"growth: {scheduler} {size.label}: {times or error}", flush=True)
+        predicted = {}
+        for implementation, done in cells.items():
+            current = fit(done)
+            predicted[implementation] = current.predict(size) if current else None
+        run = tuple(i for i in IMPLEMENTATIONS if i == "exact" or (predicted[i] or 0.0) <= cap)
+        times, error = pool.apply(time_cell, ((scheduler, size.samples, size.ranks, min_s, max_runs, run),))
+        for implementation in IMPLEMENTATIONS:
+            measured = times.get(implementation, [])
+            seconds = Spread.of(measured) if measured and not error else None
+            cells[implementation].append(Cell(
+                scheduler, size, seconds, predicted[implementation], error if implementation in run else "",
+                implementation, tuple(measured),
+            ))
+        print(f"growth: {scheduler} {size.label}: {error or {i: [round(t, 4) for t in v] for i, v in times.items()}}", flush=True)
+        if progress is not None:
+            progress(cells)
+    return {implementation: refit(done) for implementation, done in cells.items()}
+
+
+def refit(cells: list[Cell]) -> list[Cell]:
+    """The cells with every prediction replaced by the final fit's (over every measured cell)."""
     final = fit(cells)
-    return [Cell(c.scheduler, c.size, c.seconds, final.predict(c.size) if final else None, c.error) for c in cells]
+    return [replace(c, predicted=final.predict(c.size) if final else None) for c in cells]
+
+
+def paired_ratio(upstream: Cell, exact: Cell) -> Spread | None:
+    """upstream / exact, run by run on the same batch; None where upstream was not measured."""
+    pairs = [u / e for u, e in zip(upstream.times, exact.times) if e > 0]
+    return Spread.of(pairs) if upstream.seconds and exact.seconds and pairs else None
 
 
 def cell_text(cell: Cell) -> str:
@@ -165,43 +232,111 @@ def cell_text(cell: Cell) -> str:
     return f"*~{cell.predicted:.3g} s, extrapolated*" if cell.predicted else "not run"
 
 
+def ratio_text(upstream: Cell, exact: Cell) -> str:
+    ratio = paired_ratio(upstream, exact)
+    if ratio is not None:
+        return f"**{ratio.p50:.3g}x** ({ratio.min:.3g}..{ratio.max:.3g})"
+    if exact.seconds and upstream.predicted and not upstream.error:
+        return f"*~{upstream.predicted / exact.seconds.p50:.3g}x, upstream extrapolated*"
+    return "-"
+
+
 def table(cells: list[Cell], samples: tuple[int, ...], ranks: tuple[int, ...]) -> str:
     by = {(c.size.samples, c.size.ranks): c for c in cells}
-    rows = [[f"{s:,}"] + [cell_text(by[(s, r)]) for r in ranks] for s in samples]
+    rows = [[f"{s:,}"] + [cell_text(by[(s, r)]) if (s, r) in by else "pending" for r in ranks] for s in samples]
     return markdown_table(["samples \\ DPxCP ranks"] + [str(r) for r in ranks], rows)
 
 
-def plot(results: dict[str, list[Cell]], fits: dict[str, Fit | None], ranks: tuple[int, ...], path: Path) -> None:
+def side_by_side(upstream: list[Cell], exact: list[Cell]) -> str:
+    """One row per cell: both times and the paired ratio."""
+    rows = [[u.size.label, cell_text(u), cell_text(e), ratio_text(u, e)] for u, e in zip(upstream, exact)]
+    return markdown_table(["samples on DPxCP ranks", "upstream s/plan", "exact s/plan", "upstream / exact (same batches)"], rows)
+
+
+def plot(results: dict[str, dict[str, list[Cell]]], ranks: tuple[int, ...], path: Path) -> None:
+    """A column per scheduler, a row per implementation; filled markers measured, hollow extrapolated."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
+    names = list(results)
+    fig, axes = plt.subplots(len(IMPLEMENTATIONS), len(names), figsize=(6 * len(names), 4.2 * len(IMPLEMENTATIONS)),
+                             squeeze=False, sharey="col")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (scheduler, cells) in zip(axes[0], results.items()):
-        for color, r in zip(colors, ranks):
-            row = sorted((c for c in cells if c.size.ranks == r), key=lambda c: c.size.samples)
-            done = [(c.size.samples, c.seconds.p50) for c in row if c.seconds]
-            guess = [(c.size.samples, c.predicted) for c in row if not c.seconds and not c.error and c.predicted]
-            if done:
-                ax.plot(*zip(*done), marker="o", color=color, label=f"{r} ranks")
-            if guess:
-                bridge = done[-1:] + guess
-                ax.plot(*zip(*bridge), linestyle=":", color=color)
-                ax.plot(*zip(*guess), marker="o", fillstyle="none", linestyle="none", color=color)
-        f = fits[scheduler]
-        exps = f" ~ samples^{f.samples_exp:.2f} x ranks^{f.ranks_exp:.2f}" if f else ""
-        ax.set_title(f"{scheduler}{exps}", fontsize=10)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("samples per global batch")
-        ax.set_ylabel("scheduler seconds per plan (one core)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, title="filled: measured, hollow: extrapolated", title_fontsize=7)
+    for column, scheduler in enumerate(names):
+        for row_index, implementation in enumerate(IMPLEMENTATIONS):
+            ax, cells = axes[row_index][column], results[scheduler][implementation]
+            for color, r in zip(colors, ranks):
+                row = sorted((c for c in cells if c.size.ranks == r), key=lambda c: c.size.samples)
+                done = [(c.size.samples, c.seconds.p50) for c in row if c.seconds]
+                guess = [(c.size.samples, c.predicted) for c in row if not c.seconds and not c.error and c.predicted]
+                if done:
+                    ax.plot(*zip(*done), marker="o", color=color, label=f"{r} ranks")
+                if guess:
+                    ax.plot(*zip(*(done[-1:] + guess)), linestyle=":", color=color)
+                    ax.plot(*zip(*guess), marker="o", fillstyle="none", linestyle="none", color=color)
+            f = fit(cells)
+            exps = f" ~ samples^{f.samples_exp:.2f} x ranks^{f.ranks_exp:.2f}" if f else ""
+            ax.set_title(f"{scheduler}, {implementation}{exps}", fontsize=10)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("samples per global batch")
+            ax.set_ylabel("scheduler seconds per plan (one core)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7, title="filled: measured, hollow: extrapolated", title_fontsize=7)
     save_figure(fig, path)
 
 
-def fit_text(scheduler: str, f: Fit | None) -> list[object]:
+def fit_text(scheduler: str, implementation: str, f: Fit | None) -> list[object]:
     if f is None:
-        return [scheduler, "-", "-", "-", "fewer than 3 measured cells"]
-    return [scheduler, f.cells, f"{f.samples_exp:.2f}", f"{f.ranks_exp:.2f}", f"{math.exp(f.log_a):.3g}"]
+        return [scheduler, implementation, "-", "-", "-", "fewer than 3 measured cells"]
+    return [scheduler, implementation, f.cells, f"{f.samples_exp:.2f}", f"{f.ranks_exp:.2f}", f"{math.exp(f.log_a):.3g}"]
+
+
+def bars(results: dict[str, dict[str, list[Cell]]]) -> list[Bar]:
+    """Issue 23's two bars on dynamic CP, where this run has its cells."""
+    if "dynamic_cp" not in results:
+        return []
+    by = {(i, c.size): c for i, cells in results["dynamic_cp"].items() for c in cells}
+    found: list[Bar] = []
+    upstream, exact = by.get(("upstream", RATIO_SIZE)), by.get(("exact", RATIO_SIZE))
+    ratio = paired_ratio(upstream, exact) if upstream and exact else None
+    if ratio is not None:
+        found.append(Bar(f"dynamic CP {RATIO_SIZE.label}: upstream / exact {ratio.p50:.3g}x", f">= {RATIO_BAR:g}x", ratio.p50 >= RATIO_BAR))
+    big = by.get(("exact", TIME_SIZE))
+    if big is not None and big.seconds is not None:
+        found.append(Bar(f"dynamic CP {TIME_SIZE.label}, exact: {big.seconds.p50:.3g} s", f"<= {TIME_BAR_S:g} s on one core", big.seconds.p50 <= TIME_BAR_S))
+    return found
+
+
+def write(
+    out: Path, suffix: str, results: dict[str, dict[str, list[Cell]]], samples: tuple[int, ...], ranks: tuple[int, ...],
+    cap: float, min_seconds: float, max_runs: int, setup: str, partial: bool = False,
+) -> Report[Cell]:
+    plot(results, ranks, out / f"growth{suffix}.png")
+    sections = []
+    for name, by_implementation in results.items():
+        upstream, exact = by_implementation["upstream"], by_implementation["exact"]
+        sections.append((f"{name}: upstream and exact, side by side", side_by_side(upstream, exact)))
+        for implementation, cells in by_implementation.items():
+            sections.append((f"{name}, {implementation}: seconds per plan", table(cells, samples, ranks)))
+    sections.append((
+        "Fitted exponents (measured cells only)",
+        markdown_table(["scheduler", "implementation", "cells fitted", "samples exponent", "ranks exponent", "a (s)"],
+                       [fit_text(n, i, fit(cells)) for n, by_i in results.items() for i, cells in by_i.items()])
+        + f"\n\n![growth](growth{suffix}.png)",
+    ))
+    found = bars(results)
+    if found:
+        sections.append(("Bars", markdown_table(["case", "bar", "verdict"], [[b.case, b.target, verdict(b.met)] for b in found])))
+    return write_report(
+        out, f"growth{suffix}", "Growth of scheduler time with samples and ranks: Megatron-Core's code and the exact path",
+        ("**Partial: the run is still going.**\n\n" if partial else "")
+        + (__doc__ or "").split("\n\n", 2)[2].strip()
+        + f"\n\nThis run: cap {cap:g} s per upstream cell, at least {min_seconds:g} s or {max_runs} runs per cell; "
+        f"{setup}. A cell in *italics* was not run: its time is the fit's extrapolation (the load average "
+        "below is the one when the report was written).",
+        sections,
+        rows=[c for by_i in results.values() for cells in by_i.values() for c in cells],
+        bars=found,
+    )
 
 
 def run(
@@ -213,32 +348,26 @@ def run(
     samples, ranks = (SMOKE_SAMPLES, SMOKE_RANKS) if smoke else (SAMPLES, RANKS)
     if smoke:
         min_seconds, max_runs = 0.0, 1
-    available = {k for k, a in discover_schedulers().items() if a.available} | set(schedulers()[2:])
+    available = {k for k, a in discover_schedulers().items() if a.available} | {SchedulerKind.AUTO}
     chosen = [k for k in (kinds or schedulers()) if k in available]
     sizes = grid(samples, ranks)
     names = tuple(k.value for k in chosen)
-    # One spawned timing process (one torch thread), so this process's imports and threads are not
-    # in the measurement.
-    with multiprocessing.get_context("spawn").Pool(1, timer_initializer, (names,)) as pool:
-        results = {name: measure_scheduler(pool, name, sizes, cap, min_seconds, max_runs) for name in names}
-    fits = {name: fit(cells) for name, cells in results.items()}
     suffix = "_smoke" if smoke else ""
-    plot(results, fits, ranks, out / f"growth{suffix}.png")
-    sections = [(f"{name}: seconds per plan", table(cells, samples, ranks)) for name, cells in results.items()]
-    sections.append((
-        "Fitted exponents (measured cells only)",
-        markdown_table(["scheduler", "cells fitted", "samples exponent", "ranks exponent", "a (s)"],
-                       [fit_text(n, f) for n, f in fits.items()])
-        + f"\n\n![growth](growth{suffix}.png)",
-    ))
-    return write_report(
-        out, f"growth{suffix}", "Growth of Megatron-Core's scheduler time with samples and ranks",
-        (__doc__ or "").split("\n\n", 2)[2].strip()
-        + f"\n\nThis run: cap {cap:g} s per cell, at least {min_seconds:g} s or {max_runs} runs per cell. "
-        "A cell in *italics* was not run: its time is the fit's extrapolation.",
-        sections,
-        rows=[c for cells in results.values() for c in cells],
-    )
+    results: dict[str, dict[str, list[Cell]]] = {}
+    # One spawned timing process (one torch thread, one core), so this process's imports and
+    # threads are not in the measurement.
+    with multiprocessing.get_context("spawn").Pool(1, timer_initializer, (names,)) as pool:
+        setup = f"load average when the run started {os.getloadavg()[0]:.2f}; " + pool.apply(timer_setup)
+        print(f"growth: {setup}", flush=True)
+
+        def progress(name: str, cells: dict[str, list[Cell]]) -> None:
+            if not smoke:
+                write(out, suffix, {**results, name: cells}, samples, ranks, cap, min_seconds, max_runs, setup, partial=True)
+
+        for name in names:
+            results[name] = measure_scheduler(
+                pool, name, sizes, cap, min_seconds, max_runs, lambda cells, name=name: progress(name, cells))
+    return write(out, suffix, results, samples, ranks, cap, min_seconds, max_runs, setup)
 
 
 def parse_cells(text: str) -> list[tuple[str, BatchSize]]:
@@ -253,29 +382,34 @@ def parse_cells(text: str) -> list[tuple[str, BatchSize]]:
 
 def run_cells(out: Path, cells: list[tuple[str, BatchSize]], jobs: int, max_runs: int) -> Report[Cell]:
     """Named cells only, `jobs` at a time, each in its own one-thread timing process (one run each
-    unless --max-runs): for a machine with more cores than cells, to measure what the sequential
-    run can only extrapolate."""
+    unless --max-runs), both implementations on the same batches: for a machine with more cores
+    than cells, to measure what the sequential run can only extrapolate."""
     names = tuple(sorted({name for name, _ in cells}))
     with multiprocessing.get_context("spawn").Pool(jobs, timer_initializer, (names,), maxtasksperchild=1) as pool:
-        futures = [pool.apply_async(time_cell, ((n, b.samples, b.ranks, 0.0, max_runs),)) for n, b in cells]
+        futures = [pool.apply_async(time_cell, ((n, b.samples, b.ranks, math.inf, max_runs, IMPLEMENTATIONS),)) for n, b in cells]
         results = [f.get() for f in futures]
-    rows = [Cell(n, b, Spread.of(t) if t and not e else None, None, e) for (n, b), (t, e) in zip(cells, results)]
-    table_rows = [[c.scheduler, c.size.label, cell_text(c)] for c in rows]
+    rows = [
+        Cell(n, b, Spread.of(t[i]) if t.get(i) and not e else None, None, e, i, tuple(t.get(i, ())))
+        for (n, b), (t, e) in zip(cells, results) for i in IMPLEMENTATIONS
+    ]
+    pairs = list(zip(rows[::2], rows[1::2]))
+    table_rows = [[u.scheduler, u.size.label, cell_text(u), cell_text(e), ratio_text(u, e)] for u, e in pairs]
     return write_report(
         out, "growth_cells", "Scheduler time of named cells, measured in parallel",
         f"Each cell in its own timing process with one torch thread, {jobs} cells at a time "
-        "(`python -m bench.growth --cells ...`), on the same inputs as docs/bench/growth.md.",
-        [("Results", markdown_table(["scheduler", "samples on ranks", "seconds per plan"], table_rows))],
+        "(`python -m bench.growth --cells ...`), upstream then exact on each batch, on the same inputs as "
+        "docs/bench/growth.md.",
+        [("Results", markdown_table(["scheduler", "samples on ranks", "upstream s/plan", "exact s/plan", "upstream / exact"], table_rows))],
         rows=rows,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argument_parser(__doc__.splitlines()[0])
-    parser.add_argument("--cap-seconds", type=float, default=CAP_S, help="skip cells the fit predicts above this")
+    parser.add_argument("--cap-seconds", type=float, default=CAP_S, help="skip upstream cells the fit predicts above this")
     parser.add_argument("--min-seconds", type=float, default=MIN_S, help="scheduler time to collect per cell")
     parser.add_argument("--max-runs", type=int, default=MAX_RUNS, help="most runs per cell")
-    parser.add_argument("--schedulers", default="", help="comma-separated subset (default: all available)")
+    parser.add_argument("--schedulers", default="", help="comma-separated subset (default: hybrid_cp,dynamic_cp)")
     parser.add_argument("--cells", default="", help="measure only these, e.g. dynamic_cp:4096x512,hybrid_cp:64x8")
     parser.add_argument("--jobs", type=int, default=1, help="with --cells: cells measured at once")
     args = parser.parse_args(argv)

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the benchmarks plot with matplotlib: install the `bench` extra")
 
-from bench import ahead, fairness, growth, hidden, overhead, quality, scaling, startup, trainer_cost  # noqa: E402
+from bench import ahead, fairness, growth, hidden, overhead, quality, rl_wait, scaling, startup, trainer_cost  # noqa: E402
 from bench.__main__ import summary  # noqa: E402
 from bench.common import Bar, BatchSize, Report, read_bars, write_report  # noqa: E402
 
@@ -100,7 +100,13 @@ def test_growth_smoke(tmp_path):
     assert measured and all(c.seconds.p50 > 0 for c in measured)
     # Every cell is measured or marked as the fit's extrapolation, never both.
     assert all(c.measured or c.error or c.predicted is not None for c in report.rows)
-    assert "Fitted exponents" in report.path.read_text()
+    # The exact path is measured in every cell, upstream side by side on the same batches.
+    exact = [c for c in report.rows if c.implementation == "exact"]
+    upstream = [c for c in report.rows if c.implementation == "upstream"]
+    assert exact and all(c.measured for c in exact) and len(upstream) == len(exact)
+    assert all(len(u.times) == len(e.times) for u, e in zip(upstream, exact) if u.measured)
+    text = report.path.read_text()
+    assert "Fitted exponents" in text and "upstream / exact" in text
 
 
 def test_growth_fit_recovers_known_exponents():
@@ -109,6 +115,16 @@ def test_growth_fit_recovers_known_exponents():
     fit = growth.fit(cells)
     assert fit is not None and abs(fit.samples_exp - 1.5) < 1e-6 and abs(fit.ranks_exp - 0.5) < 1e-6
     assert abs(fit.predict(BatchSize(16384, 1024)) - 1e-6 * 16384**1.5 * 1024**0.5) < 1e-6
+
+
+def test_rl_wait_smoke(tmp_path, planner):
+    report = rl_wait.run(tmp_path, smoke=True, address=planner.address)
+    assert_report(report, 4)
+    cases = [r for r in report.rows if isinstance(r, rl_wait.Case)]
+    assert {(c.scheduler, c.size) for c in cases} == {(s.value, b) for s in rl_wait.SCHEDULERS for b in rl_wait.SMOKE_SIZES}
+    assert all(c.waits.runs == rl_wait.SMOKE_RUNS and c.waits.min > 0 for c in cases)
+    assert all(c.candidates != "-" for c in cases if c.scheduler == "auto")  # auto lists its candidates
+    assert_bars_stored(report)
 
 
 def test_trainer_cost_smoke(tmp_path):
