@@ -60,7 +60,12 @@ def render_plan(plan: Plan, request: PlanRequest, max_rows: int = 12) -> str:
         lines.append(f"auto: {len(plan.candidates)} candidates, predicted step cost (ms):")
         for c in plan.candidates:
             cost = f"{c.predicted_step_cost * 1e3:9.2f}" if c.predicted_step_cost is not None else "        -"
-            note = "  <- served" if c.served else (f"  ({c.not_planned_reason[:70]})" if c.not_planned_reason else "")
+            if c.served:
+                note = "  <- served"
+            elif c.skipped_lower_bound is not None:
+                note = f"  (skipped: its lower bound {c.skipped_lower_bound * 1e3:.2f} is above the served cost)"
+            else:
+                note = f"  ({c.not_planned_reason[:70]})" if c.not_planned_reason else ""
             lines.append(f"  {c.name:<36} {cost}{note}")
     return "\n".join(lines)
 
