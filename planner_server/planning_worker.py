@@ -181,10 +181,12 @@ def _plan_candidate(
         deferred(found) if index == 0 else (),
     )
     if outcome.skipped_lower_bound is not None:
-        return WorkerResult(ErrorCode.OK, message=outcome.reason, **about), part
-    if outcome.plan is None:
-        return WorkerResult(ErrorCode(outcome.code), message=outcome.reason, **about), part
-    return _success(outcome.plan, elapsed, about), part
+        result = WorkerResult(ErrorCode.OK, message=outcome.reason, **about)
+    elif outcome.plan is None:
+        result = WorkerResult(ErrorCode(outcome.code), message=outcome.reason, **about)
+    else:
+        result = _success(outcome.plan, elapsed, about)
+    return replace(result, planning_seconds=elapsed), part
 
 
 def assemble_auto(parts: list[tuple[WorkerResult, AutoPart]], job_cp: int) -> WorkerResult:
@@ -202,6 +204,9 @@ def assemble_auto(parts: list[tuple[WorkerResult, AutoPart]], job_cp: int) -> Wo
         winner, response=winner.response + patch.SerializeToString(deterministic=True), plan_id=part.plan_id,
         speedup=result.predicted_speedup_over_static_cp, scheduler=first_result.scheduler,
         scheduler_seconds=sum(r.scheduler_seconds for r, _ in parts),
+        # The worker time of every candidate: what one auto request costs the replica, so the plan
+        # rates GetCapabilities reports for auto say how many a replica plans per second.
+        planning_seconds=sum(r.planning_seconds for r, _ in parts),
         **_auto_fields(result.candidates),
     )
 

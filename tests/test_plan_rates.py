@@ -37,3 +37,18 @@ def test_capabilities_report_the_measured_plan_rate_of_served_sizes(stub):
     rate = next(r for r in caps.plan_rates if (r.scheduler, r.samples, r.dp_cp_size) == (pb.SCHEDULER_HYBRID_CP, 128, 16))
     assert rate.plans_measured >= 3 and rate.seconds_per_plan > 0
     assert abs(rate.plans_per_second - caps.planning_workers / rate.seconds_per_plan) < 1e-6 * rate.plans_per_second
+
+
+def test_capabilities_report_auto_at_the_worker_time_of_all_its_candidates(stub):
+    """auto spread over the workers (a request too large to plan inline) is measured too: its rate
+    counts every candidate's worker time, which is what one auto request costs the replica."""
+    lengths = sample_lengths("long_tail_16k", 300, seed=6)  # 300 samples on 32 ranks: class 512 on 32
+    request = request_to_proto(PlanRequest.of(
+        sequence_lengths=tuple(lengths), data_parallel_size=16, context_parallel_size=2, max_seqlen_per_dp_cp_rank=16384,
+        scheduler=SchedulerKind.AUTO, job="rates",
+    ))
+    response = stub.Plan(request, timeout=120)
+    caps = stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=60)
+    rate = next(r for r in caps.plan_rates if (r.scheduler, r.samples, r.dp_cp_size) == (pb.SCHEDULER_AUTO, 512, 32))
+    assert rate.plans_measured >= 1 and rate.seconds_per_plan > 0
+    assert len(response.candidates) > 1
