@@ -44,6 +44,9 @@ from tests.reliability_support import (
 )
 
 WORKERS = 2
+# These tests need plans that keep a worker busy for seconds: Megatron-Core's own code, which the
+# exact path (batch_planner/exact) would plan in milliseconds.
+SLOW_CODE = ("--scheduler-implementation", "upstream")
 MAX_QUEUED = 2
 CAPACITY = WORKERS + MAX_QUEUED
 SLOW_LENGTHS = sample_lengths("long_tail_16k", 2048, seed=6)
@@ -51,7 +54,7 @@ SLOW_DP_CP = 128
 
 
 def slow_request(seed: int = 0) -> pb.PlanRequest:
-    """About a second of Megatron-Core scheduling on one core (2048 samples on 128 ranks)."""
+    """About a second of Megatron-Core's own scheduling on one core (2048 samples on 128 ranks)."""
     lengths = SLOW_LENGTHS[seed:] + SLOW_LENGTHS[:seed]  # distinct requests, same cost
     return pb.PlanRequest(
         sequence_lengths=lengths,
@@ -66,7 +69,8 @@ def server() -> PlannerProcess:
     # One job sends every request here, and the tests are about the total bound: no per-job share
     # (tests/test_planner_fairness.py checks the share).
     process = start_planner(
-        "--max-queued-requests", str(MAX_QUEUED), "--drain-seconds", "30", "--max-job-share", "1.0", workers=WORKERS
+        "--max-queued-requests", str(MAX_QUEUED), "--drain-seconds", "30", "--max-job-share", "1.0", *SLOW_CODE,
+        workers=WORKERS,
     )
     yield process
     process.stop(signal.SIGKILL)
@@ -85,7 +89,7 @@ def stub(channel):
 
 def huge_request(seed: int = 0) -> pb.PlanRequest:
     """The default limits' largest request: 16,384 samples on 1,024 ranks, tens of seconds of
-    Megatron-Core scheduling on one core."""
+    Megatron-Core's own scheduling on one core."""
     return pb.PlanRequest(
         sequence_lengths=sample_lengths("long_tail_16k", 16384, seed=seed),
         layout=pb.ParallelLayout(data_parallel_size=1024, context_parallel_size=1),
@@ -252,7 +256,7 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(server):
 def test_sigterm_drain_ends_within_drain_seconds_with_abandoned_plans_about():
     """abandoned plans do not hold the drain past --drain-seconds."""
     drain = 5.0
-    server = start_planner("--drain-seconds", str(drain), "--max-job-share", "1.0", workers=WORKERS)
+    server = start_planner("--drain-seconds", str(drain), "--max-job-share", "1.0", *SLOW_CODE, workers=WORKERS)
     try:
         with grpc.insecure_channel(server.address) as channel:
             stub = planner_pb2_grpc.BatchPlannerStub(channel)
