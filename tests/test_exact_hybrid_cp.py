@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
 from batch_planner.exact import hybrid_cp
+from batch_planner.schedulers import _DpCpGroupSize
 from tests.exact_corpus import outcome, served_bytes
 
 os.environ.setdefault("NO_VCS_VERSION", "1")
@@ -34,18 +35,8 @@ NON_POWERS = [6, 10, 12, 20, 24, 40, 48, 96]
 MAX_SEQLENS = [1024, 2048, 3000, 4096, 8192, 16384]
 
 
-class _GroupOfSize:
-    """What BalancedCPScheduler reads from its dp_cp_group: only size()."""
-
-    def __init__(self, size: int):
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
-
-
 def _upstream(pairs, max_seqlen, ranks):
-    scheduler = BalancedCPScheduler(max_seqlen, _GroupOfSize(ranks))
+    scheduler = BalancedCPScheduler(max_seqlen, _DpCpGroupSize(ranks))
     return scheduler.get_groups_and_subsamples(list(pairs), None)[1]
 
 

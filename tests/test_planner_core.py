@@ -12,21 +12,13 @@ from batch_planner.padding import padded_length
 from batch_planner.plan import CpGroup, MicroBatch, Plan, check_plan_invariants
 from batch_planner.planner import plan_batch
 from batch_planner.request import CapacityBound, CpLayout, PlanRequest, SchedulerKind
-from batch_planner.schedulers import valid_cp_sizes
+from batch_planner.schedulers import _DpCpGroupSize, valid_cp_sizes
 from tests.megatron_builds import require_scheduler
-
-
-class GroupOfSize:
-    def __init__(self, n: int):
-        self.n = n
-
-    def size(self) -> int:
-        return self.n
 
 
 def megatron_hybrid_cp(lengths, dp_cp, max_per_rank):
     """Megatron-Core's own answer, called directly: [micro_batch][rank] -> sample ids."""
-    scheduler = BalancedCPScheduler(max_per_rank, GroupOfSize(dp_cp))
+    scheduler = BalancedCPScheduler(max_per_rank, _DpCpGroupSize(dp_cp))
     _, groups = scheduler.get_groups_and_subsamples(list(enumerate(lengths)), None)
     return groups
 
