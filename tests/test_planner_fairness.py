@@ -128,7 +128,11 @@ def metric(metrics_url: str, name: str, **labels: str) -> float:
 
 def test_a_flooding_job_is_refused_naming_its_share_while_another_job_is_planned():
     # Bound 4 (2 workers + 2 queued), share 0.5: a job holds at most 2 slots.
-    server = start_planner("--max-queued-requests", "2", "--max-job-share", "0.5", workers=2)
+    # The burst's plans must keep both workers busy for seconds: Megatron-Core's own code (the exact
+    # path plans them in a fraction of a second).
+    server = start_planner(
+        "--max-queued-requests", "2", "--max-job-share", "0.5", "--scheduler-implementation", "upstream", workers=2
+    )
     try:
         with grpc.insecure_channel(server.address) as channel:
             stub = planner_pb2_grpc.BatchPlannerStub(channel)

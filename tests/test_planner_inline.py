@@ -107,8 +107,11 @@ SMALL = request_to_proto(small_requests()[0])
 
 @pytest.fixture(scope="module")
 def server() -> PlannerProcess:
+    # SLOW_INLINE must hold the handler thread for about a second: Megatron-Core's own code (the
+    # exact path plans it in milliseconds).
     process = start_planner(
-        "--max-queued-requests", "0", "--inline-max-samples", "4096", "--inline-max-ranks", "128", workers=1
+        "--max-queued-requests", "0", "--inline-max-samples", "4096", "--inline-max-ranks", "128",
+        "--scheduler-implementation", "upstream", workers=1,
     )
     yield process
     process.stop(signal.SIGTERM)

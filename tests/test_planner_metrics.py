@@ -118,8 +118,11 @@ def test_calls_grpc_refuses_past_its_concurrency_limit_are_counted():
     from batch_planner.v1 import planner_pb2 as pb
     from tests.reliability_support import wait_until
 
-    # One worker, no queue, no extra calls: gRPC accepts one call at a time.
-    server = start_planner("--max-queued-requests", "0", "--extra-concurrent-rpcs", "0", workers=1)
+    # One worker, no queue, no extra calls: gRPC accepts one call at a time. The slow call must hold
+    # the worker for seconds: Megatron-Core's own code (the exact path plans it in milliseconds).
+    server = start_planner(
+        "--max-queued-requests", "0", "--extra-concurrent-rpcs", "0", "--scheduler-implementation", "upstream", workers=1
+    )
     slow = pb.PlanRequest(
         sequence_lengths=sample_lengths("long_tail_16k", 16384, seed=1),
         layout=pb.ParallelLayout(data_parallel_size=1024, context_parallel_size=1),
