@@ -20,6 +20,11 @@ from batch_planner.v1 import planner_pb2 as pb
 if TYPE_CHECKING:  # auto imports the planner, which imports this module's users
     from batch_planner.auto import Answer
 
+# The request metadata key that carries PlanRequest.job: the server reads it at admission (per-job
+# fairness) without parsing the message; the client sends it with every Plan call. It must equal
+# the message's `job` when both are set (docs/design.md, "The contract").
+JOB_METADATA_KEY = "batch-planner-job"
+
 SCHEDULER_TO_PROTO = {
     SchedulerKind.HYBRID_CP: pb.SCHEDULER_HYBRID_CP,
     SchedulerKind.DYNAMIC_CP: pb.SCHEDULER_DYNAMIC_CP,
