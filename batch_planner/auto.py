@@ -3,7 +3,7 @@
 No scheduling algorithm lives here. Every candidate is a plan from one of Megatron-Core's
 schedulers (batch_planner/schedulers.py), validated and checked like any other plan; the only
 decision made here is which candidate to serve: the one with the lowest predicted step cost under
-the request's cost model (docs/cost-model.md), ties going to the earlier candidate (`answer`). The candidates
+the request's cost model (docs/cost-model.md), ties going to the earlier candidate (`serve`). The candidates
 (docs/design.md, "The auto policy"), in this order:
 
 1. static CP at the job's CP size: every sample split over the job's CP group, packed by
@@ -25,21 +25,28 @@ skipped, with its bound, instead of being planned. The served plan is the one pl
 candidate would serve: a skipped candidate's cost is above that bound, so it cannot be the
 cheapest, and ties go to the earlier candidate either way (docs/design.md, "The auto policy",
 states the proof).
+
+All of auto lives here: the candidates, the two rounds and the skip (`plan_auto`), and the answer
+(`serve`). Who plans each candidate is the caller's choice, the one seam (`RunCandidates`): this
+process one after another (`plan_serially`, the trainer's fallback), or the server's workers side
+by side (planner_server/worker_pool.py), which return each candidate's Outcome.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
+import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
 
 from batch_planner.cost import CostModel, static_cp_step_cost
 from batch_planner.cp_groups import megatron_cp_group_sizes
 from batch_planner.errors import BatchNotPlannableError, ErrorCode, InvalidRequestError, PlanningError, SchedulerFailedError
+from batch_planner.identity import plan_id
 from batch_planner.plan import CandidateSummary, Plan
 from batch_planner.request import PlanRequest, SchedulerKind
+from batch_planner.schedulers import require_scheduler
+from batch_planner.validation import RequestLimits, validate_request
 
 # Bumped when the candidate list changes: the same request may then get another winner and id.
 CANDIDATES_VERSION = 1
@@ -50,6 +57,8 @@ MAX_REASONS_IN_ERROR = 6
 # How far (relatively) a lower bound must exceed the best cost before its candidate is skipped:
 # far above the rounding error of the float sums on either side, far below any real difference.
 SKIP_MARGIN = 1e-9
+
+PlanOne = Callable[[PlanRequest], Plan]
 
 
 @dataclass(frozen=True)
@@ -76,10 +85,62 @@ class Outcome:
     code: str = ""  # the ErrorCode of the failure, when there is no plan
     reason: str = ""
     skipped_lower_bound: float | None = None  # skipped: the bound that proved it cannot win
+    seconds: float = 0.0  # how long planning it took, where it ran (what auto costs its planner)
 
     @property
     def cost(self) -> float | None:
         return self.plan.statistics.predicted_step_cost if self.plan is not None and self.plan.statistics else None
+
+    def summary(self) -> CandidateSummary:
+        return self.candidate.summary(self.cost, self.reason, skipped_lower_bound=self.skipped_lower_bound)
+
+
+RunCandidates = Callable[[Sequence[Candidate], PlanOne], list[Outcome]]
+
+
+def plan_candidate(candidate: Candidate, plan_one: PlanOne) -> Outcome:
+    """Plans one candidate with `plan_one` (batch_planner.planner's single-scheduler path); what a
+    RunCandidates runs for each candidate, in this process or a worker."""
+    started = time.perf_counter()
+    try:
+        plan: Plan | None = plan_one(candidate.request)
+        code = reason = ""
+    except PlanningError as error:
+        plan, code, reason = None, error.code.value, str(error)
+    return Outcome(candidate, plan, code, reason, seconds=time.perf_counter() - started)
+
+
+def plan_serially(found: Sequence[Candidate], plan_one: PlanOne) -> list[Outcome]:
+    return [plan_candidate(candidate, plan_one) for candidate in found]
+
+
+def plan_auto(
+    request: PlanRequest, limits: RequestLimits, model: CostModel, plan_one: PlanOne, run_candidates: RunCandidates, megatron_core: str
+) -> Plan:
+    """auto's answer for a validated request: its candidates planned by `run_candidates` in two
+    rounds, then the cheapest served (`serve`)."""
+    return serve(request, plan_candidates(candidates(request), limits, model, plan_one, run_candidates), model, megatron_core)
+
+
+def plan_candidates(
+    found: Sequence[Candidate], limits: RequestLimits, model: CostModel, plan_one: PlanOne, run_candidates: RunCandidates
+) -> list[Outcome]:
+    """The candidates in two rounds: first every one but the deferred, then those of the deferred
+    that the first round's best cost does not skip."""
+    later = set(deferred(found))
+    first = [k for k in range(len(found)) if k not in later]
+    outcomes: dict[int, Outcome] = dict(zip(first, run_candidates([found[k] for k in first], plan_one)))
+    best = best_cost(o.cost for o in outcomes.values())
+    to_plan = []
+    for k in sorted(later):
+        skipped = skip_if_beaten(found[k], limits, model, best)
+        if skipped is not None:
+            outcomes[k] = skipped
+        else:
+            to_plan.append(k)
+    if to_plan:
+        outcomes.update(zip(to_plan, run_candidates([found[k] for k in to_plan], plan_one)))
+    return [outcomes[k] for k in range(len(found))]
 
 
 def candidates(request: PlanRequest) -> list[Candidate]:
@@ -161,99 +222,56 @@ def best_cost(costs: Iterable[float | None]) -> float | None:
     return min(planned) if planned else None
 
 
-def skip_if_beaten(candidate: Candidate, model: CostModel, best: float | None) -> Outcome | None:
-    """The candidate as skipped when its lower bound exceeds `best` (a cost already planned), else
-    None: it must be planned."""
+def skip_if_beaten(candidate: Candidate, limits: RequestLimits, model: CostModel, best: float | None) -> Outcome | None:
+    """The candidate as skipped when its lower bound exceeds `best` (a cost already planned) and it
+    would plan, else None: it must be planned. One that would be refused (validation, a scheduler
+    this build lacks) is planned, so that its refusal, not a skip, is what auto lists."""
     bound = lower_bound(candidate.request, model) if best is not None else None
-    if bound is None or best is None or not bound > best * (1.0 + SKIP_MARGIN):
+    if bound is None or best is None or not bound > best * (1.0 + SKIP_MARGIN) or not _would_plan(candidate.request, limits):
         return None
     reason = f"skipped: no plan of it can cost less than {bound:.6g} s, above {best:.6g} s already planned"
     return Outcome(candidate, None, "", reason, skipped_lower_bound=bound)
 
 
-def plan_candidate(candidate: Candidate, plan_one: Callable[[PlanRequest], Plan]) -> Outcome:
-    """Plans one candidate with `plan_one` (batch_planner.planner's single-scheduler path)."""
+def _would_plan(request: PlanRequest, limits: RequestLimits) -> bool:
     try:
-        return Outcome(candidate, plan_one(candidate.request))
-    except PlanningError as error:
-        return Outcome(candidate, None, error.code.value, str(error))
-
-
-def reprice(outcomes: Sequence[Outcome], cost_model: CostModel) -> list[Outcome]:
-    """The same candidates' plans priced under another cost model (what-if: presets, a fit)."""
-    from batch_planner.cost import plan_statistics
-
-    return [
-        o if o.plan is None else Outcome(o.candidate, replace(o.plan, statistics=plan_statistics(
-            o.plan.micro_batches, o.candidate.request, o.plan.capacity_bound, cost_model)))
-        for o in outcomes
-    ]
-
-
-@dataclass(frozen=True)
-class Answer:
-    """What auto answers, from every candidate's summary: the winner, the candidates as listed,
-    and the speedup counted against the job's static-CP candidate (or, when static CP cannot run
-    the batch, the estimate at the job's CP size). In-process planning applies it to the winner's
-    Plan (`serve`); the server applies it to the winner's serialized response (its workers plan
-    the candidates side by side)."""
-
-    winner: int
-    candidates: tuple[CandidateSummary, ...]
-    static_cp_step_cost: float
-    predicted_speedup_over_static_cp: float
-
-
-def answer(summaries: Sequence[CandidateSummary], codes: Sequence[str], job_cp: int, static_estimate: Callable[[], float]) -> Answer:
-    """Raises the no-plan error when no candidate has a plan. `codes`: each failure's ErrorCode."""
-    planned = [(s.predicted_step_cost, k) for k, s in enumerate(summaries) if s.predicted_step_cost is not None]
-    if not planned:
-        raise _no_plan_error(summaries, codes)
-    cost, winner = min(planned)  # ties go to the earlier candidate
-    first = summaries[0] if summaries else None
-    job_static = first.predicted_step_cost if first is not None and first.name == f"static_cp{job_cp}" else None
-    if job_static is None:
-        job_static = static_estimate()
-    listed = tuple(replace(s, served=k == winner) for k, s in enumerate(summaries))
-    return Answer(winner, listed, job_static, job_static / cost)
+        validate_request(request, limits)
+        require_scheduler(request.scheduler)
+    except PlanningError:
+        return False
+    return True
 
 
 def serve(request: PlanRequest, outcomes: Sequence[Outcome], cost_model: CostModel, megatron_core: str) -> Plan:
-    """The winner's plan as auto's answer: its own id, every candidate listed, its speedup over the
-    job's static CP. Raises when no candidate has a plan."""
-    result = answer(
-        [o.candidate.summary(o.cost, o.reason, skipped_lower_bound=o.skipped_lower_bound) for o in outcomes],
-        [o.code for o in outcomes],
-        request.context_parallel_size, lambda: static_cp_step_cost(request, cost_model),
-    )
-    winner = outcomes[result.winner]
+    """The cheapest candidate's plan as auto's answer (ties go to the earlier candidate): its own id,
+    every candidate listed, its speedup counted against the job's static-CP candidate (or, when
+    static CP cannot run the batch, the estimate at the job's CP size). Raises the no-plan error
+    when no candidate has a plan."""
+    summaries = [o.summary() for o in outcomes]
+    planned = [(cost, k) for k, o in enumerate(outcomes) if (cost := o.cost) is not None]
+    if not planned:
+        raise _no_plan_error(summaries, [o.code for o in outcomes])
+    cost, winner_index = min(planned)
+    first = summaries[0] if summaries else None
+    job_static = first.predicted_step_cost if first is not None and first.name == f"static_cp{request.context_parallel_size}" else None
+    if job_static is None:
+        job_static = static_cp_step_cost(request, cost_model)
+    winner = outcomes[winner_index]
     assert winner.plan is not None and winner.plan.statistics is not None
-    stats = replace(
-        winner.plan.statistics, static_cp_step_cost=result.static_cp_step_cost,
-        predicted_speedup_over_static_cp=result.predicted_speedup_over_static_cp,
-    )
+    stats = replace(winner.plan.statistics, static_cp_step_cost=job_static, predicted_speedup_over_static_cp=job_static / cost)
     return replace(
         winner.plan,
         plan_id=auto_plan_id(request, winner.candidate, cost_model, megatron_core),
         statistics=stats,
-        candidates=result.candidates,
+        candidates=tuple(replace(s, served=k == winner_index) for k, s in enumerate(summaries)),
     )
 
 
 def auto_plan_id(request: PlanRequest, winner: Candidate, cost_model: CostModel, megatron_core: str) -> str:
     """Same request, same winner, same id from any replica: the canonical request (options
     included), the candidate list's version, the winner and the coefficients that chose it."""
-    from batch_planner.planner import PLAN_FORMAT_VERSION, canonical_request
-
-    canonical = {
-        "format": PLAN_FORMAT_VERSION,
-        "auto": CANDIDATES_VERSION,
-        "megatron_core": megatron_core,
-        "winner": winner.name,
-        "coefficients": {name: getattr(cost_model, name) for name in cost_model.__dataclass_fields__},
-        **canonical_request(request),
-    }
-    return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+    coefficients = {name: getattr(cost_model, name) for name in cost_model.__dataclass_fields__}
+    return plan_id(request, megatron_core, auto=CANDIDATES_VERSION, winner=winner.name, coefficients=coefficients)
 
 
 def _no_plan_error(summaries: Sequence[CandidateSummary], codes: Sequence[str]) -> PlanningError:

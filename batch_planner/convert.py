@@ -6,7 +6,7 @@ Uses protobuf only (no gRPC), so the trainer's fallback and the server share it.
 from __future__ import annotations
 
 from dataclasses import Field, fields
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from google.protobuf.message import Message as ProtoMessage
 
@@ -16,9 +16,6 @@ from batch_planner.errors import InvalidRequestError
 from batch_planner.plan import CandidateSummary, CpGroup, MicroBatch, Plan, PlanStatistics
 from batch_planner.request import CapacityBound, CpLayout, PlanningOptions, PlanRequest, SchedulerKind
 from batch_planner.v1 import planner_pb2 as pb
-
-if TYPE_CHECKING:  # auto imports the planner, which imports this module's users
-    from batch_planner.auto import Answer
 
 # The request metadata key that carries PlanRequest.job: the server reads it at admission (per-job
 # fairness) without parsing the message; the client sends it with every Plan call. It must equal
@@ -204,17 +201,6 @@ def _add_candidates(response: pb.PlanResponse, summaries: Sequence[CandidateSumm
             skipped=c.skipped_lower_bound is not None, lower_bound_cost=c.skipped_lower_bound or 0.0,
             **({"min_cp_size": c.min_cp_size} if c.min_cp_size is not None else {}),
         )
-
-
-def auto_patch_to_proto(plan_id: str, answer: Answer) -> pb.PlanResponse:
-    """What auto changes in its winner's response: the id, the candidates, the static-CP
-    comparison. Serialized after the winner's own response bytes, protobuf's merge of
-    concatenated messages applies it (the server's workers plan candidates side by side)."""
-    patch = pb.PlanResponse(plan_id=plan_id)
-    _add_candidates(patch, answer.candidates)
-    patch.statistics.static_cp_step_cost = answer.static_cp_step_cost
-    patch.statistics.predicted_speedup_over_static_cp = answer.predicted_speedup_over_static_cp
-    return patch
 
 
 def plan_from_proto(message: pb.PlanResponse) -> Plan:

@@ -12,17 +12,17 @@ one run per cell, no spread to report.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
-from batch_planner.cost import CostModel, static_cp_step_cost
+from batch_planner.cost import CostModel, plan_statistics, static_cp_step_cost
 from batch_planner.errors import PlanningError
 from batch_planner.padding import padded_length
 from batch_planner.plan import Plan
-from batch_planner.auto import candidates, reprice, serve
+from batch_planner.auto import Outcome, candidates, plan_serially, serve
 from batch_planner.cost_profiles import CostModelSpec
-from batch_planner.planner import plan_batch, plan_one_scheduler, plan_serially
+from batch_planner.planner import plan_batch, plan_one_scheduler
 from batch_planner.validation import RequestLimits
 from batch_planner.request import PlanRequest, SchedulerKind
 from batch_planner.schedulers import discover_schedulers, megatron_core_version
@@ -136,6 +136,15 @@ class AutoRow:
     best_static: str  # the cheapest static-CP candidate, or "-" when none can run the batch
     speedup_over_best_static: float | None
     speedup_over_job_static: float
+
+
+def reprice(outcomes: list[Outcome], model: CostModel) -> list[Outcome]:
+    """The same candidates' plans priced under another cost model (the plans do not depend on it)."""
+    return [
+        o if o.plan is None else replace(o, plan=replace(o.plan, statistics=plan_statistics(
+            o.plan.micro_batches, o.candidate.request, o.plan.capacity_bound, model)))
+        for o in outcomes
+    ]
 
 
 def auto_rows(distribution: str, size: BatchSize) -> list[AutoRow]:

@@ -6,18 +6,12 @@ import logging
 import sys
 
 from planner_server.config import config_from_args
+from planner_server.logging_setup import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
     config = config_from_args(argv)
-    handler = logging.StreamHandler(sys.stderr)
-    if config.log_format == "json":
-        from planner_server.request_log import JsonFormatter
-
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=config.log_level, handlers=[handler])
+    configure_logging(config.log_level, config.log_format)
     from planner_server.server import serve  # after logging: importing Megatron-Core takes seconds
 
     try:

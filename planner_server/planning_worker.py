@@ -1,8 +1,10 @@
-"""What runs inside a planning worker process: bytes in, bytes out, never an exception.
+"""A request's bytes in, a WorkerResult (the serialized response, or the status and message) out.
 
 Megatron-Core's schedulers are pure Python and hold the GIL, so the server plans in separate
-processes. A worker parses the request itself and returns the serialized response, so the gRPC
-process only moves bytes.
+processes: a worker parses the request itself and returns the serialized response
+(`plan_in_worker`), so the gRPC process only moves bytes. An `auto` request is the exception: the
+handler runs the core's `plan_batch` with its candidates on the workers (`plan_parsed` with the
+pool's `run_candidates`), so that auto is assembled in one place (batch_planner/auto.py).
 """
 
 from __future__ import annotations
@@ -11,25 +13,24 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Sequence
 
 from google.protobuf.message import DecodeError
 
-from batch_planner.auto import answer, auto_plan_id, candidates, deferred, plan_candidate
-from batch_planner.convert import auto_patch_to_proto, plan_to_proto, request_from_proto, scheduler_label
-from batch_planner.cost import CostModel, static_cp_step_cost
-from batch_planner.cost_profiles import resolve_cost_model
+from batch_planner.auto import RunCandidates, plan_serially
+from batch_planner.convert import plan_to_proto, request_from_proto, scheduler_label
+from batch_planner.cost import CostModel
 from batch_planner.errors import ErrorCode, InvariantViolationError, PlanningError
-from batch_planner.plan import CandidateSummary
-from batch_planner.planner import plan_batch, plan_one_scheduler, skipped_outcome
-from batch_planner.request import SchedulerKind
+from batch_planner.plan import CandidateSummary, Plan
+from batch_planner.planner import plan_batch
+from batch_planner.request import PlanRequest
 from batch_planner.exact.verified import select_implementation
-from batch_planner.schedulers import megatron_core_version
 from batch_planner.v1 import planner_pb2 as pb
-from batch_planner.validation import JOB_NAME_PATTERN, RequestLimits, validate_request
+from batch_planner.validation import JOB_NAME_PATTERN, RequestLimits
+from planner_server.logging_setup import configure_logging
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class WorkerResult:
@@ -53,47 +54,43 @@ class WorkerResult:
     cp_size_samples: tuple[tuple[int, int], ...] = ()
     auto_winner: str = ""  # auto: the scheduler of the plan served
     auto_not_planned: tuple[str, ...] = ()  # auto: the scheduler of each candidate without a plan
-    planning_seconds: float = 0.0  # parse to serialized response, in the worker (the measured plan rates)
+    planning_seconds: float = 0.0  # parse to serialized response, where it ran (the measured plan rates)
 
 
 def request_digest(request_bytes: bytes) -> str:
     return hashlib.sha256(request_bytes).hexdigest()[:16]
 
 
-def plan_request_bytes(
-    request_bytes: bytes, deadline: float, limits: RequestLimits, cost_model: CostModel
-) -> WorkerResult:
-    """Plans one serialized PlanRequest; `deadline` is wall-clock seconds since the epoch."""
-    return plan_part(request_bytes, deadline, None, limits, cost_model)[0]
-
-
-def plan_part(
-    request_bytes: bytes, deadline: float, index: int | None, limits: RequestLimits, cost_model: CostModel,
-    best: float | None = None,
-) -> tuple[WorkerResult, AutoPart | None]:
-    """With `index`: candidate `index` of an auto request, its WorkerResult and its AutoPart
-    (`best`: the cheapest cost already planned, which may skip a deferred candidate). A request
-    that is not auto, or refused as a whole, or `index` None: planned (or refused) in full, with
-    no AutoPart."""
+def plan_request_bytes(request_bytes: bytes, deadline: float, limits: RequestLimits, cost_model: CostModel) -> WorkerResult:
+    """Plans one serialized PlanRequest in this process; `deadline` is wall-clock seconds since the epoch."""
     received = time.perf_counter()
-    parsed = _parse(request_bytes, deadline)
+    parsed = parse(request_bytes, deadline)
     if isinstance(parsed, WorkerResult):
-        return parsed, None
-    message, about = parsed
+        return parsed
+    result = plan_parsed(*parsed, limits, cost_model)
+    return replace(result, planning_seconds=time.perf_counter() - received)
+
+
+def plan_parsed(
+    message: pb.PlanRequest, about: dict, limits: RequestLimits, cost_model: CostModel,
+    run_candidates: RunCandidates = plan_serially, passes: tuple[type[BaseException], ...] = (),
+) -> WorkerResult:
+    """Plans a parsed request (`parse`): the core's plan_batch, its answer serialized, every
+    failure translated. `passes`: what `run_candidates` may raise that is not a planning result
+    (the pool's overload, timeout and lost workers), raised on to the caller."""
     try:
         request = request_from_proto(message)
-        if index is not None and request.scheduler is SchedulerKind.AUTO:
-            validate_request(request, limits)
-            return _plan_candidate(request, index, limits, cost_model, about, best)
         started = time.perf_counter()
-        plan = plan_batch(request, limits, cost_model)
+        plan = plan_batch(request, limits, cost_model, run_candidates)
         elapsed = time.perf_counter() - started
+    except passes:
+        raise
     except Exception as exc:  # noqa: BLE001 - translated, never raised out of the worker
-        return _failure(exc, about), None
-    return replace(_success(plan, elapsed, about), planning_seconds=time.perf_counter() - received), None
+        return _failure(exc, about)
+    return _success(plan, elapsed, about)
 
 
-def _parse(request_bytes: bytes, deadline: float) -> tuple[pb.PlanRequest, dict] | WorkerResult:
+def parse(request_bytes: bytes, deadline: float) -> tuple[pb.PlanRequest, dict] | WorkerResult:
     digest = request_digest(request_bytes)
     if time.time() >= deadline:
         return WorkerResult(ErrorCode.DEADLINE_EXCEEDED, message="the request's deadline passed while it waited for a worker",
@@ -126,7 +123,7 @@ def _failure(exc: Exception, about: dict) -> WorkerResult:
     return WorkerResult(ErrorCode.INTERNAL, message=f"planner bug: {type(exc).__name__}: {exc}", **about)
 
 
-def _success(plan, elapsed: float, about: dict) -> WorkerResult:
+def _success(plan: Plan, elapsed: float, about: dict) -> WorkerResult:
     stats = plan.statistics
     samples: dict[int, int] = {}
     for size, count, _ in stats.cp_size_mix:
@@ -148,69 +145,6 @@ def _success(plan, elapsed: float, about: dict) -> WorkerResult:
     )
 
 
-@dataclass(frozen=True)
-class AutoPart:
-    """One of auto's candidates planned in a worker: small enough to send back for every
-    candidate; the winner's serialized plan travels in the WorkerResult next to it."""
-
-    count: int  # how many candidates the request has
-    job_cp: int  # the job's CP size (whose static-CP candidate the speedup is counted against)
-    summary: CandidateSummary
-    code: str  # the ErrorCode of the candidate's failure ("" when planned)
-    plan_id: str  # auto's plan id, should this candidate win
-    static_estimate: float  # static CP at the job's CP size, estimated (candidate 0 only)
-    deferred: tuple[int, ...] = ()  # the candidates to plan after the others (batch_planner.auto.deferred)
-
-
-def _plan_candidate(
-    request, index: int, limits: RequestLimits, cost_model: CostModel, about: dict, best: float | None
-) -> tuple[WorkerResult, AutoPart]:
-    found = candidates(request)
-    model = resolve_cost_model(request.cost_model, cost_model, request.tensor_parallel_size)
-    candidate = found[index]
-    started = time.perf_counter()
-    outcome = skipped_outcome(candidate, limits, model, best) or plan_candidate(
-        candidate, partial(plan_one_scheduler, limits=limits, cost_model=model)
-    )
-    elapsed = time.perf_counter() - started
-    estimate = static_cp_step_cost(request, model) if index == 0 else 0.0
-    part = AutoPart(
-        len(found), request.context_parallel_size,
-        candidate.summary(outcome.cost, outcome.reason, skipped_lower_bound=outcome.skipped_lower_bound), outcome.code,
-        auto_plan_id(request, candidate, model, megatron_core_version()), estimate,
-        deferred(found) if index == 0 else (),
-    )
-    if outcome.skipped_lower_bound is not None:
-        result = WorkerResult(ErrorCode.OK, message=outcome.reason, **about)
-    elif outcome.plan is None:
-        result = WorkerResult(ErrorCode(outcome.code), message=outcome.reason, **about)
-    else:
-        result = _success(outcome.plan, elapsed, about)
-    return replace(result, planning_seconds=elapsed), part
-
-
-def assemble_auto(parts: list[tuple[WorkerResult, AutoPart]], job_cp: int) -> WorkerResult:
-    """auto's answer from its candidates planned side by side: the winner's serialized plan with a
-    patch appended (protobuf merges concatenated messages: the patch sets the plan id, adds the
-    candidates and overrides the static-CP comparison), equal to what in-process planning gives."""
-    first_result, first = parts[0]
-    try:
-        result = answer([p.summary for _, p in parts], [p.code for _, p in parts], job_cp, lambda: first.static_estimate)
-    except PlanningError as exc:
-        return replace(first_result, code=exc.code, message=str(exc), response=b"", invariant="")
-    winner, part = parts[result.winner]
-    patch = auto_patch_to_proto(part.plan_id, result)
-    return replace(
-        winner, response=winner.response + patch.SerializeToString(deterministic=True), plan_id=part.plan_id,
-        speedup=result.predicted_speedup_over_static_cp, scheduler=first_result.scheduler,
-        scheduler_seconds=sum(r.scheduler_seconds for r, _ in parts),
-        # The worker time of every candidate: what one auto request costs the replica, so the plan
-        # rates GetCapabilities reports for auto say how many a replica plans per second.
-        planning_seconds=sum(r.planning_seconds for r, _ in parts),
-        **_auto_fields(result.candidates),
-    )
-
-
 def _auto_fields(summaries: Sequence[CandidateSummary]) -> dict:
     """The metrics' view of auto's answer: the winner's scheduler, the candidates without a plan."""
     if not summaries:
@@ -223,7 +157,6 @@ def _auto_fields(summaries: Sequence[CandidateSummary]) -> dict:
 
 def warm_up() -> None:
     """Imports Megatron-Core and plans one small batch, so the first real request is not slow."""
-    from batch_planner.request import PlanRequest
     from batch_planner.schedulers import discover_schedulers
 
     discover_schedulers()
@@ -246,25 +179,11 @@ def worker_initializer(
     here rather than being pickled with every request."""
     global _settings
     select_implementation(scheduler_implementation)
-    handler = logging.StreamHandler()
-    if log_format == "json":
-        from planner_server.request_log import JsonFormatter
-
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [worker] %(name)s: %(message)s"))
-    logging.basicConfig(level=log_level, handlers=[handler])
+    configure_logging(log_level, log_format, process="worker")
     _settings = _WorkerSettings(limits, cost_model)
     warm_up()
 
 
-def plan_part_in_worker(
-    request_bytes: bytes, deadline: float, index: int, best: float | None = None
-) -> tuple[WorkerResult, AutoPart | None]:
-    """What the pool submits for one of auto's candidates (plan_part with the worker's settings)."""
-    return plan_part(request_bytes, deadline, index, _settings.limits, _settings.cost_model, best)
-
-
 def plan_in_worker(request_bytes: bytes, deadline: float) -> WorkerResult:
-    """What the pool submits to a worker: plan_request_bytes with the worker's settings."""
+    """What the pool submits to a worker for a request: plan_request_bytes with the worker's settings."""
     return plan_request_bytes(request_bytes, deadline, _settings.limits, _settings.cost_model)

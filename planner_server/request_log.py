@@ -8,7 +8,6 @@ request cannot fill the disk.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -33,22 +32,6 @@ def log_request(result: WorkerResult, seconds: float, training_job: str) -> None
     if result.code.value != "OK":
         fields["error"] = result.message
     log.info("plan %s", " ".join(f"{k}={fields[k]}" for k in _FIELDS), extra={"fields": fields})
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, and a request line's fields."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "time": self.formatTime(record),
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-            **getattr(record, "fields", {}),
-        }
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
 
 
 class ViolationDump:

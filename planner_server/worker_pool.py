@@ -35,24 +35,18 @@ import signal
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import wait as wait_for
 
 from google.protobuf.message import DecodeError
 
-from batch_planner.auto import best_cost
+from batch_planner.auto import Candidate, Outcome, PlanOne, plan_candidate
 from batch_planner.cost import CostModel
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.validation import RequestLimits
 from planner_server import planning_worker
 from planner_server.wire import read_job
-from planner_server.planning_worker import (
-    WorkerResult,
-    assemble_auto,
-    plan_part_in_worker,
-    plan_request_bytes,
-    worker_initializer,
-)
+from planner_server.planning_worker import WorkerResult, parse, plan_in_worker, plan_parsed, plan_request_bytes, worker_initializer
 
 log = logging.getLogger(__name__)
 
@@ -416,48 +410,36 @@ class PlanningPool:
                     self.inline_running -= 1
                 self.admission.release(1, job)
         end = time.monotonic() + timeout
+        parsed = parse(request_bytes, deadline)
+        if isinstance(parsed, WorkerResult):
+            return parsed  # not a PlanRequest, or its deadline has passed: no worker needed
+        if parsed[0].scheduler == pb.SCHEDULER_AUTO:
+            return self._plan_auto(parsed, end, on_abandon, job)
         work = self.admit(1, job)
         try:
-            result, part = self._run(work, plan_part_in_worker, request_bytes, deadline, 0, timeout=timeout, on_abandon=on_abandon)
+            return self._run(work, plan_in_worker, request_bytes, deadline, timeout=timeout, on_abandon=on_abandon)
         finally:
             work.close()
-        if part is None:
-            return result  # not auto, or refused as a whole
-        return self._plan_auto_rest(request_bytes, deadline, end, on_abandon, (result, part), job)
 
-    def _plan_auto_rest(self, request_bytes: bytes, deadline: float, end: float, on_abandon, first, job: str = "") -> WorkerResult:
-        """auto's other candidates, side by side on the workers, in two rounds: every one but the
-        deferred, then the deferred with the best cost so far, which may skip them
-        (batch_planner.planner.plan_candidates does the same in one process). The request holds a
-        slot for each candidate (the work it really causes), all stopped together when its caller
-        goes away."""
-        count, later = first[1].count, first[1].deferred
-        work = self.admit(count - 1, job)
-        try:
-            if on_abandon is not None and on_abandon(work.cancel) is False:
-                work.cancel()  # the RPC has already ended
-            parts = {0: first}
-
-            def run_round(indices, best=None) -> None:
-                tasks = [(k, work.submit(plan_part_in_worker, request_bytes, deadline, k, best)) for k in indices]
-                for k, task in tasks:
-                    try:
-                        parts[k] = task.result(max(0.0, end - time.monotonic()))
-                    except TaskCancelled:
-                        raise TimeoutError from None
-
-            run_round([k for k in range(1, count) if k not in later])
-            run_round([k for k in later if k != 0], best_cost(part.summary.predicted_step_cost for _, part in parts.values()))
-        finally:
-            work.close()
-        return assemble_auto([parts[k] for k in range(count)], job_cp=first[1].job_cp)
+    def _plan_auto(self, parsed, end: float, on_abandon, job: str) -> WorkerResult:
+        """auto, assembled by the core (batch_planner/auto.py) in this thread, its candidates
+        planned side by side on the workers (`_WorkerCandidates`)."""
+        run = _WorkerCandidates(self, end, on_abandon, job)
+        result = plan_parsed(*parsed, self.limits, self.cost_model, run, passes=(PoolOverloaded, TimeoutError, WorkersLost))
+        # The worker time of every candidate: what one auto request costs the replica, so the plan
+        # rates GetCapabilities reports for auto say how many a replica plans per second.
+        return replace(result, scheduler_seconds=run.seconds, planning_seconds=run.seconds)
 
     def _run(self, work: Work, fn, *args, timeout: float, on_abandon):
+        return self._run_all(work, [work.submit(fn, *args)], time.monotonic() + timeout, on_abandon)[0]
+
+    @staticmethod
+    def _run_all(work: Work, tasks: list[Task], end: float, on_abandon) -> list:
+        """The tasks' results, in order; TimeoutError past `end` or when the caller is gone."""
         if on_abandon is not None and on_abandon(work.cancel) is False:
             work.cancel()  # the RPC has already ended
-        task = work.submit(fn, *args)
         try:
-            return task.result(timeout)
+            return [task.result(max(0.0, end - time.monotonic())) for task in tasks]
         except TaskCancelled:
             raise TimeoutError from None  # the caller is gone; whatever we answer is unseen
 
@@ -582,3 +564,23 @@ class PlanningPool:
             log.warning("a planning worker died under a request; planning it again (attempt %d)", task.attempts + 1)
             self._enqueue(task, front=True)
         return DIED
+
+
+class _WorkerCandidates:
+    """The core's run_candidates seam on the workers: each round of auto's candidates reserves a
+    slot per candidate (the work it really causes), runs them side by side and stops them all when
+    the caller goes away or the deadline passes."""
+
+    def __init__(self, pool: PlanningPool, end: float, on_abandon, job: str):
+        self._pool, self._end, self._on_abandon, self._job = pool, end, on_abandon, job
+        self.seconds = 0.0  # worker time of the candidates planned
+
+    def __call__(self, found: list[Candidate], plan_one: PlanOne) -> list[Outcome]:
+        work = self._pool.admit(len(found), self._job)
+        try:
+            tasks = [work.submit(plan_candidate, candidate, plan_one) for candidate in found]
+            outcomes = self._pool._run_all(work, tasks, self._end, self._on_abandon)
+        finally:
+            work.close()
+        self.seconds += sum(outcome.seconds for outcome in outcomes)
+        return outcomes

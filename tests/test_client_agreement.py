@@ -10,7 +10,8 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from batch_planner.planner import canonical_request, plan_batch
+from batch_planner.identity import canonical_request
+from batch_planner.planner import plan_batch
 from batch_planner.request import PlanningOptions, PlanRequest, SchedulerKind
 from tests.megatron_init import FORK_OR_SPAWN
 from trainer_client.broadcast import request_digest

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from batch_planner.convert import plan_from_proto, plan_to_proto
 from batch_planner.plan import Plan
-from batch_planner.planner import canonical_request
+from batch_planner.identity import canonical_request
 from batch_planner.request import PlanRequest
 from batch_planner.v1 import planner_pb2 as pb
 from trainer_client.config import WhoAsks

@@ -4,7 +4,7 @@ distinct mini-batch is planned once.
 verl schedules the same data several times per rollout batch: the old log-probs, the reference
 log-probs, then `ppo_epochs` updates over the same mini-batches. Plan ids are deterministic, so
 plans are cached by the request's digest (`trainer_client.broadcast.request_digest`, over
-`batch_planner.planner.canonical_request`): a mini-batch seen again reuses its plan and asks the
+`batch_planner.identity.canonical_request`): a mini-batch seen again reuses its plan and asks the
 service nothing. The cache is bounded (least recently used out). `prefetch` starts planning
 several mini-batches at once in background threads, so their planning overlaps the log-prob
 passes; `plan` then waits only for what has not arrived.

@@ -1,0 +1,31 @@
+"""Plan identity: the canonical form of a request and the ids hashed from it.
+
+One plan id function serves every scheduler and auto: a SHA-256 of the canonical request, the
+plan format's version, the Megatron-Core version and what else decides the plan (`scope`: the
+scheduler class, or auto's candidate list version, winner and cost coefficients). The trainer's
+ranks hash the same canonical request to agree on a batch (trainer_client/broadcast.py), so this
+module imports nothing of the planning pipeline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from batch_planner.request import PlanRequest
+
+# Bumped when the mapping from scheduler output to a plan changes, so plan ids change with it.
+PLAN_FORMAT_VERSION = 2
+
+
+def canonical_request(request: PlanRequest) -> dict[str, Any]:
+    """Every field that shapes the plan, as plain values: the batch (its lengths), the DP size and
+    the planning options; not the job name, which is only a metric label."""
+    return {"lengths": list(request.sequence_lengths), "dp": request.data_parallel_size, **request.options.canonical()}
+
+
+def plan_id(request: PlanRequest, megatron_core: str, **scope: Any) -> str:
+    """Same request, same scope, same Megatron-Core: same id, from any replica or process."""
+    canonical = {"format": PLAN_FORMAT_VERSION, "megatron_core": megatron_core, **scope, **canonical_request(request)}
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
