@@ -34,10 +34,11 @@ by side (planner_server/worker_pool.py), which return each candidate's Outcome.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
+
+import numpy as np
 
 from batch_planner.cost import CostModel, static_cp_step_cost
 from batch_planner.cp_groups import megatron_cp_group_sizes
@@ -197,17 +198,18 @@ def lower_bound(request: PlanRequest, model: CostModel) -> float | None:
     """
     if request.scheduler is not SchedulerKind.HYBRID_CP:
         return None
-    budget = request.max_seqlen_per_dp_cp_rank
-    total = 0.0
-    for length in request.sequence_lengths:
-        cp = max(1, 2 ** math.ceil(math.log2(length / budget)))  # BalancedCPScheduler.gpus_needed
-        fixed = model.seconds_per_pass + (model.cp_seconds_per_micro_batch if cp > 1 else 0.0)
-        total += (
-            model.seconds_per_token * length
-            + model.seconds_per_attention_token_pair * float(length * length)
-            + cp * fixed
-            + model.cp_seconds_per_token * length * (cp - 1)
-        )
+    lengths = np.asarray(request.sequence_lengths, dtype=np.int64)
+    doublings = np.maximum(0, np.ceil(np.log2(lengths / request.max_seqlen_per_dp_cp_rank)).astype(np.int64))
+    cp = 2**doublings  # BalancedCPScheduler.gpus_needed: max(1, 2 ** ceil(log2(L / budget)))
+    fixed = model.seconds_per_pass + np.where(cp > 1, model.cp_seconds_per_micro_batch, 0.0)
+    terms = (
+        model.seconds_per_token * lengths
+        + model.seconds_per_attention_token_pair * (lengths * lengths).astype(np.float64)
+        + cp * fixed
+        + model.cp_seconds_per_token * lengths * (cp - 1)
+    )
+    # add.accumulate sums in order, one term after another: the same float sum as a Python loop.
+    total = float(np.add.accumulate(terms)[-1]) if len(terms) else 0.0
     return total / request.dp_cp_size
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import pickle
 import time
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from google.protobuf.message import DecodeError
 
-from batch_planner.auto import RunCandidates, plan_serially
+from batch_planner.auto import Candidate, Outcome, PlanOne, RunCandidates, plan_candidate, plan_serially
 from batch_planner.convert import plan_to_proto, request_from_proto, scheduler_label
 from batch_planner.cost import CostModel
 from batch_planner.errors import ErrorCode, InvariantViolationError, PlanningError
@@ -74,14 +75,16 @@ def plan_request_bytes(request_bytes: bytes, deadline: float, limits: RequestLim
 def plan_parsed(
     message: pb.PlanRequest, about: dict, limits: RequestLimits, cost_model: CostModel,
     run_candidates: RunCandidates = plan_serially, passes: tuple[type[BaseException], ...] = (),
+    finish: Callable[[Plan], Plan] = lambda plan: plan,
 ) -> WorkerResult:
     """Plans a parsed request (`parse`): the core's plan_batch, its answer serialized, every
     failure translated. `passes`: what `run_candidates` may raise that is not a planning result
-    (the pool's overload, timeout and lost workers), raised on to the caller."""
+    (the pool's overload, timeout and lost workers), raised on to the caller. `finish`: gives the
+    served plan back what `run_candidates` held apart (`plan_candidate_in_worker`)."""
     try:
         request = request_from_proto(message)
         started = time.perf_counter()
-        plan = plan_batch(request, limits, cost_model, run_candidates)
+        plan = finish(plan_batch(request, limits, cost_model, run_candidates))
         elapsed = time.perf_counter() - started
     except passes:
         raise
@@ -182,6 +185,16 @@ def worker_initializer(
     configure_logging(log_level, log_format, process="worker")
     _settings = _WorkerSettings(limits, cost_model)
     warm_up()
+
+
+def plan_candidate_in_worker(candidate: Candidate, plan_one: PlanOne) -> tuple[Outcome, bytes]:
+    """One of auto's candidates planned in a worker for the handler's run_candidates: its Outcome,
+    with the plan's micro-batches held apart as pickled bytes. They are most of a plan; the handler
+    loads only the served plan's (docs/design.md, "The auto policy", says what that saves)."""
+    outcome = plan_candidate(candidate, plan_one)
+    if outcome.plan is None:
+        return outcome, b""
+    return replace(outcome, plan=replace(outcome.plan, micro_batches=())), pickle.dumps(outcome.plan.micro_batches, protocol=5)
 
 
 def plan_in_worker(request_bytes: bytes, deadline: float) -> WorkerResult:

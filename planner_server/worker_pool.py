@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 import time
@@ -40,13 +41,16 @@ from multiprocessing.connection import wait as wait_for
 
 from google.protobuf.message import DecodeError
 
-from batch_planner.auto import Candidate, Outcome, PlanOne, plan_candidate
+from batch_planner.auto import Candidate, Outcome, PlanOne
 from batch_planner.cost import CostModel
+from batch_planner.plan import Plan
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.validation import RequestLimits
 from planner_server import planning_worker
 from planner_server.wire import read_job
-from planner_server.planning_worker import WorkerResult, parse, plan_in_worker, plan_parsed, plan_request_bytes, worker_initializer
+from planner_server.planning_worker import (
+    WorkerResult, parse, plan_candidate_in_worker, plan_in_worker, plan_parsed, plan_request_bytes, worker_initializer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -425,7 +429,7 @@ class PlanningPool:
         """auto, assembled by the core (batch_planner/auto.py) in this thread, its candidates
         planned side by side on the workers (`_WorkerCandidates`)."""
         run = _WorkerCandidates(self, end, on_abandon, job)
-        result = plan_parsed(*parsed, self.limits, self.cost_model, run, passes=(PoolOverloaded, TimeoutError, WorkersLost))
+        result = plan_parsed(*parsed, self.limits, self.cost_model, run, passes=(PoolOverloaded, TimeoutError, WorkersLost), finish=run.finish)
         # The worker time of every candidate: what one auto request costs the replica, so the plan
         # rates GetCapabilities reports for auto say how many a replica plans per second.
         return replace(result, scheduler_seconds=run.seconds, planning_seconds=run.seconds)
@@ -569,18 +573,26 @@ class PlanningPool:
 class _WorkerCandidates:
     """The core's run_candidates seam on the workers: each round of auto's candidates reserves a
     slot per candidate (the work it really causes), runs them side by side and stops them all when
-    the caller goes away or the deadline passes."""
+    the caller goes away or the deadline passes. The plans come back without their micro-batches,
+    which stay pickled until `finish` gives the served plan its own."""
 
     def __init__(self, pool: PlanningPool, end: float, on_abandon, job: str):
         self._pool, self._end, self._on_abandon, self._job = pool, end, on_abandon, job
+        self._micro_batches: dict[str, bytes] = {}  # by candidate name
         self.seconds = 0.0  # worker time of the candidates planned
 
     def __call__(self, found: list[Candidate], plan_one: PlanOne) -> list[Outcome]:
         work = self._pool.admit(len(found), self._job)
         try:
-            tasks = [work.submit(plan_candidate, candidate, plan_one) for candidate in found]
-            outcomes = self._pool._run_all(work, tasks, self._end, self._on_abandon)
+            tasks = [work.submit(plan_candidate_in_worker, candidate, plan_one) for candidate in found]
+            results = self._pool._run_all(work, tasks, self._end, self._on_abandon)
         finally:
             work.close()
-        self.seconds += sum(outcome.seconds for outcome in outcomes)
-        return outcomes
+        for outcome, micro_batches in results:
+            self._micro_batches[outcome.candidate.name] = micro_batches
+            self.seconds += outcome.seconds
+        return [outcome for outcome, _ in results]
+
+    def finish(self, plan: Plan) -> Plan:
+        served = next(c.name for c in plan.candidates if c.served)
+        return replace(plan, micro_batches=pickle.loads(self._micro_batches[served]))
