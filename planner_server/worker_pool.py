@@ -35,6 +35,7 @@ from planner_server.process_pool import ProcessPool, Task, TaskCancelled, Worker
 __all__ = ["InlineBound", "JobShareExceeded", "PlanningPool", "PoolOverloaded", "TaskCancelled", "Work", "WorkersLost"]
 
 _PRELOAD = ["planner_server.worker_preload"]
+_NO_INLINE = InlineBound()
 
 
 class Work:
@@ -83,7 +84,7 @@ class PlanningPool:
         cost_model: CostModel,
         log_level: str = "INFO",
         on_restart=None,
-        inline: InlineBound = InlineBound(),
+        inline: InlineBound = _NO_INLINE,
         log_format: str = "text",
         max_job_share: float = 1.0,
         scheduler_implementation: str = "exact",
