@@ -1,14 +1,7 @@
-"""Admission: the in-flight bound, fair per job, and which requests are planned inline. No process
-code: the pool (planner_server/worker_pool.py) reserves slots here before any work starts and gives
-each back when its work has really stopped.
-
-- A request reserves slots (one per task it will run); past `capacity` (`--workers` +
-  `--max-queued-requests`) it is refused at once (PoolOverloaded; the servicer answers
-  RESOURCE_EXHAUSTED), so the bound and `in_flight` count what runs.
-- Per job (the `batch-planner-job` request metadata, `batch_planner.convert.JOB_METADATA_KEY`;
-  "" without it, one shared bucket) at most `job_share` of the bound: a job past its share is
-  refused (JobShareExceeded) while other jobs are admitted.
-"""
+"""Admission: the in-flight bound, fair per job (the job: the `batch-planner-job` request
+metadata, "" without it), and which requests are planned inline. No process code: the pool
+(planner_server/worker_pool.py) reserves slots here before any work starts and gives each back
+when its work has really stopped."""
 
 from __future__ import annotations
 
@@ -38,12 +31,10 @@ class JobShareExceeded(PoolOverloaded):
 
 
 class Admission:
-    """The in-flight bound: slots reserved before work starts, given back when it has stopped.
-
-    Fair per job: one job ("" for requests without the job metadata, one shared bucket) may hold at
-    most `job_share` of the capacity, at least one slot. Past it, that job's request is refused
-    (JobShareExceeded) while other jobs are still admitted up to the total bound. job_share 1.0
-    turns the per-job bound off."""
+    """The in-flight bound: past `capacity` slots a request is refused at once (PoolOverloaded).
+    Fair per job: one job ("" is one shared bucket) may hold at most `job_share` of the capacity,
+    at least one slot; past it that job is refused (JobShareExceeded) while other jobs are still
+    admitted up to the total bound. job_share 1.0 turns the per-job bound off."""
 
     def __init__(self, capacity: int, job_share: float = 1.0):
         self.capacity = capacity

@@ -1,19 +1,15 @@
-"""A pool of worker processes that run picklable functions, cancellable while they run.
+"""A pool of worker processes that run picklable functions; it knows nothing of planning.
 
-Generic: it knows nothing of planning. What it guarantees (docs/design.md, "The planning pool"):
-
-- Cancellation: `Task.cancel()` drops a queued task, and kills the worker running a running one
-  (the only way to stop code that cannot be interrupted, such as Megatron-Core's schedulers). The
-  task settles - its `on_settled` callback runs - only once its work has really stopped, so a
-  caller that counts slots gives them back when nothing runs for them any more.
-- Self-healing: each worker has its own pipe, so a worker that dies (OOM, kill -9, cancellation)
-  affects no other. Its slot's thread starts a replacement at once and reports why
-  (`on_restart(DIED | ABANDONED)`); a task lost with a worker that died on its own is run again
-  (the functions run here must be deterministic), up to `ATTEMPTS` times, then fails with
-  WorkersLost.
-- Workers start from a forkserver that imported the `preload` modules once, so a replacement does
-  not import them again; a forkserver that died is started again by multiprocessing on the next
-  start, which this pool retries with backoff.
+- `Task.cancel()` drops a queued task, or kills the worker running it (the only way to stop code
+  that cannot be interrupted, such as Megatron-Core's schedulers). A task settles (`on_settled`)
+  only once its work has really stopped, so slots counted on it come back when nothing runs.
+- Each worker has its own pipe, so one that dies (OOM, kill -9, cancellation) affects no other; its
+  slot thread starts a replacement at once and says why (`on_restart(DIED | ABANDONED)`). A task
+  lost with a worker that died on its own runs again (functions run here must be deterministic),
+  up to `ATTEMPTS` times, then fails with WorkersLost.
+- Workers fork from a forkserver that imported the `preload` modules once; a forkserver that died
+  is started again by multiprocessing on the next start, which this pool retries with backoff.
+Why not pebble's ProcessPool: docs/design.md, "Why our own process pool".
 """
 
 from __future__ import annotations
@@ -57,13 +53,9 @@ class Task:
         self._settled = threading.Event()
         self._on_settled = on_settled
         self._worker: _Worker | None = None
-        self._cancelled = False
+        self.cancelled = False
         self._value = None
         self._error: BaseException | None = None
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled
 
     def result(self, timeout: float | None = None):
         """The function's return value; raises TimeoutError, TaskCancelled or WorkersLost."""
@@ -76,9 +68,9 @@ class Task:
     def cancel(self) -> None:
         """Queued: it never runs. Running: its worker is killed (and replaced by the pool)."""
         with self._lock:
-            if self._settled.is_set() or self._cancelled:
+            if self._settled.is_set() or self.cancelled:
                 return
-            self._cancelled = True
+            self.cancelled = True
             worker = self._worker
         if worker is not None:
             worker.kill()  # its slot thread sees the death and settles the task
@@ -89,7 +81,7 @@ class Task:
 
     def _start(self, worker: _Worker) -> bool:
         with self._lock:
-            if self._cancelled:
+            if self.cancelled:
                 return False
             self._worker = worker
             self.attempts += 1

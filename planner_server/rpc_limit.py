@@ -1,19 +1,14 @@
-"""The bound on calls the server runs at once, with public gRPC API only.
+"""The bound on calls the server runs at once, enforced and counted with public gRPC API only.
 
-gRPC's own `maximum_concurrent_rpcs` refuses past the bound without telling any code of ours, so
-counting its refusals meant reading grpcio's private server state. This interceptor enforces the
-bound itself and counts what it refuses; the server gives gRPC no `maximum_concurrent_rpcs`.
-
-- gRPC runs server interceptors in its one polling thread, when it looks up a call's handler, one
-  call at a time: the check and the count below see calls in their order of arrival.
-- A call is counted from that look-up until its behaviour returns (for a streamed response: until
-  the stream ends). When gRPC never runs the behaviour - the caller cancelled before its message
-  arrived, or the message did not deserialize - nothing of ours returns; the count is then given
-  back when gRPC lets go of the call's handler (a `weakref.finalize` on the per-call behaviour,
-  which CPython frees when the call's work item ends), so no call can leak a slot.
-- A refused call is answered RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!", as gRPC would,
-  but from a handler thread: the server sizes its handler threads past the bound
-  (planner_server/server.py), so a refusal never waits behind calls that hold threads.
+gRPC's own `maximum_concurrent_rpcs` refuses without telling any code of ours (counting its
+refusals meant reading grpcio's private state), so the server does not set it; this does:
+- gRPC runs interceptors in its one polling thread, one call at a time, as it looks up a handler.
+- A call is counted from then until its behaviour returns (a streamed response: until it ends).
+  When gRPC never runs the behaviour (the caller cancelled before its message arrived, a message
+  that does not deserialize), the count comes back when gRPC drops the per-call behaviour
+  (`weakref.finalize`; CPython frees it as the call's work item ends): no call leaks a slot.
+- A refusal is gRPC's own status and words, answered from a handler thread: the server has more
+  handler threads than the bound (server.py), so it never waits behind calls holding threads.
 """
 
 from __future__ import annotations

@@ -1,21 +1,17 @@
 """The planning pool: admission (planner_server/admission.py) in front of the worker processes
 (planner_server/process_pool.py), and inline planning for small requests.
 
-- A request reserves slots (one per task it will run) before any work starts and gives each back
-  when its work has really stopped - a finished task, a queued task dropped, or the worker running
-  an abandoned task killed - so the bound and `in_flight` count what runs.
-- `Work.cancel()` (the RPC's caller went away, or its deadline passed) drops its queued tasks and
-  kills the workers running the others. Megatron-Core's schedulers cannot be interrupted, so
-  killing the worker is the only way to stop paying for a plan nobody waits for.
+- A request reserves slots (one per task it will run) before any work starts; each comes back
+  when its task has really stopped (a result, a queued task dropped, its worker killed), so the
+  bound and `in_flight` count what runs. `Work.cancel()` (the caller went away, or its deadline
+  passed) stops them all: Megatron-Core's schedulers cannot be interrupted, so killing the worker
+  is the only way to stop paying for a plan nobody waits for.
 - Inline: a request within `InlineBound` is planned in the calling (gRPC handler) thread. The
   schedulers hold the GIL, so this is only for requests that plan in a few milliseconds, for which
   the hop to a worker costs about as much as the planning; it cannot be cancelled, which is why it
   is bounded, and it is never given work that can loop: validation refuses every layout where
   upstream's code can (batch_planner/domain.py). A drain that still finds one running ends the
   process rather than wait for the thread (planner_server/server.py, `serve`).
-
-Several tasks of one request (the candidates of a policy that compares schedulers) run side by side:
-`work = pool.admit(slots=n)`, then `work.submit(...)` n times, and one `work.cancel()` stops all.
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ from planner_server.admission import Admission, InlineBound, JobShareExceeded, P
 from planner_server.planning_worker import WorkerResult, assemble_auto, plan_part_in_worker, plan_request_bytes, worker_initializer
 from planner_server.process_pool import ProcessPool, Task, TaskCancelled, WorkersLost
 
-# The names callers of the pool catch, importable from here as before.
 __all__ = ["InlineBound", "JobShareExceeded", "PlanningPool", "PoolOverloaded", "TaskCancelled", "Work", "WorkersLost"]
 
 _PRELOAD = ["planner_server.worker_preload"]
@@ -158,7 +153,11 @@ class PlanningPool:
         end = time.monotonic() + timeout
         work = self.admit(1, job)
         try:
-            result, part = self._run(work, plan_part_in_worker, request_bytes, deadline, 0, timeout=timeout, on_abandon=on_abandon)
+            if on_abandon is not None and on_abandon(work.cancel) is False:
+                work.cancel()  # the RPC has already ended
+            result, part = work.submit(plan_part_in_worker, request_bytes, deadline, 0).result(timeout)
+        except TaskCancelled:
+            raise TimeoutError from None  # the caller is gone; whatever we answer is unseen
         finally:
             work.close()
         if part is None:
@@ -191,15 +190,6 @@ class PlanningPool:
         finally:
             work.close()
         return assemble_auto([parts[k] for k in range(count)], job_cp=first[1].job_cp)
-
-    def _run(self, work: Work, fn, *args, timeout: float, on_abandon):
-        if on_abandon is not None and on_abandon(work.cancel) is False:
-            work.cancel()  # the RPC has already ended
-        task = work.submit(fn, *args)
-        try:
-            return task.result(timeout)
-        except TaskCancelled:
-            raise TimeoutError from None  # the caller is gone; whatever we answer is unseen
 
     def _plan_inline(self, request_bytes: bytes, deadline: float, timeout: float) -> WorkerResult:
         started = time.monotonic()
