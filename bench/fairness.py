@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from batch_planner.convert import JOB_METADATA_KEY
 from batch_planner.distributions import sample_lengths
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
@@ -51,6 +52,11 @@ def request(job: str, samples: int, ranks: int, seed: int) -> pb.PlanRequest:
         scheduler=pb.SCHEDULER_HYBRID_CP,
         job=job,
     )
+
+
+def job_metadata(job: str) -> tuple[tuple[str, str]]:
+    """The job name as admission reads it (the trainer client sends it with every Plan call)."""
+    return ((JOB_METADATA_KEY, job),)
 
 
 def metric(url: str, name: str) -> float:
@@ -76,7 +82,7 @@ def _burst_client(address: str, concurrency: int, stop, results) -> None:
         rng, backoff = random.Random(k), 0.1
         while not stop.is_set():
             try:
-                stub.Plan(messages[k % len(messages)], timeout=60)
+                stub.Plan(messages[k % len(messages)], timeout=60, metadata=job_metadata("burst"))
                 code, backoff = "OK", 0.1
             except grpc.RpcError as error:
                 code = error.code().name
@@ -121,7 +127,7 @@ def quiet_phase(stub, seconds: float) -> tuple[list[float], Counter]:
         seed += 1
         started = time.perf_counter()
         try:
-            stub.Plan(request("quiet", *QUIET_SHAPE, seed), timeout=10)
+            stub.Plan(request("quiet", *QUIET_SHAPE, seed), timeout=10, metadata=job_metadata("quiet"))
             codes["OK"] += 1
             latencies.append(time.perf_counter() - started)
         except grpc.RpcError as error:

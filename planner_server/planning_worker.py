@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 from google.protobuf.message import DecodeError
 
 from batch_planner.auto import Candidate, Outcome, PlanOne, RunCandidates, plan_candidate, plan_serially
-from batch_planner.convert import plan_to_proto, request_from_proto, scheduler_label
+from batch_planner.convert import JOB_METADATA_KEY, plan_to_proto, request_from_proto, scheduler_label
 from batch_planner.cost import CostModel
 from batch_planner.errors import ErrorCode, InvariantViolationError, PlanningError
 from batch_planner.plan import CandidateSummary, Plan
@@ -62,10 +62,12 @@ def request_digest(request_bytes: bytes) -> str:
     return hashlib.sha256(request_bytes).hexdigest()[:16]
 
 
-def plan_request_bytes(request_bytes: bytes, deadline: float, limits: RequestLimits, cost_model: CostModel) -> WorkerResult:
+def plan_request_bytes(
+    request_bytes: bytes, deadline: float, limits: RequestLimits, cost_model: CostModel, admitted_job: str = ""
+) -> WorkerResult:
     """Plans one serialized PlanRequest in this process; `deadline` is wall-clock seconds since the epoch."""
     received = time.perf_counter()
-    parsed = parse(request_bytes, deadline)
+    parsed = parse(request_bytes, deadline, admitted_job)
     if isinstance(parsed, WorkerResult):
         return parsed
     result = plan_parsed(*parsed, limits, cost_model)
@@ -93,7 +95,9 @@ def plan_parsed(
     return _success(plan, elapsed, about)
 
 
-def parse(request_bytes: bytes, deadline: float) -> tuple[pb.PlanRequest, dict] | WorkerResult:
+def parse(request_bytes: bytes, deadline: float, admitted_job: str = "") -> tuple[pb.PlanRequest, dict] | WorkerResult:
+    """The message and what the logs and metrics say about it, or the refusal. `admitted_job`: the
+    job name the request was admitted under (its metadata); the message's own must agree."""
     digest = request_digest(request_bytes)
     if time.time() >= deadline:
         return WorkerResult(ErrorCode.DEADLINE_EXCEEDED, message="the request's deadline passed while it waited for a worker",
@@ -113,6 +117,12 @@ def parse(request_bytes: bytes, deadline: float) -> tuple[pb.PlanRequest, dict] 
         samples=len(message.sequence_lengths),
         ranks=message.layout.data_parallel_size * max(1, message.layout.context_parallel_size),
     )
+    if admitted_job and message.job and message.job != admitted_job:
+        return WorkerResult(
+            ErrorCode.INVALID_ARGUMENT, **about,
+            message=f"job: {message.job[:80]!r} differs from the request metadata's {JOB_METADATA_KEY} {admitted_job!r}, under which "
+                    "it was admitted; send the same job name in both, or leave one of them empty",
+        )
     return message, about
 
 

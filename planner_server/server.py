@@ -25,7 +25,7 @@ from batch_planner.schedulers import discover_schedulers, megatron_core_version
 from planner_server import __version__
 from planner_server.config import ServerConfig
 from planner_server.metrics import PlannerMetrics
-from planner_server.rpc_limit import RpcLimitCounter
+from planner_server.rpc_limit import RpcLimit
 from planner_server.servicer import SERVICE_NAME, PlannerServicer
 from planner_server.worker_pool import InlineBound, PlanningPool
 
@@ -132,11 +132,13 @@ class PlannerServer:
             max_job_share=config.max_job_share,
             scheduler_implementation=config.scheduler_implementation,
         )
-        # Handler threads only wait on workers; enough for every request the pool admits plus the
-        # ones it refuses at once, health checks and capability calls.
-        rpc_limit = RpcLimitCounter(self.metrics.rpc_limit_rejections.inc)
+        # The calls run at once: every request the pool admits, plus the ones it refuses at once,
+        # health checks and capability calls. RpcLimit enforces it and counts its refusals (gRPC's
+        # own maximum_concurrent_rpcs would refuse without telling us). Handler threads only wait on
+        # workers; 16 more than the bound, so a refusal never waits for a thread.
+        rpc_limit = RpcLimit(self.pool.capacity + config.extra_concurrent_rpcs, self.metrics.rpc_limit_rejections.inc)
         self.grpc_server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self.pool.capacity + 16, thread_name_prefix="grpc"),
+            futures.ThreadPoolExecutor(max_workers=rpc_limit.limit + 16, thread_name_prefix="grpc"),
             interceptors=(rpc_limit,),
             options=[
                 ("grpc.max_receive_message_length", config.max_receive_message_bytes),
@@ -144,9 +146,7 @@ class PlannerServer:
                 ("grpc.so_reuseport", 0),
                 *connection_age_options(config),
             ],
-            maximum_concurrent_rpcs=self.pool.capacity + config.extra_concurrent_rpcs,
         )
-        rpc_limit.watch(self.grpc_server)
         self.servicer = PlannerServicer(config, self.pool, self.metrics)
         self.metrics.track_pool(self.pool)
         self.grpc_server.add_generic_rpc_handlers((self.servicer.generic_handler(),))

@@ -13,13 +13,14 @@ import time
 import grpc
 from google.protobuf.message import DecodeError
 
-from batch_planner.convert import SCHEDULER_TO_PROTO, cost_model_to_proto
+from batch_planner.convert import JOB_METADATA_KEY, SCHEDULER_TO_PROTO, cost_model_to_proto
 from batch_planner.cost_profiles import preset_names
 from batch_planner.errors import ErrorCode
 from batch_planner.request import SchedulerKind
 from batch_planner.exact.verified import exact_path_status
 from batch_planner.schedulers import discover_schedulers, megatron_core_version
 from batch_planner.v1 import planner_pb2 as pb
+from batch_planner.validation import JOB_NAME_PATTERN
 from planner_server import __version__
 from planner_server.config import ServerConfig
 from planner_server.metrics import PlannerMetrics
@@ -61,10 +62,17 @@ class PlannerServicer:
         remaining = context.time_remaining()
         if remaining is None or remaining > 1e8:
             remaining = self.config.default_deadline_seconds
+        job = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == JOB_METADATA_KEY:
+                job = value  # the last one wins, as a repeated field in protobuf
+        if job and not JOB_NAME_PATTERN.match(job):
+            return WorkerResult(ErrorCode.INVALID_ARGUMENT, message=f"metadata {JOB_METADATA_KEY}: {job[:80]!r} is not a job "
+                                "name: use 1-63 characters of [A-Za-z0-9_.-], or leave it out (the shared bucket)")
         try:
             # add_callback fires when the RPC ends for any reason - a cancelled or disconnected
             # caller included - and the pool then stops the work nobody waits for.
-            return self.pool.plan(request_bytes, time.time() + remaining, remaining, on_abandon=context.add_callback)
+            return self.pool.plan(request_bytes, time.time() + remaining, remaining, on_abandon=context.add_callback, job=job)
         except JobShareExceeded as exc:
             self.metrics.job_share_rejections.labels(self.metrics.job_label(exc.job)).inc()
             return WorkerResult(ErrorCode.RESOURCE_EXHAUSTED,

@@ -1,6 +1,6 @@
-"""Fair admission per job: the wire reader that finds a request's job name without parsing it,
-Admission's per-job share, and a real server where one job's flood is refused while another job's
-request is planned (docs/reliability.md "Fair admission per job")."""
+"""Fair admission per job: Admission's per-job share, the job read from the request metadata (a
+name that is not one refused), and a real server where one job's flood is refused while another
+job's request is planned (docs/reliability.md "Fair admission per job")."""
 
 from __future__ import annotations
 
@@ -11,13 +11,18 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from batch_planner.convert import JOB_METADATA_KEY
 from batch_planner.distributions import sample_lengths
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
-from planner_server.wire import read_job
-from planner_server.worker_pool import Admission, JobShareExceeded, PoolOverloaded
+from planner_server.admission import Admission, JobShareExceeded, PoolOverloaded
 from tests.planner_process import start_planner
 from tests.reliability_support import wait_until
+
+
+def job(name: str) -> tuple[tuple[str, str]]:
+    """The request metadata that names the job, as the trainer client sends it."""
+    return ((JOB_METADATA_KEY, name),)
 
 
 def request(job: str = "", samples: int = 16, dp: int = 4, cp: int = 1) -> pb.PlanRequest:
@@ -28,47 +33,6 @@ def request(job: str = "", samples: int = 16, dp: int = 4, cp: int = 1) -> pb.Pl
         scheduler=pb.SCHEDULER_HYBRID_CP,
         job=job,
     )
-
-
-# --- the wire reader ---
-
-
-def test_wire_reader_finds_the_job_name():
-    assert read_job(request("llama-8b.run_3").SerializeToString()) == "llama-8b.run_3"
-
-
-def test_wire_reader_without_a_job_or_an_invalid_one_is_the_shared_bucket():
-    assert read_job(request().SerializeToString()) == ""
-    assert read_job(b"") == ""
-    assert read_job(request("-starts-with-dash").SerializeToString()) == ""
-    assert read_job(request("x" * 64).SerializeToString()) == ""
-
-
-def test_wire_reader_skips_a_huge_packed_field_by_its_length():
-    data = request("burst", samples=16384, dp=1024).SerializeToString()
-    assert len(data) > 16384
-    assert read_job(data) == "burst"
-    # The job first, then the packed lengths: found either way, whatever the field order.
-    job_first = pb.PlanRequest(job="burst").SerializeToString() + pb.PlanRequest(
-        sequence_lengths=[1000] * 50000).SerializeToString()
-    assert read_job(job_first) == "burst"
-
-
-@pytest.mark.parametrize("data", [
-    b"\xff" * 11,  # a varint that never ends
-    b"\x4a\x05ab",  # job declared 5 bytes long, 2 present
-    b"\x4a",  # a tag and nothing after it
-    b"\x0b\x4a\x01a",  # wire type 3 (start group): not a PlanRequest
-    b"\x00\x4a\x01a",  # field number 0
-    b"\x4a\x02\xff\xfe",  # not UTF-8
-])
-def test_wire_reader_stops_on_malformed_bytes(data):
-    assert read_job(data) == ""
-
-
-def test_wire_reader_last_job_wins_like_protobuf():
-    data = pb.PlanRequest(job="a").SerializeToString() + pb.PlanRequest(job="b").SerializeToString()
-    assert pb.PlanRequest.FromString(data).job == read_job(data) == "b"
 
 
 # --- Admission's per-job share ---
@@ -137,16 +101,16 @@ def test_a_flooding_job_is_refused_naming_its_share_while_another_job_is_planned
         with grpc.insecure_channel(server.address) as channel:
             stub = planner_pb2_grpc.BatchPlannerStub(channel)
             big = request("burst", samples=16384, dp=1024)
-            held = [stub.Plan.future(big, timeout=120) for _ in range(2)]
+            held = [stub.Plan.future(big, timeout=120, metadata=job("burst")) for _ in range(2)]
             wait_until(lambda: metric(server.metrics_url, "batch_planner_in_flight_requests") >= 2, 60,
                        "the bursting job's two requests in flight")
             with pytest.raises(grpc.RpcError) as refused:
-                stub.Plan(big, timeout=30)
+                stub.Plan(big, timeout=30, metadata=job("burst"))
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "job 'burst'" in refused.value.details() and "its share is 2" in refused.value.details()
             assert metric(server.metrics_url, "batch_planner_job_share_rejections_total", training_job="burst") == 1
             # The other job still gets its plans, inline and on a worker (the bound has 2 slots left).
-            quiet = stub.Plan(request("quiet", samples=64, dp=8), timeout=60)
+            quiet = stub.Plan(request("quiet", samples=64, dp=8), timeout=60, metadata=job("quiet"))
             assert quiet.micro_batches
             assert all(not f.done() for f in held)
             for future in held:

@@ -143,3 +143,49 @@ def test_calls_grpc_refuses_past_its_concurrency_limit_are_counted():
                    30, "the refusal counted")
     finally:
         server.stop()
+
+
+def test_the_rpc_limit_counts_what_it_refuses_and_frees_calls_whose_behaviour_never_runs():
+    """planner_server/rpc_limit.py on its own: a call past the limit is refused and counted; a call
+    gRPC ends without running our behaviour (a message that does not deserialize) gives its count
+    back, so no caller can leak the limit away."""
+    import threading
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from planner_server.rpc_limit import RpcLimit
+    from tests.reliability_support import wait_until
+
+    refused, entered, leave = [], threading.Event(), threading.Event()
+    limit = RpcLimit(1, lambda: refused.append(1))
+
+    def hold(request, context):
+        entered.set()
+        leave.wait(30)
+        return request
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=limit.limit + 16), interceptors=(limit,))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", {"Hold": grpc.unary_unary_rpc_method_handler(hold)}),))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            held = channel.unary_unary("/t.T/Hold").future(b"x", timeout=30)
+            assert entered.wait(30)
+            with pytest.raises(grpc.RpcError) as past:
+                check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert past.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" in past.value.details()
+            assert refused == [1]
+            leave.set()
+            assert held.result(timeout=30) == b"x"
+            wait_until(lambda: limit.active == 0, 10, "the held call's count given back")
+            with pytest.raises(grpc.RpcError):
+                channel.unary_unary("/grpc.health.v1.Health/Check")(b"\xff\xff", timeout=10)  # does not deserialize
+            wait_until(lambda: limit.active == 0, 10, "the count of a call whose behaviour never ran given back")
+            assert check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+            assert refused == [1]
+    finally:
+        server.stop(0)

@@ -16,6 +16,7 @@ import urllib.request
 import grpc
 import pytest
 
+from batch_planner.convert import JOB_METADATA_KEY
 from batch_planner.v1 import planner_pb2 as pb
 from tests.reliability_support import health_status, raw_plan_method, tree_rss_bytes
 
@@ -186,6 +187,36 @@ def test_huge_repeated_fields_near_and_over_the_message_limit(channel):
     code, _ = call_raw(channel, valid_request(sequence_lengths=[UINT64_MAX] * (MESSAGE_LIMIT // 10 * 16)).SerializeToString())
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert health_status(channel) == "SERVING"
+
+
+@pytest.mark.parametrize("job", ["x" * 4000, "-starts-with-dash", 'bad name{quote="}'])
+def test_a_job_metadata_that_is_not_a_job_name_is_invalid_argument(channel, job):
+    # Admission reads the job from the request metadata, before any work: a value that is not a
+    # job name is refused naming the key, the value and what is allowed, never used as a bucket.
+    try:
+        raw_plan_method(channel)(valid_request().SerializeToString(), timeout=60, metadata=((JOB_METADATA_KEY, job),))
+        pytest.fail("planned a request whose job metadata is not a job name")
+    except grpc.RpcError as error:
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert JOB_METADATA_KEY in error.details() and job[:20] in error.details() and "[A-Za-z0-9_.-]" in error.details()
+        assert len(error.details()) < 1000, "the error echoes a hostile value at length"
+    # Without the metadata, or with a job name, the same request is planned (the shared bucket).
+    for metadata in ((), ((JOB_METADATA_KEY, "ok-job"),)):
+        raw_plan_method(channel)(valid_request().SerializeToString(), timeout=60, metadata=metadata)
+
+
+def test_a_job_metadata_that_disagrees_with_the_messages_job_is_invalid_argument(channel):
+    # The request was admitted under its metadata's job; a message that names another job would
+    # count its metrics against a job whose share it never used.
+    message = valid_request()
+    message.job = "job-in-body"
+    try:
+        raw_plan_method(channel)(message.SerializeToString(), timeout=60, metadata=((JOB_METADATA_KEY, "job-in-metadata"),))
+        pytest.fail("planned a request whose metadata and message name different jobs")
+    except grpc.RpcError as error:
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert "job-in-body" in error.details() and "job-in-metadata" in error.details() and JOB_METADATA_KEY in error.details()
+    raw_plan_method(channel)(message.SerializeToString(), timeout=60, metadata=((JOB_METADATA_KEY, "job-in-body"),))
 
 
 def test_hostile_job_names_never_reach_the_metrics(planner, channel):
