@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from batch_planner.distributions import sample_lengths
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
-from bench.common import Bar, Report, Spread, argument_parser, markdown_table, percentile, verdict, write_report
+from bench.common import Bar, Report, Spread, argument_parser, job_metadata, markdown_table, percentile, verdict, write_report
 
 WORKERS = 2
 MAX_QUEUED = 6
@@ -76,7 +76,7 @@ def _burst_client(address: str, concurrency: int, stop, results) -> None:
         rng, backoff = random.Random(k), 0.1
         while not stop.is_set():
             try:
-                stub.Plan(messages[k % len(messages)], timeout=60)
+                stub.Plan(messages[k % len(messages)], timeout=60, metadata=job_metadata("burst"))
                 code, backoff = "OK", 0.1
             except grpc.RpcError as error:
                 code = error.code().name
@@ -121,7 +121,7 @@ def quiet_phase(stub, seconds: float) -> tuple[list[float], Counter]:
         seed += 1
         started = time.perf_counter()
         try:
-            stub.Plan(request("quiet", *QUIET_SHAPE, seed), timeout=10)
+            stub.Plan(request("quiet", *QUIET_SHAPE, seed), timeout=10, metadata=job_metadata("quiet"))
             codes["OK"] += 1
             latencies.append(time.perf_counter() - started)
         except grpc.RpcError as error:

@@ -1,6 +1,6 @@
 """The client's retries are gRPC's own (the channel's retryPolicy, built from the client config and
-batch_planner.errors.CLIENT_ACTION), inside the call's deadline. A scripted planner of the test's own counts the attempts the server
-sees."""
+batch_planner.errors.CLIENT_ACTION), inside the call's deadline; every Plan call carries the job
+name as metadata. A scripted planner of the test's own counts the attempts the server sees."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from concurrent import futures
 import grpc
 import pytest
 
+from batch_planner.convert import JOB_METADATA_KEY
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
 from trainer_client.config import PlannerClientConfig
@@ -72,6 +73,7 @@ def test_retryable_codes_are_retried_by_grpc_up_to_max_attempts(scripted):
     assert client.plan(REQUEST) == pb.PlanResponse()
     assert len(planner.attempts) == 3 and calls(client) == 1  # one call, three attempts
     assert [a.get("grpc-previous-rpc-attempts") for a in planner.attempts] == [None, "1", "2"]
+    assert all(a[JOB_METADATA_KEY] == "retry-test" for a in planner.attempts)
 
 
 def test_attempts_run_out_then_the_service_failed(scripted):
@@ -95,3 +97,9 @@ def test_the_deadline_bounds_the_call_with_its_retries(scripted):
         client.plan(REQUEST)
     assert failure.value.reason == "deadline_exceeded"
     assert planner.gone.wait(30) and len(planner.attempts) == 1  # no attempt after the deadline
+
+
+def test_a_request_without_a_job_sends_no_job_metadata(scripted):
+    planner, client = scripted([])
+    client.plan(pb.PlanRequest())
+    assert JOB_METADATA_KEY not in planner.attempts[0]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 
+from batch_planner.convert import JOB_METADATA_KEY
 from batch_planner.errors import CLIENT_ACTION, ClientAction, ErrorCode
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
@@ -64,10 +65,12 @@ class PlannerRpcClient:
 
     def plan(self, request: pb.PlanRequest) -> pb.PlanResponse:
         """Calls Plan (gRPC retries what may succeed on a second try, within `deadline_seconds`);
-        raises PlanRejectedError or ServiceFailedError."""
+        raises PlanRejectedError or ServiceFailedError. The job name travels as metadata too, so
+        that the server admits the call without parsing it."""
+        metadata = ((JOB_METADATA_KEY, request.job),) if request.job else None
         started = time.perf_counter()
         try:
-            return self._stub.Plan(request, timeout=self.config.deadline_seconds)
+            return self._stub.Plan(request, timeout=self.config.deadline_seconds, metadata=metadata)
         except grpc.RpcError as error:
             _raise_on_tls_mismatch(self.config, error)
             if client_action(error.code()) is ClientAction.REJECT:
