@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Generic, Iterable, Sequence, TypeVar
 
+from batch_planner.convert import JOB_METADATA_KEY
 from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
 from batch_planner.request import PlanRequest, SchedulerKind
 
@@ -55,6 +56,12 @@ def make_request(
         scheduler=scheduler,
         job="bench",
     )
+
+
+def job_metadata(job: str) -> tuple[tuple[str, str], ...] | None:
+    """The metadata a Plan call carries for its job (the server admits by it), as the trainer
+    client sends it."""
+    return ((JOB_METADATA_KEY, job),) if job else None
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -33,7 +33,7 @@ from batch_planner.convert import JOB_METADATA_KEY
 from batch_planner.distributions import sample_lengths
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
-from bench.common import Bar, Report, Spread, argument_parser, markdown_table, percentile, verdict, write_report
+from bench.common import Bar, Report, Spread, argument_parser, job_metadata, markdown_table, percentile, verdict, write_report
 
 WORKERS = 2
 MAX_QUEUED = 6

@@ -29,6 +29,7 @@ import grpc
 from batch_planner.distributions import sample_lengths
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
+from bench.common import job_metadata
 
 # (samples, DPxCP ranks): from a small job's step to a large one's.
 VALID_SHAPES = [(64, 8), (256, 16), (512, 32), (1024, 64), (2048, 128)]
@@ -140,7 +141,7 @@ def run_load(
                 entry = rng.choice(mix)
                 begin = time.perf_counter()
                 try:
-                    stub.Plan(entry.request, timeout=deadline_s)
+                    stub.Plan(entry.request, timeout=deadline_s, metadata=job_metadata(entry.request.job))
                     code, details = "OK", ""
                 except grpc.RpcError as error:
                     code, details = error.code().name, error.details() or ""

@@ -35,6 +35,7 @@ from bench.common import (
     Report,
     Spread,
     argument_parser,
+    job_metadata,
     make_request,
     markdown_table,
     planner_server,
@@ -74,7 +75,7 @@ def measure(stub, size: BatchSize, runs: int) -> SizeResult:
     requests = [make_request(DISTRIBUTION, size, seed=seed) for seed in range(runs + 1)]
     # Warm both paths (imports, channel, worker caches) on a request outside the measured ones.
     run_scheduler(requests[-1])
-    plan_from_proto(stub.Plan(request_to_proto(requests[-1]), timeout=RPC_TIMEOUT_S))
+    plan_from_proto(stub.Plan(request_to_proto(requests[-1]), timeout=RPC_TIMEOUT_S, metadata=job_metadata(requests[-1].job)))
     sched, full, rpc, transport = [], [], [], []
 
     def in_process(request: PlanRequest) -> None:
@@ -87,7 +88,7 @@ def measure(stub, size: BatchSize, runs: int) -> SizeResult:
 
     def over_rpc(request: PlanRequest) -> None:
         t = time.perf_counter()
-        plan_from_proto(stub.Plan(request_to_proto(request), timeout=RPC_TIMEOUT_S))
+        plan_from_proto(stub.Plan(request_to_proto(request), timeout=RPC_TIMEOUT_S, metadata=job_metadata(request.job)))
         rpc.append(time.perf_counter() - t)
         t = time.perf_counter()
         stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=RPC_TIMEOUT_S)

@@ -7,7 +7,7 @@ import sys
 
 import grpc
 
-from batch_planner.convert import SCHEDULER_FROM_PROTO, plan_from_proto, request_to_proto
+from batch_planner.convert import JOB_METADATA_KEY, SCHEDULER_FROM_PROTO, plan_from_proto, request_to_proto
 from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
 from batch_planner.plan import Plan
 from batch_planner.request import CpLayout, PlanRequest, SchedulerKind
@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                 cp_layout=CpLayout.ZIGZAG,
                 job="demo",
             )
-            response = stub.Plan(request_to_proto(request), timeout=args.timeout)
+            metadata = ((JOB_METADATA_KEY, request.job),)  # what the server admits by, as the trainer client sends it
+            response = stub.Plan(request_to_proto(request), timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as exc:
             print(f"planner at {args.endpoint} answered {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1

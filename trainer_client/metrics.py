@@ -38,7 +38,7 @@ class TrainerMetrics:
             ["training_job"], registry=r,
         )
         self.rpc_latency = Histogram(
-            "batch_planner_client_rpc_latency_seconds", "Plan RPC latency seen by the client, per attempt.",
+            "batch_planner_client_rpc_latency_seconds", "Plan RPC latency seen by the client, per call (gRPC's retries inside it).",
             ["training_job"], buckets=LATENCY_BUCKETS, registry=r,
         )
         self.plans = Counter(

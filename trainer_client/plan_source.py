@@ -6,7 +6,8 @@ Megatron-Core release).
 
 While the service is failing, a circuit breaker keeps steps from each waiting a full deadline:
 after a failure the source plans in-process for `fallback_cooldown_seconds`, then lets one step
-probe the service (one attempt); when it answers, the outage is over. An outage is logged once when
+probe the service (one call, its retries within `deadline_seconds` like any); when it answers, the
+outage is over. An outage is logged once when
 it starts and once when it ends.
 """
 
@@ -65,13 +66,10 @@ class PlanSource:
         if self.rpc is None:
             return self._fallback(request, NO_ENDPOINT)
         with self._lock:
-            probing = self._outage_reason is not None
-            if probing and time.monotonic() < self._retry_service_at:
+            if self._outage_reason is not None and time.monotonic() < self._retry_service_at:
                 return self._fallback(request, CIRCUIT_OPEN)
         try:
-            # A probe during an outage gets one attempt: the step is not held up by retries of a
-            # service that just failed.
-            response = self.rpc.plan(request_to_proto(request), max_attempts=1 if probing else None)
+            response = self.rpc.plan(request_to_proto(request))
         except ServiceFailedError as failure:
             self._enter_outage(failure)
             return self._fallback(request, failure.reason)

@@ -1,10 +1,11 @@
-"""The gRPC side of the client: one channel, Plan with a deadline, retries with exponential backoff.
+"""The gRPC side of the client: one channel, Plan with a deadline, retries by gRPC itself.
 
 What a failure leads to is `batch_planner.errors.CLIENT_ACTION`, one table keyed by status code:
-RETRY (transient: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...) is retried, then
-reported as ServiceFailedError so that the plan source falls back to in-process planning; FALLBACK
-(a retry gets the same answer) is reported at once; REJECT (INVALID_ARGUMENT: the caller's fault)
-raises PlanRejectedError and is never planned in-process.
+RETRY (transient: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...) is the channel's
+`retryPolicy` (gRPC's service config: `max_attempts`, the backoff settings, those codes), retried
+inside the call's deadline, then reported as ServiceFailedError so that the plan source falls back
+to in-process planning; FALLBACK (a retry gets the same answer) is reported at once; REJECT
+(INVALID_ARGUMENT: the caller's fault) raises PlanRejectedError and is never planned in-process.
 """
 
 from __future__ import annotations
@@ -17,11 +18,16 @@ from pathlib import Path
 
 import grpc
 
+from batch_planner.convert import JOB_METADATA_KEY
 from batch_planner.errors import CLIENT_ACTION, ClientAction, ErrorCode
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
 from trainer_client.config import ConfigError, PlannerClientConfig
 from trainer_client.metrics import TrainerMetrics
+
+# gRPC's retryPolicy caps maxAttempts at 5 (larger values are lowered to 5).
+GRPC_MAX_ATTEMPTS = 5
+
 
 class PlanRejectedError(ValueError):
     """The planner (or the in-process planner) refused the request itself; retrying cannot help."""
@@ -57,32 +63,21 @@ class PlannerRpcClient:
     def close(self) -> None:
         self._channel.close()
 
-    def plan(self, request: pb.PlanRequest, max_attempts: int | None = None) -> pb.PlanResponse:
-        """Calls Plan, retrying what may succeed on a second try; raises PlanRejectedError or
-        ServiceFailedError."""
-        c = self.config
-        attempts = max_attempts or c.max_attempts
-        backoff = c.initial_backoff_seconds
-        last: grpc.RpcError | None = None
-        for attempt in range(attempts):
-            started = time.perf_counter()
-            try:
-                return self._stub.Plan(request, timeout=c.deadline_seconds)
-            except grpc.RpcError as error:
-                last = error
-                _raise_on_tls_mismatch(c, error)
-                action = client_action(error.code())
-                if action is ClientAction.REJECT:
-                    raise PlanRejectedError(error.code().name, error.details() or "") from None
-                if action is ClientAction.FALLBACK:
-                    break
-            finally:
-                self.metrics.rpc_latency.labels(self.metrics.job).observe(time.perf_counter() - started)
-            if attempt + 1 < attempts:
-                time.sleep(backoff)
-                backoff = min(backoff * c.backoff_multiplier, c.max_backoff_seconds)
-        assert last is not None
-        raise ServiceFailedError(last.code().name.lower(), last.details() or "")
+    def plan(self, request: pb.PlanRequest) -> pb.PlanResponse:
+        """Calls Plan (gRPC retries what may succeed on a second try, within `deadline_seconds`);
+        raises PlanRejectedError or ServiceFailedError. The job name travels as metadata too, so
+        that the server admits the call without parsing it."""
+        metadata = ((JOB_METADATA_KEY, request.job),) if request.job else None
+        started = time.perf_counter()
+        try:
+            return self._stub.Plan(request, timeout=self.config.deadline_seconds, metadata=metadata)
+        except grpc.RpcError as error:
+            _raise_on_tls_mismatch(self.config, error)
+            if client_action(error.code()) is ClientAction.REJECT:
+                raise PlanRejectedError(error.code().name, error.details() or "") from None
+            raise ServiceFailedError(error.code().name.lower(), error.details() or "") from None
+        finally:
+            self.metrics.rpc_latency.labels(self.metrics.job).observe(time.perf_counter() - started)
 
 
 def client_action(code: grpc.StatusCode) -> ClientAction:
@@ -132,13 +127,34 @@ def speaks_tls(endpoint: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def service_config(config: PlannerClientConfig) -> dict:
+    """gRPC's service config: round-robin over every replica behind a dns:/// name (not just the
+    first address), and Plan retried by gRPC on the codes CLIENT_ACTION marks RETRY, with
+    exponential backoff (gRPC draws each wait at random up to the backoff: jitter)."""
+    plan = {"name": [{"service": pb.DESCRIPTOR.services_by_name["BatchPlanner"].full_name, "method": "Plan"}]}
+    if config.max_attempts > 1:  # gRPC refuses a retryPolicy of one attempt
+        plan["retryPolicy"] = {
+            "maxAttempts": min(config.max_attempts, GRPC_MAX_ATTEMPTS),
+            "initialBackoff": _duration(config.initial_backoff_seconds),
+            "maxBackoff": _duration(config.max_backoff_seconds),
+            "backoffMultiplier": config.backoff_multiplier,
+            "retryableStatusCodes": sorted(code.value for code, action in CLIENT_ACTION.items() if action is ClientAction.RETRY),
+        }
+    return {"loadBalancingConfig": [{"round_robin": {}}], "methodConfig": [plan]}
+
+
+def _duration(seconds: float) -> str:
+    return f"{max(seconds, 0.001):.9f}s"  # gRPC wants a backoff > 0: 0 is read as 1 ms
+
+
 def make_channel(config: PlannerClientConfig) -> grpc.Channel:
-    """A channel to `planner_endpoint`: round-robin over all resolved addresses, quick reconnects,
-    TLS when `tls` is on."""
+    """A channel to `planner_endpoint`: round-robin over all resolved addresses, gRPC's retries,
+    quick reconnects, TLS when `tls` is on."""
     reconnect_ms = int(config.max_reconnect_backoff_seconds * 1000)
     options = [
-        # Every replica behind a dns:/// name gets requests, not just the first address.
-        ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})),
+        ("grpc.service_config", json.dumps(service_config(config))),
+        # gRPC retries a call only while its request fits the retry buffer (256 KiB by default).
+        ("grpc.per_rpc_retry_buffer_size", 64 * 1024 * 1024),
         # A planner that restarts is used again within about a second, not after gRPC's default
         # reconnect backoff of up to two minutes.
         ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_ms)),

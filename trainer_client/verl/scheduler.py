@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDict
 
 from batch_planner.request import CpLayout
-from trainer_client.megatron_lm import sample_id_groups
+from trainer_client.megatron_lm.routing import sample_id_groups
 from trainer_client.verl.micro_batches import rank_micro_batches
 from trainer_client.verl.planning import CachedPlanner, planner_for
 from trainer_client.verl.settings import planner_settings, verl_planner_config

@@ -16,7 +16,7 @@ from typing import Any
 
 from batch_planner.request import CpLayout, SchedulerKind
 from trainer_client.config import ConfigError, PlannerClientConfig
-from trainer_client.megatron_lm import CONFIG_ENV, _given_planner_settings
+from trainer_client.megatron_lm.settings import CONFIG_ENV, given_planner_settings
 
 ENDPOINT_ENV = "BATCH_PLANNER_ENDPOINT"
 # verl's engine runs the dynamic-CP contract: every rank of the DPxCP group gets a sample list in
@@ -28,7 +28,7 @@ _ALLOWED = (SchedulerKind.DYNAMIC_CP, SchedulerKind.AUTO)
 
 def planner_settings() -> dict[str, Any]:
     """The settings the environment names (see the module docstring)."""
-    given = _given_planner_settings(None) if os.environ.get(CONFIG_ENV) else {}
+    given = given_planner_settings(None) if os.environ.get(CONFIG_ENV) else {}
     endpoint = os.environ.get(ENDPOINT_ENV, "").strip()
     if endpoint:
         given["planner_endpoint"] = endpoint

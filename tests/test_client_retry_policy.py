@@ -1,0 +1,105 @@
+"""The client's retries are gRPC's own (the channel's retryPolicy, built from the client config and
+batch_planner.errors.CLIENT_ACTION), inside the call's deadline; every Plan call carries the job
+name as metadata. A scripted planner of the test's own counts the attempts the server sees."""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+
+import grpc
+import pytest
+
+from batch_planner.convert import JOB_METADATA_KEY
+from batch_planner.v1 import planner_pb2 as pb
+from batch_planner.v1 import planner_pb2_grpc
+from trainer_client.config import PlannerClientConfig
+from trainer_client.metrics import TrainerMetrics
+from trainer_client.rpc_client import PlannerRpcClient, PlanRejectedError, ServiceFailedError
+
+REQUEST = pb.PlanRequest(job="retry-test")
+
+
+class ScriptedPlanner(planner_pb2_grpc.BatchPlannerServicer):
+    """Answers attempt i with codes[i] (OK past the end); "hang" holds the attempt until the
+    client gives up. Records every attempt's metadata."""
+
+    def __init__(self, codes: list[str]):
+        self.codes = codes
+        self.attempts: list[dict[str, str]] = []
+        self.gone = threading.Event()
+
+    def Plan(self, request, context):  # noqa: N802 - gRPC's method name
+        self.attempts.append(dict(context.invocation_metadata()))
+        code = self.codes[len(self.attempts) - 1] if len(self.attempts) <= len(self.codes) else "OK"
+        if code == "hang":
+            context.add_callback(self.gone.set)
+            assert self.gone.wait(30)
+            return pb.PlanResponse()
+        if code != "OK":
+            context.abort(grpc.StatusCode[code], f"scripted {code}")
+        return pb.PlanResponse()
+
+
+@pytest.fixture
+def scripted():
+    servers = []
+
+    def start(codes: list[str], **config) -> tuple[ScriptedPlanner, PlannerRpcClient]:
+        planner = ScriptedPlanner(codes)
+        server = grpc.server(futures.ThreadPoolExecutor(4))
+        planner_pb2_grpc.add_BatchPlannerServicer_to_server(planner, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        values = dict(planner_endpoint=f"127.0.0.1:{port}", max_seqlen_per_dp_cp_rank=4096, job="retry-test")
+        client = PlannerRpcClient(PlannerClientConfig(**{**values, **config}), TrainerMetrics(job="retry-test"))
+        servers.append((server, client))
+        return planner, client
+
+    yield start
+    for server, client in servers:
+        client.close()
+        server.stop(None)
+
+
+def calls(client: PlannerRpcClient) -> float:
+    return client.metrics.registry.get_sample_value(
+        "batch_planner_client_rpc_latency_seconds_count", {"training_job": "retry-test"}
+    )
+
+
+def test_retryable_codes_are_retried_by_grpc_up_to_max_attempts(scripted):
+    planner, client = scripted(["UNAVAILABLE", "RESOURCE_EXHAUSTED"], max_attempts=3, initial_backoff_seconds=0.01)
+    assert client.plan(REQUEST) == pb.PlanResponse()
+    assert len(planner.attempts) == 3 and calls(client) == 1  # one call, three attempts
+    assert [a.get("grpc-previous-rpc-attempts") for a in planner.attempts] == [None, "1", "2"]
+    assert all(a[JOB_METADATA_KEY] == "retry-test" for a in planner.attempts)
+
+
+def test_attempts_run_out_then_the_service_failed(scripted):
+    planner, client = scripted(["UNAVAILABLE"] * 5, max_attempts=2, initial_backoff_seconds=0.01)
+    with pytest.raises(ServiceFailedError) as failure:
+        client.plan(REQUEST)
+    assert failure.value.reason == "unavailable" and len(planner.attempts) == 2
+
+
+@pytest.mark.parametrize("code, error", [("INTERNAL", ServiceFailedError), ("INVALID_ARGUMENT", PlanRejectedError)])
+def test_fallback_and_reject_codes_are_not_retried(scripted, code, error):
+    planner, client = scripted([code], max_attempts=4)
+    with pytest.raises(error):
+        client.plan(REQUEST)
+    assert len(planner.attempts) == 1
+
+
+def test_the_deadline_bounds_the_call_with_its_retries(scripted):
+    planner, client = scripted(["hang"], max_attempts=3, deadline_seconds=0.5)
+    with pytest.raises(ServiceFailedError) as failure:
+        client.plan(REQUEST)
+    assert failure.value.reason == "deadline_exceeded"
+    assert planner.gone.wait(30) and len(planner.attempts) == 1  # no attempt after the deadline
+
+
+def test_a_request_without_a_job_sends_no_job_metadata(scripted):
+    planner, client = scripted([])
+    client.plan(pb.PlanRequest())
+    assert JOB_METADATA_KEY not in planner.attempts[0]

@@ -1,0 +1,61 @@
+"""The drop-in for Megatron-LM 0.19.x (`--hybrid-context-parallel`): HybridCPDataLoaderWrapper."""
+
+from __future__ import annotations
+
+from batch_planner.request import SchedulerKind
+from trainer_client import megatron as mcore
+from trainer_client.client import BatchPlannerClient
+from trainer_client.config import PlannerClientConfig
+from trainer_client.megatron_lm.checks import LocalBatch, raise_on_bad_packed_sample
+from trainer_client.megatron_lm.read_ahead import PlannedStep, StepPlanner
+from trainer_client.megatron_lm.settings import checked_transformer_config, client_for, planner_config_for
+
+
+class HybridCPDataLoaderWrapper:
+    """Drop-in for `megatron.core.datasets.data_schedule.HybridCPDataLoaderWrapper`.
+
+    Each DP rank's `data_iterator` yields a list of packed samples (dicts with `cu_seqlens` and 1-D
+    per-token fields) per step, as for Megatron-Core's wrapper. `next()` yields
+    `(samples_this_rank_with_id, sample_id_groups)`: this rank's sub-samples by global id and the
+    plan in Megatron-Core's shape; TP ranks other than the first (whose `data_iterator` is None)
+    get `(None, None)`, as from Megatron-Core's wrapper.
+
+    Extra keyword `planner`: the planner settings (see the package docstring).
+    """
+
+    def __init__(self, data_iterator, config, pg_collection=None, *, planner: PlannerClientConfig | dict | None = None):
+        self.data_iterator = data_iterator
+        self.config = config
+        self.groups = mcore.DataGroups.of(pg_collection)
+        self.total_hdp_gpus = self.groups.dp_cp.size()
+        self.last_step: PlannedStep | None = None
+        self._planner: StepPlanner | None = None
+        if data_iterator is None:
+            return
+        cp_size = self.total_hdp_gpus // self.groups.dp.size()
+        planner_config = planner_config_for(config, SchedulerKind.HYBRID_CP, cp_size, planner)
+        client = client_for(planner_config, self.groups)
+        self._planner = StepPlanner(self._read_local, self.groups, client, checked_transformer_config(config))
+
+    @property
+    def client(self) -> BatchPlannerClient | None:
+        return self._planner.client if self._planner else None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._planner is None:
+            return None, None  # TP ranks > 0: Megatron-Core broadcasts within the TP group
+        self.last_step = self._planner.next_step()
+        return self.last_step.samples, self.last_step.sample_id_groups
+
+    def _read_local(self) -> LocalBatch:
+        batch = next(self.data_iterator)
+        for index, sample in enumerate(batch):
+            raise_on_bad_packed_sample(sample, index)
+        return LocalBatch.of(mcore.unpack_hybrid_cp_batch(batch))
+
+    def close(self) -> None:
+        if self._planner is not None:
+            self._planner.close()

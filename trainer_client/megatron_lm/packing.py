@@ -1,0 +1,151 @@
+"""The drop-in for the dev branch's `wrap_data_iterator` (`--sequence-packing-scheduler
+default_dynamic_cp | dp_balanced`): dynamic CP and static packing into THD micro-batches.
+
+Megatron-LM calls `wrap_data_iterator(data_iterator, ...)` once per step with the same iterator, so
+the state kept between steps (the read-ahead planner, the last step) lives on one `PackingDropIn`
+per wrapped iterator, found by the iterator it wraps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from batch_planner.request import SchedulerKind
+from trainer_client import megatron as mcore
+from trainer_client.config import ConfigError
+from trainer_client.megatron_lm.checks import LENGTH_KEYS, DropInInputError, GlobalLayout, LocalBatch, raise_on_bad_packed_sample
+from trainer_client.megatron_lm.read_ahead import PlannedStep, StepPlanner
+from trainer_client.megatron_lm.settings import checked_transformer_config, client_for, planner_config_for
+
+PACKING_SCHEDULERS = {"default_dynamic_cp": SchedulerKind.DYNAMIC_CP, "dp_balanced": SchedulerKind.STATIC_PACKING}
+
+
+@dataclass
+class PackingDropIn:
+    """One wrapped iterator: its read-ahead planner and the step it last handed out."""
+
+    data_iterator: Any
+    config: Any
+    num_microbatches: int
+    groups: mcore.DataGroups
+    scheduler: SchedulerKind
+    planner: StepPlanner = field(init=False)
+    last_step: PlannedStep | None = None
+
+    @classmethod
+    def start(cls, data_iterator, config, num_microbatches: int, groups: mcore.DataGroups, planner) -> PackingDropIn:
+        name = getattr(config, "sequence_packing_scheduler", None)
+        if name not in PACKING_SCHEDULERS:
+            raise ConfigError(f"sequence_packing_scheduler: {name!r} is not allowed; allowed: {sorted(PACKING_SCHEDULERS)}")
+        wrapper = cls(data_iterator, config, num_microbatches, groups, PACKING_SCHEDULERS[name])
+        cp_size = groups.dp_cp.size() // groups.dp.size()
+        client = client_for(planner_config_for(config, wrapper.scheduler, cp_size, planner), groups)
+        wrapper.planner = StepPlanner(wrapper.read_local, groups, client, checked_transformer_config(config))
+        return wrapper
+
+    def next_step(self, num_microbatches: int) -> tuple[Any, int, float, float]:
+        """wrap_data_iterator's answer for the next step."""
+        if num_microbatches != self.num_microbatches:
+            raise ConfigError(
+                f"num_microbatches changed from {self.num_microbatches} to {num_microbatches} (batch-size "
+                "ramp-up): the drop-in reads one global batch ahead with the old count; turn ramp-up off"
+            )
+        step = self.last_step = self.planner.next_step()
+        device = _device(self.groups)
+        dynamic = self.scheduler is SchedulerKind.DYNAMIC_CP
+        samples = {i: {**fields, **_length_tensors(step.layout, i, device)} for i, fields in step.samples.items()}
+        packed = mcore.build_packed_microbatches(samples, step.sample_id_groups, self.groups.dp_cp.rank(), device, dynamic)
+        padded = step.layout.padded
+        sums = [len(step.sample_id_groups), float(sum(padded)), float(sum(p * p for p in padded))]
+        count, total, squares = mcore.broadcast_scalars(sums, self.groups.tp, device)
+        iterator = mcore.create_packed_data_iterator(packed, self.groups.tp, self.config, dynamic)
+        return iterator, int(count), total, squares
+
+    def read_local(self) -> LocalBatch:
+        items = [next(self.data_iterator) for _ in range(self.num_microbatches)]
+        batch = [sample for item in items for sample in (item if isinstance(item, list) else [item])]
+        for index, sample in enumerate(batch):
+            if "padded_seq_len" not in sample:
+                raise_on_bad_packed_sample(sample, index)
+        if not batch:
+            raise DropInInputError("the local batch is empty (the data iterator yielded no samples)")
+        subsamples = mcore.unpack_packing_batch(batch)
+        padded = [int(s["padded_seq_len"].reshape(-1)[0]) for s in subsamples]
+        original = [int(s["original_seq_len"].reshape(-1)[0]) for s in subsamples]
+        keys = self._stage_keys()
+        return LocalBatch.of([{k: v for k, v in s.items() if k in keys} for s in subsamples], padded, original)
+
+    def _stage_keys(self) -> set[str]:
+        """The fields this pipeline stage needs (Megatron-Core's own choice), plus the two lengths."""
+        pp = self.groups.pp
+        keys = set(LENGTH_KEYS)
+        if pp is None or pp.rank() == 0:
+            keys |= {"tokens", "position_ids"}
+        if pp is None or pp.rank() == pp.size() - 1:
+            keys |= {"labels", "loss_mask"}
+        return keys
+
+    def close(self) -> None:
+        self.planner.close()
+
+
+# The wrappers in use, one per wrapped iterator (found by identity: the iterator is held, so it
+# stays the same object until close_wrapped).
+_wrappers: list[PackingDropIn] = []
+
+
+def _wrapper_of(data_iterator) -> PackingDropIn | None:
+    return next((w for w in _wrappers if w.data_iterator is data_iterator), None)
+
+
+def wrap_data_iterator(data_iterator, config, num_microbatches, pg_collection=None, *, planner=None):
+    """Drop-in for the dev branch's `megatron.core.datasets.data_schedule.wrap_data_iterator`.
+
+    Returns `(data_iterator over this rank's packed THD micro-batches, number of micro-batches,
+    sum of the global batch's sequence lengths, sum of their squares)`, built with Megatron-Core's
+    own packing helpers; TP ranks other than the first get None and the broadcast numbers.
+    """
+    groups = mcore.DataGroups.of(pg_collection)
+    if (getattr(config, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
+        raise ConfigError(
+            "virtual_pipeline_model_parallel_size > 1: the planner drop-in for wrap_data_iterator does not "
+            "hand out per-VPP-stage iterators yet; use Megatron-Core's wrap_data_iterator for VPP"
+        )
+    if data_iterator is None:
+        values = mcore.broadcast_scalars([0, 0.0, 0.0], groups.tp, _device(groups))
+        return None, int(values[0]), values[1], values[2]
+    wrapper = _wrapper_of(data_iterator)
+    if wrapper is None:
+        wrapper = PackingDropIn.start(data_iterator, config, num_microbatches, groups, planner)
+        _wrappers.append(wrapper)
+    return wrapper.next_step(num_microbatches)
+
+
+def last_planned_step(data_iterator) -> PlannedStep | None:
+    """The step wrap_data_iterator last handed out for `data_iterator` (plan, traffic, source)."""
+    wrapper = _wrapper_of(data_iterator)
+    return wrapper.last_step if wrapper is not None else None
+
+
+def close_wrapped(data_iterator) -> None:
+    """Stops the planner client wrap_data_iterator made for `data_iterator`."""
+    wrapper = _wrapper_of(data_iterator)
+    if wrapper is not None:
+        _wrappers.remove(wrapper)
+        wrapper.close()
+
+
+def _length_tensors(layout: GlobalLayout, sample_id: int, device) -> dict[str, torch.Tensor]:
+    return {
+        "original_seq_len": torch.tensor([layout.original[sample_id]], device=device),
+        "padded_seq_len": torch.tensor([layout.padded[sample_id]], device=device),
+    }
+
+
+def _device(groups: mcore.DataGroups) -> torch.device:
+    if dist.get_backend(groups.dp_cp) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,81 @@
+"""Reading one global batch ahead and planning it while the current step trains.
+
+While step k is handed out, the local part of step k+1 is already read from the wrapped iterator
+and its lengths are all-gathered, so the plan for k+1 is made while step k trains. Memory: at most
+two local batches (this rank's share of steps k and k+1) per rank, never a global one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from batch_planner.plan import Plan
+from trainer_client import megatron as mcore
+from trainer_client.client import BatchPlannerClient
+from trainer_client.compatibility import check_dynamic_cp_support
+from trainer_client.megatron_lm.checks import DropInInputError, GlobalLayout, LocalBatch, ReadStep, agree_on_step
+from trainer_client.megatron_lm.routing import Traffic, route_samples, sample_id_groups
+
+
+@dataclass
+class PlannedStep:
+    """One step, planned and routed: what the drop-ins hand to Megatron-Core."""
+
+    step: int
+    plan: Plan
+    sample_id_groups: list[list[list[int]]]
+    samples: dict[int, dict[str, torch.Tensor]]
+    layout: GlobalLayout
+    traffic: Traffic
+    source: str | None
+
+
+@dataclass
+class StepPlanner:
+    """Reads step k+1 while step k is handed out, plans it ahead, and routes step k's samples."""
+
+    read_local: Callable[[], LocalBatch]  # raises StopIteration at the end of the data
+    groups: mcore.DataGroups
+    client: BatchPlannerClient
+    transformer_config: Any = None
+    _ahead: ReadStep | None = field(default=None, init=False)
+    _step: int = field(default=0, init=False)
+
+    def next_step(self) -> PlannedStep:
+        current = self._ahead if self._ahead is not None else self._read(self._step)
+        self._ahead = None
+        if current.exhausted:
+            raise StopIteration
+        if current.error is None:
+            self._ahead = self._read(current.step + 1)  # one global batch ahead: its plan is made while this step trains
+        self._step = current.step + 1
+        if current.error is not None:
+            raise DropInInputError(current.error)
+        return self._plan_and_route(current)
+
+    def _read(self, step: int) -> ReadStep:
+        local, error = None, None
+        try:
+            local = self.read_local()
+        except StopIteration:
+            pass
+        except DropInInputError as problem:
+            error = str(problem)
+        read = agree_on_step(step, local, error, self.groups)
+        if read.layout is not None:
+            self.client.prefetch(step, list(read.layout.padded))
+        return read
+
+    def _plan_and_route(self, current: ReadStep) -> PlannedStep:
+        assert current.layout is not None and current.local is not None
+        plan = self.client.plan_step(current.step, list(current.layout.padded))
+        check_dynamic_cp_support(planner_config=self.client.config, transformer_config=self.transformer_config, plan=plan)
+        id_groups = sample_id_groups(plan)
+        traffic = Traffic()
+        samples = route_samples(current.local, current.layout, self.groups, id_groups, traffic)
+        return PlannedStep(current.step, plan, id_groups, samples, current.layout, traffic, self.client.last_source)
+
+    def close(self) -> None:
+        self.client.close()

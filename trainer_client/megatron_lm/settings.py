@@ -1,0 +1,80 @@
+"""The drop-ins' planner settings: the planner's own (endpoint, TLS, deadlines) from `planner=` or
+`$BATCH_PLANNER_CONFIG`, plus the sizes and the scheduler Megatron runs, read from its config."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from batch_planner.request import SchedulerKind
+from trainer_client import megatron as mcore
+from trainer_client.client import BatchPlannerClient
+from trainer_client.config import ConfigError, PlannerClientConfig
+
+log = logging.getLogger(__name__)
+
+CONFIG_ENV = "BATCH_PLANNER_CONFIG"
+
+
+def planner_config_for(
+    megatron_config: Any, scheduler: SchedulerKind, cp_size: int, planner: PlannerClientConfig | dict | None = None
+) -> PlannerClientConfig:
+    """The client config: the planner's settings, with the sizes and scheduler Megatron runs.
+
+    A size also set in the planner settings must equal Megatron's (ConfigError names both)."""
+    given = given_planner_settings(planner)
+    derived = {
+        "max_seqlen_per_dp_cp_rank": int(megatron_config.max_seqlen_per_dp_cp_rank),
+        "context_parallel_size": cp_size,
+        "tensor_parallel_size": int(getattr(megatron_config, "tensor_model_parallel_size", 1) or 1),
+        "scheduler": scheduler.value,
+    }
+    if scheduler is SchedulerKind.DYNAMIC_CP:
+        derived["min_cp_size"] = getattr(megatron_config, "min_dynamic_context_parallel_size", None)
+    if scheduler is SchedulerKind.STATIC_PACKING:
+        derived["max_seqs_per_micro_batch"] = mcore.max_real_seqs_per_micro_batch(megatron_config)
+    for key, value in derived.items():
+        if key in given and given[key] != value:
+            raise ConfigError(
+                f"{key}: the planner settings say {given[key]!r} but Megatron runs {value!r}; drop {key} "
+                "from the planner settings (the drop-in takes it from Megatron's arguments)"
+            )
+    return PlannerClientConfig.from_dict({**given, **derived})
+
+
+def given_planner_settings(planner: PlannerClientConfig | dict | None) -> dict[str, Any]:
+    """The settings the user gave: `planner=` (its non-default values), else the `batch_planner`
+    section of `$BATCH_PLANNER_CONFIG`, else none (in-process planning, with a warning)."""
+    if isinstance(planner, PlannerClientConfig):
+        defaults = {f.name: f.default for f in dataclasses.fields(PlannerClientConfig)}
+        values = planner.to_dict()
+        return {k: v for k, v in values.items() if k != "max_seqlen_per_dp_cp_rank" and v != _plain(defaults[k])}
+    if isinstance(planner, dict):
+        return dict(planner)
+    path = os.environ.get(CONFIG_ENV)
+    if not path:
+        log.warning("no planner settings (planner= or $%s): planning in-process", CONFIG_ENV)
+        return {}
+    import yaml
+
+    with open(path) as handle:
+        data = yaml.safe_load(handle) or {}
+    if "batch_planner" not in data:
+        raise ConfigError(f"${CONFIG_ENV}={path}: no top-level section 'batch_planner'")
+    return dict(data["batch_planner"] or {})
+
+
+def _plain(value: Any) -> Any:
+    return value.value if hasattr(value, "value") else value
+
+
+def client_for(config: PlannerClientConfig, groups: mcore.DataGroups) -> BatchPlannerClient:
+    """The planner client of one drop-in: planned and checked over the DPxCP group."""
+    return BatchPlannerClient(config, group=groups.dp_cp, cp_groups=None)
+
+
+def checked_transformer_config(config: Any) -> Any:
+    """Megatron's config is checked centrally when it is Megatron-Core's TransformerConfig."""
+    return config if type(config).__name__ == "TransformerConfig" or hasattr(config, "transformer_impl") else None
