@@ -255,9 +255,15 @@ class PlannerServer:
             self.probe_server.stop(0)
 
     def wait(self) -> None:
-        self._stopped.wait()
+        # In slices: the kernel may hand SIGTERM/SIGINT to any thread (gRPC's, the pool's), and
+        # Python runs its handler only when the main thread next runs bytecode; a main thread
+        # blocked on a lock for good would never drain (seen: 1 Ctrl-C + SIGTERM in 3 hung).
+        while not self._stopped.wait(_SIGNAL_CHECK_SECONDS):
+            pass
 
 
+# How often the waiting main thread returns to Python, so that a signal's handler runs (`wait`).
+_SIGNAL_CHECK_SECONDS = 0.2
 # Seconds past --drain-seconds after which a drain that has not finished ends the process anyway.
 DRAIN_MARGIN_SECONDS = 3.0
 
