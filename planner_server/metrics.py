@@ -92,7 +92,7 @@ class PlannerMetrics:
         )
         self.auto_not_planned = Counter(
             "batch_planner_auto_candidates_not_planned_total",
-            "auto candidates dropped (refused, failed or breaking an invariant), by their scheduler.", ["scheduler"],
+            "auto candidates without a plan (refused, failed, breaking an invariant, or skipped by their lower bound), by their scheduler.", ["scheduler"],
             registry=r,
         )
         self.invariant_violations = Counter(
