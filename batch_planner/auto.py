@@ -35,7 +35,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
 
-from batch_planner.cost import CostModel, static_cp_step_cost
+from batch_planner.cost import static_cp_step_cost
+from batch_planner.cost_spec import CostModel
 from batch_planner.cp_groups import megatron_cp_group_sizes
 from batch_planner.errors import BatchNotPlannableError, ErrorCode, InvalidRequestError, PlanningError, SchedulerFailedError
 from batch_planner.plan import CandidateSummary, Plan

@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from google.protobuf.message import Message as ProtoMessage
 
-from batch_planner.cost import CostModel
-from batch_planner.cost_profiles import CostModelSpec, spec_from_mapping
+from batch_planner.cost_spec import CostModel, CostModelSpec, spec_from_mapping
 from batch_planner.errors import InvalidRequestError
 from batch_planner.plan import CandidateSummary, CpGroup, MicroBatch, Plan, PlanStatistics
 from batch_planner.request import CapacityBound, CpLayout, PlanningOptions, PlanRequest, SchedulerKind

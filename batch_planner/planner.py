@@ -12,8 +12,9 @@ from functools import partial
 from typing import Any, Callable, Sequence
 
 from batch_planner.auto import Candidate, Outcome, best_cost, candidates, deferred, plan_candidate, serve, skip_if_beaten
-from batch_planner.cost import CostModel, plan_statistics
-from batch_planner.cost_profiles import resolve_cost_model
+from batch_planner.cost import plan_statistics
+from batch_planner.cost_derivation import resolve_cost_model
+from batch_planner.cost_spec import CostModel
 from batch_planner.padding import PlanPadding
 from batch_planner.plan import MicroBatch, Plan, check_plan_invariants, groups_from_rank_assignment
 from batch_planner.request import PlanRequest, SchedulerKind

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
-if TYPE_CHECKING:  # cost_profiles imports the cost model, which imports this module
-    from batch_planner.cost_profiles import CostModelSpec
+from batch_planner.cost_spec import CostModelSpec
 
 
 class SchedulerKind(str, Enum):
@@ -62,7 +61,7 @@ class PlanningOptions:
     # Virtual pipeline: the micro-batch count becomes a multiple of this (packing schedulers).
     micro_batch_group_size: int | None = field(default=None, metadata={"proto": "micro_batch_group_size"})
     # The cost model that prices plans and ranks auto's candidates: a preset, coefficients or
-    # profiles (batch_planner.cost_profiles.CostModelSpec); None: the server's default.
+    # profiles (batch_planner.cost_spec.CostModelSpec); None: the server's default.
     cost_model: CostModelSpec | None = field(default=None, metadata={"proto": "cost_model"})
     # auto only: the schedulers its candidates may use (static CP candidates are static_packing);
     # empty: every one the server has.

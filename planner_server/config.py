@@ -11,8 +11,8 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 
-from batch_planner.cost_profiles import cost_model_for_preset, preset_names
-from batch_planner.cost import CostModel
+from batch_planner.cost_derivation import cost_model_for_preset
+from batch_planner.cost_spec import CostModel, preset_names
 from batch_planner.exact.verified import SchedulerImplementation
 from batch_planner.validation import RequestLimits
 from planner_server import __version__
@@ -42,7 +42,7 @@ class ServerConfig:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""  # set to require client certificates (mutual TLS)
-    # The default cost model's preset (batch_planner/cost_profiles.py, e.g. llama3-8b-h200); empty:
+    # The default cost model's preset (batch_planner/cost_spec.py, e.g. llama3-8b-h200); empty:
     # the coefficient flags below. Requests that carry their own cost model use theirs.
     cost_model_preset: str = ""
     # Which code plans: "exact" (batch_planner/exact, byte-identical to Megatron-Core's, where the

@@ -18,8 +18,9 @@ from google.protobuf.message import DecodeError
 
 from batch_planner.auto import answer, auto_plan_id, candidates, deferred, plan_candidate
 from batch_planner.convert import auto_patch_to_proto, plan_to_proto, request_from_proto, scheduler_label
-from batch_planner.cost import CostModel, static_cp_step_cost
-from batch_planner.cost_profiles import resolve_cost_model
+from batch_planner.cost import static_cp_step_cost
+from batch_planner.cost_derivation import resolve_cost_model
+from batch_planner.cost_spec import CostModel
 from batch_planner.errors import ErrorCode, InvariantViolationError, PlanningError
 from batch_planner.plan import CandidateSummary
 from batch_planner.planner import plan_batch, plan_one_scheduler, skipped_outcome

@@ -41,7 +41,7 @@ from multiprocessing.connection import wait as wait_for
 from google.protobuf.message import DecodeError
 
 from batch_planner.auto import best_cost
-from batch_planner.cost import CostModel
+from batch_planner.cost_spec import CostModel
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.validation import RequestLimits
 from planner_server import planning_worker

@@ -39,8 +39,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from batch_planner.cost import COEFFICIENT_NAMES, CostModel, unit_features
-from batch_planner.cost_profiles import COEFFICIENT_BOUNDS, CostModelSpec, validate_coefficients
+from batch_planner.cost import price as price_features, unit_features
+from batch_planner.cost_derivation import resolve_cost_model
+from batch_planner.cost_spec import COEFFICIENT_BOUNDS, COEFFICIENT_NAMES, CostModel, CostModelSpec, validate_coefficients
 from batch_planner.errors import InvalidRequestError
 from batch_planner.plan import Plan
 from batch_planner.request import PlanningOptions
@@ -76,7 +77,7 @@ def features_of(unit: Any) -> tuple[float, ...]:
 
 
 def price(model: CostModel, features: Sequence[float]) -> float:
-    return model.price(dict(zip(COEFFICIENT_NAMES, features)))
+    return price_features(model, dict(zip(COEFFICIENT_NAMES, features)))
 
 
 def model_digest(model: CostModel) -> str:
@@ -319,7 +320,7 @@ class Calibrator:
         self.base_options = options
         spec = options.cost_model
         # The prior: the job's own cost model; without one, the server's default preset (CostModel()).
-        self.prior = spec.resolve(options.tensor_parallel_size) if spec is not None else CostModel()
+        self.prior = resolve_cost_model(spec, CostModel(), options.tensor_parallel_size)
         self.window_steps, self.min_observations = window_steps, min_observations
         self.update_interval_steps, self.plan_ahead_depth = update_interval_steps, max(1, plan_ahead_depth)
         self.metrics, self.group = metrics, group

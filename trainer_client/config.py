@@ -16,7 +16,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from batch_planner.cost_profiles import spec_from_mapping
+from batch_planner.cost_spec import spec_from_mapping
 from batch_planner.errors import InvalidRequestError
 from batch_planner.exact.verified import SchedulerImplementation
 from batch_planner.request import PlanningOptions, SchedulerKind
