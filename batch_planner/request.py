@@ -34,13 +34,14 @@ class CapacityBound(str, Enum):
 
 
 @dataclass(frozen=True)
-class PlanningOptions:
+class OptionFields:
     """How a job's batches are planned: everything of a request but the batch itself.
 
-    The one list of planning options. The request carries it, the trainer's config extends it
-    (trainer_client/config.py), the proto conversion, the plan id and the ranks' agreement digest
-    read it field by field (`canonical`); `proto` metadata names each field's place in
-    batch_planner.v1.PlanRequest.
+    The one list of planning options, inherited by `PlanningOptions` (the options as a value) and
+    `PlanRequest` (a request's own attributes). The trainer's config extends PlanningOptions
+    (trainer_client/config.py); the proto conversion, the plan id and the ranks' agreement digest
+    read it field by field (`PlanningOptions.canonical`); `proto` metadata names each field's place
+    in batch_planner.v1.PlanRequest.
     """
 
     # Tokens one DPxCP rank may hold in one micro-batch, after padding (Megatron's
@@ -67,6 +68,11 @@ class PlanningOptions:
     # empty: every one the server has.
     auto_schedulers: tuple[SchedulerKind, ...] = field(default=(), metadata={"proto": "auto_schedulers"})
 
+
+@dataclass(frozen=True)
+class PlanningOptions(OptionFields):
+    """The planning options of OptionFields as one value: what a job plans every batch with."""
+
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(PlanningOptions))
@@ -81,6 +87,9 @@ class PlanningOptions:
         return {name: _plain(getattr(self, name)) for name in PlanningOptions.names()}
 
 
+_OPTION_NAMES = PlanningOptions.names()
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
@@ -89,18 +98,34 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
-@dataclass(frozen=True)
-class PlanRequest:
-    """One global batch to plan. Sample ids are indices into `sequence_lengths`.
+@dataclass(frozen=True, init=False, kw_only=True)
+class PlanRequest(OptionFields):
+    """One global batch to plan: the batch, its DP size, and its planning options. Sample ids are
+    indices into `sequence_lengths`.
 
-    Reads its planning options as attributes (`request.scheduler`), so that no second list of
-    them is needed here.
+    The options are the request's own attributes (`request.scheduler`), declared once in
+    OptionFields; `options` is the PlanningOptions the request was built from (not compared: the
+    attributes are).
     """
 
     sequence_lengths: tuple[int, ...]
     data_parallel_size: int
-    options: PlanningOptions
     job: str = ""  # a metric label only; never part of the plan
+    options: PlanningOptions = field(compare=False, repr=False)
+
+    def __init__(self, sequence_lengths: tuple[int, ...], data_parallel_size: int, options: PlanningOptions, job: str = ""):
+        if not isinstance(options, PlanningOptions):
+            raise TypeError(
+                f"PlanRequest's third field is its PlanningOptions, got {options!r}: for flat values use "
+                "PlanRequest.of(lengths, dp, cp, max_seqlen_per_dp_cp_rank, scheduler=...)"
+            )
+        own = object.__setattr__
+        for name in _OPTION_NAMES:
+            own(self, name, getattr(options, name))
+        own(self, "sequence_lengths", sequence_lengths)
+        own(self, "data_parallel_size", data_parallel_size)
+        own(self, "job", job)
+        own(self, "options", options)
 
     @classmethod
     def of(
@@ -118,25 +143,13 @@ class PlanRequest:
         )
         return cls(tuple(sequence_lengths), data_parallel_size, planning, job)
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.options, PlanningOptions):
-            raise TypeError(
-                f"PlanRequest's third field is its PlanningOptions, got {self.options!r}: for flat values use "
-                "PlanRequest.of(lengths, dp, cp, max_seqlen_per_dp_cp_rank, scheduler=...)"
-            )
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names that are not fields of the request itself.
-        if name in _OPTION_NAMES:
-            return getattr(self.options, name)
-        raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
-
     def replace(self, **changes: Any) -> PlanRequest:
         """A copy with some fields changed; option names change the options."""
         own = {k: v for k, v in changes.items() if k not in _OPTION_NAMES}
         option_changes = {k: v for k, v in changes.items() if k in _OPTION_NAMES}
         options = replace(self.options, **option_changes) if option_changes else self.options
-        return replace(self, options=options, **own)
+        values = {"sequence_lengths": self.sequence_lengths, "data_parallel_size": self.data_parallel_size, "job": self.job, **own}
+        return PlanRequest(options=options, **values)
 
     @property
     def dp_cp_size(self) -> int:
@@ -147,4 +160,3 @@ class PlanRequest:
         return len(self.sequence_lengths)
 
 
-_OPTION_NAMES = frozenset(PlanningOptions.names())
