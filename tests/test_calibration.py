@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
+from scipy.optimize import nnls
 
 from batch_planner.cost import group_seconds, unit_features
 from batch_planner.cost_spec import COEFFICIENT_BOUNDS, COEFFICIENT_NAMES, CostModel, CostModelSpec
@@ -20,7 +21,7 @@ from batch_planner.planner import plan_batch
 from batch_planner.request import CpLayout, PlanRequest, SchedulerKind
 from trainer_client.apply import micro_batches_for_rank
 from trainer_client.batch import unbind_batch
-from trainer_client.calibration import Calibrator, features_of, fit_cost_model, nnls, price
+from trainer_client.calibration import Calibrator, features_of, fit_cost_model, price
 from trainer_client.metrics import TrainerMetrics
 
 HIDDEN = CostModel(
