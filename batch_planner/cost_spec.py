@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from functools import cache
 from typing import Annotated, Any, NoReturn, get_args
 
-from annotated_types import Ge, Gt, Le, Lt
+from annotated_types import Ge, Le
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, ValidationError, model_validator
 from pydantic.dataclasses import dataclass
 from pydantic_core import PydanticCustomError
@@ -343,10 +343,9 @@ def _invalid(error: ValidationError, kind: Any, prefix: str) -> InvalidRequestEr
     info = owner.__pydantic_fields__.get(loc[-1]) if owner is not None and loc else None
     if info is None or info.annotation not in (int, float):
         return _named(prefix, loc, f"got {value!r}; expected {first['msg'].removeprefix('Input should be ')}")
-    low = next((m.ge for m in info.metadata if isinstance(m, Ge)), next((m.gt for m in info.metadata if isinstance(m, Gt)), 0))
-    high = next((m.le for m in info.metadata if isinstance(m, Le)), next((m.lt for m in info.metadata if isinstance(m, Lt)), None))
-    if high is None:
-        high = COEFFICIENT_BOUNDS.get(loc[-1], float("inf"))
+    low = next((m.ge for m in info.metadata if isinstance(m, Ge)), 0)
+    # A coefficient's upper bound is the request's (COEFFICIENT_BOUNDS); CostModel itself needs >= 0.
+    high = next((m.le for m in info.metadata if isinstance(m, Le)), COEFFICIENT_BOUNDS.get(loc[-1], float("inf")))
     if first["type"] == "missing":
         return _named(prefix, loc, f"missing; allowed [{low:g}, {high:g}]")
     kind_of = "an integer" if info.annotation is int else "a finite number"
