@@ -40,7 +40,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from batch_planner.cost import CostModel, static_cp_step_cost
+from batch_planner.cost import static_cp_step_cost
+from batch_planner.cost_spec import CostModel
 from batch_planner.cp_groups import megatron_cp_group_sizes
 from batch_planner.errors import BatchNotPlannableError, ErrorCode, InvalidRequestError, PlanningError, SchedulerFailedError
 from batch_planner.identity import plan_id

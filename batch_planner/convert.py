@@ -10,8 +10,7 @@ from typing import Any, Callable, Sequence
 
 from google.protobuf.message import Message as ProtoMessage
 
-from batch_planner.cost import CostModel
-from batch_planner.cost_profiles import CostModelSpec, spec_from_mapping
+from batch_planner.cost_spec import CostModel, CostModelSpec, spec_from_mapping
 from batch_planner.errors import InvalidRequestError
 from batch_planner.plan import CandidateSummary, CpGroup, MicroBatch, Plan, PlanStatistics
 from batch_planner.request import CapacityBound, CpLayout, PlanningOptions, PlanRequest, SchedulerKind
@@ -96,12 +95,12 @@ def cost_spec_to_proto(spec: CostModelSpec) -> pb.CostModelSpec:
     for name in ("model", "hardware"):
         profile = getattr(spec, name)
         if profile is not None:
-            getattr(message, name).CopyFrom(getattr(pb, type(profile).__name__)(**_profile_values(profile)))
+            getattr(message, name).CopyFrom(getattr(pb, type(profile).__name__)(**{f.name: getattr(profile, f.name) for f in fields(profile)}))
     return message
 
 
 def cost_spec_from_proto(message: pb.CostModelSpec) -> CostModelSpec:
-    """The request's spec; a bad one is an InvalidRequestError naming the field (cost_profiles)."""
+    """The request's spec; a bad one is an InvalidRequestError naming the field (batch_planner/cost_spec.py)."""
     values: dict[str, Any] = {}
     if message.preset:
         values["preset"] = message.preset
@@ -112,10 +111,6 @@ def cost_spec_from_proto(message: pb.CostModelSpec) -> CostModelSpec:
         if message.HasField(name):
             values[name] = {f.name: value for f, value in getattr(message, name).ListFields()}
     return spec_from_mapping(values)
-
-
-def _profile_values(profile: Any) -> dict[str, Any]:
-    return {f.name: getattr(profile, f.name) for f in fields(profile) if f.name != "field_prefix"}
 
 
 # Options whose proto form differs from the Python value (enums, messages), and how 0 reads.

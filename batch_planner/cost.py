@@ -1,4 +1,5 @@
-"""The cost model, plan statistics and the static-CP comparison estimate (docs/cost-model.md).
+"""Pricing plans: the cost model's arithmetic, plan statistics and the static-CP comparison estimate
+(docs/cost-model.md). The coefficients are batch_planner/cost_spec.py's CostModel.
 
 A deliberately simple model: it ranks plans, it does not predict wall-clock time to the millisecond.
 For a sample of real length L, padded length P, on a CP group of size c, one rank of the group pays
@@ -21,22 +22,12 @@ micro-batches. The lower bound is the total CP1 work spread evenly over all DPxC
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
 from typing import Iterable, Mapping, Sequence
 
+from batch_planner.cost_spec import CostModel
 from batch_planner.padding import padded_length, padded_sum, padding_multiple
 from batch_planner.plan import CpGroup, MicroBatch, PlanStatistics
 from batch_planner.request import CapacityBound, CpLayout, PlanRequest
-
-
-# The coefficients in the order of CostModel's fields: the order of a feature vector, too.
-COEFFICIENT_NAMES = (
-    "seconds_per_token",
-    "seconds_per_attention_token_pair",
-    "cp_seconds_per_micro_batch",
-    "cp_seconds_per_token",
-    "seconds_per_pass",
-)
 
 
 def unit_features(padded_tokens: int, attention_units: int, cp_size: int, passes: int) -> dict[str, float]:
@@ -49,9 +40,10 @@ def unit_features(padded_tokens: int, attention_units: int, cp_size: int, passes
         seconds_per_pass                  passes
         cp_seconds_per_micro_batch        passes               (0 at c = 1)
 
-    `CostModel.price` is the dot product with the coefficients; the planner prices plans with it
-    and the trainer's calibration (trainer_client/calibration.py) fits the coefficients to timed
-    units' features, so what is predicted and what is fitted cannot drift apart."""
+    in the order of CostModel's fields (cost_spec.COEFFICIENT_NAMES). `price` is the dot product
+    with the coefficients; the planner prices plans with it and the trainer's calibration
+    (trainer_client/calibration.py) fits the coefficients to timed units' features, so what is
+    predicted and what is fitted cannot drift apart."""
     cp = cp_size > 1
     return {
         "seconds_per_token": padded_tokens / cp_size,
@@ -62,60 +54,37 @@ def unit_features(padded_tokens: int, attention_units: int, cp_size: int, passes
     }
 
 
-@dataclass(frozen=True)
-class CostModel:
-    """Coefficients in seconds. Defaults: H200 values for one model size, fitted to three runs on
-    2x H200 (docs/gpu-benchmark.md): a 4-layer, 2048-wide bf16 decoder, forward + backward, CP
-    through PyTorch's ring attention. Absolute seconds scale with the model; the ratios between
-    the terms are what rank plans. The fixed terms (seconds_per_pass, cp_seconds_per_micro_batch)
-    are host-side and vary between machines of the same kind."""
+def price(model: CostModel, features: Mapping[str, float]) -> float:
+    """Seconds of work with these features (`unit_features`): the coefficients' dot product."""
+    return (
+        model.seconds_per_token * features["seconds_per_token"]
+        + model.seconds_per_attention_token_pair * features["seconds_per_attention_token_pair"]
+        + model.cp_seconds_per_micro_batch * features["cp_seconds_per_micro_batch"]
+        + model.cp_seconds_per_token * features["cp_seconds_per_token"]
+        + model.seconds_per_pass * features["seconds_per_pass"]
+    )
 
-    seconds_per_token: float = 2.22e-6
-    seconds_per_attention_token_pair: float = 8.7e-11
-    cp_seconds_per_micro_batch: float = 1.1e-2
-    cp_seconds_per_token: float = 0.0
-    seconds_per_pass: float = 1.8e-3
 
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not value >= 0.0 or value == float("inf"):
-                raise ValueError(f"cost model coefficient {f.name} must be a finite number >= 0, got {value!r}")
+def group_work_seconds(model: CostModel, padded_tokens: int, attention_units: int, cp_size: int, samples: int, packed: bool) -> float:
+    """One rank's time for a CP group of `samples` samples with these padded tokens and sum of
+    L^2: one pass when packed, one per sample otherwise, none for an empty group."""
+    passes = (1 if packed else samples) if samples else 0
+    return price(model, unit_features(padded_tokens, attention_units, cp_size, passes))
 
-    def group_seconds(
-        self,
-        lengths: Sequence[int],
-        cp_size: int,
-        tp: int,
-        layout: CpLayout,
-        packed: bool,
-    ) -> float:
-        """One rank's time for a CP group running `lengths`."""
-        padded = sum(padded_length(length, cp_size, tp, layout) for length in lengths)
-        return self.group_work_seconds(padded, sum(length * length for length in lengths), cp_size, len(lengths), packed)
 
-    def group_work_seconds(self, padded_tokens: int, attention_units: int, cp_size: int, samples: int, packed: bool) -> float:
-        """One rank's time for a CP group of `samples` samples with these padded tokens and sum of
-        L^2: one pass when packed, one per sample otherwise, none for an empty group."""
-        passes = (1 if packed else samples) if samples else 0
-        return self.price(unit_features(padded_tokens, attention_units, cp_size, passes))
+def group_seconds(model: CostModel, lengths: Sequence[int], cp_size: int, tp: int, layout: CpLayout, packed: bool) -> float:
+    """One rank's time for a CP group running `lengths`."""
+    padded = sum(padded_length(length, cp_size, tp, layout) for length in lengths)
+    return group_work_seconds(model, padded, sum(length * length for length in lengths), cp_size, len(lengths), packed)
 
-    def price(self, features: Mapping[str, float]) -> float:
-        """Seconds of work with these features (`unit_features`): the coefficients' dot product."""
-        return (
-            self.seconds_per_token * features["seconds_per_token"]
-            + self.seconds_per_attention_token_pair * features["seconds_per_attention_token_pair"]
-            + self.cp_seconds_per_micro_batch * features["cp_seconds_per_micro_batch"]
-            + self.cp_seconds_per_token * features["cp_seconds_per_token"]
-            + self.seconds_per_pass * features["seconds_per_pass"]
-        )
 
-    def single_rank_work(self, lengths: Iterable[int]) -> float:
-        tokens = attention_units = 0
-        for length in lengths:
-            tokens += length
-            attention_units += length * length
-        return self.seconds_per_token * tokens + self.seconds_per_attention_token_pair * float(attention_units)
+def single_rank_work(model: CostModel, lengths: Iterable[int]) -> float:
+    """The work of `lengths` on one rank at CP1, without the fixed terms (the lower bound's)."""
+    tokens = attention_units = 0
+    for length in lengths:
+        tokens += length
+        attention_units += length * length
+    return model.seconds_per_token * tokens + model.seconds_per_attention_token_pair * float(attention_units)
 
 
 def step_cost(micro_batches: Sequence[MicroBatch], request: PlanRequest, model: CostModel, packed: bool) -> float:
@@ -126,7 +95,7 @@ def step_cost(micro_batches: Sequence[MicroBatch], request: PlanRequest, model: 
         slowest = 0.0
         for group in micro_batch.cp_groups:
             ids = group.sample_ids
-            seconds = model.group_work_seconds(group.padded_tokens, sum(map(squares.__getitem__, ids)), group.size, len(ids), packed)
+            seconds = group_work_seconds(model, group.padded_tokens, sum(map(squares.__getitem__, ids)), group.size, len(ids), packed)
             slowest = max(slowest, seconds)
         total += slowest
     return total
@@ -165,7 +134,7 @@ def static_cp_step_cost(request: PlanRequest, model: CostModel) -> float:
     replica_seconds = [0.0] * dp
     for k, pack in enumerate(pack_in_order(lengths, request.max_seqlen_per_dp_cp_rank * cp)):
         padded = padded_sum(map(lengths.__getitem__, pack), multiple)
-        replica_seconds[k % dp] += model.group_work_seconds(padded, sum(map(squares.__getitem__, pack)), cp, len(pack), True)
+        replica_seconds[k % dp] += group_work_seconds(model, padded, sum(map(squares.__getitem__, pack)), cp, len(pack), True)
     return max(replica_seconds)
 
 
@@ -185,7 +154,7 @@ def plan_statistics(
         entry[1] += group.real_tokens
     packed = capacity_bound is CapacityBound.PER_RANK_SUM
     predicted = step_cost(micro_batches, request, model, packed)
-    lower_bound = model.single_rank_work(request.sequence_lengths) / request.dp_cp_size
+    lower_bound = single_rank_work(model, request.sequence_lengths) / request.dp_cp_size
     static = static_cp_step_cost(request, model)
     return PlanStatistics(
         real_tokens=real,

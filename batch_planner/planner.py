@@ -9,8 +9,9 @@ from dataclasses import replace
 from functools import partial
 
 from batch_planner.auto import RunCandidates, plan_auto, plan_serially
-from batch_planner.cost import CostModel, plan_statistics
-from batch_planner.cost_profiles import resolve_cost_model
+from batch_planner.cost import plan_statistics
+from batch_planner.cost_derivation import resolve_cost_model
+from batch_planner.cost_spec import CostModel
 from batch_planner.identity import plan_id
 from batch_planner.padding import PlanPadding
 from batch_planner.plan import MicroBatch, Plan, check_plan_invariants, groups_from_rank_assignment

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
-if TYPE_CHECKING:  # cost_profiles imports the cost model, which imports this module
-    from batch_planner.cost_profiles import CostModelSpec
+from batch_planner.cost_spec import CostModelSpec
 
 
 class SchedulerKind(str, Enum):
@@ -35,13 +34,14 @@ class CapacityBound(str, Enum):
 
 
 @dataclass(frozen=True)
-class PlanningOptions:
+class OptionFields:
     """How a job's batches are planned: everything of a request but the batch itself.
 
-    The one list of planning options. The request carries it, the trainer's config extends it
-    (trainer_client/config.py), the proto conversion, the plan id and the ranks' agreement digest
-    read it field by field (`canonical`); `proto` metadata names each field's place in
-    batch_planner.v1.PlanRequest.
+    The one list of planning options, inherited by `PlanningOptions` (the options as a value) and
+    `PlanRequest` (a request's own attributes). The trainer's config extends PlanningOptions
+    (trainer_client/config.py); the proto conversion, the plan id and the ranks' agreement digest
+    read it field by field (`PlanningOptions.canonical`); `proto` metadata names each field's place
+    in batch_planner.v1.PlanRequest.
     """
 
     # Tokens one DPxCP rank may hold in one micro-batch, after padding (Megatron's
@@ -62,11 +62,16 @@ class PlanningOptions:
     # Virtual pipeline: the micro-batch count becomes a multiple of this (packing schedulers).
     micro_batch_group_size: int | None = field(default=None, metadata={"proto": "micro_batch_group_size"})
     # The cost model that prices plans and ranks auto's candidates: a preset, coefficients or
-    # profiles (batch_planner.cost_profiles.CostModelSpec); None: the server's default.
+    # profiles (batch_planner.cost_spec.CostModelSpec); None: the server's default.
     cost_model: CostModelSpec | None = field(default=None, metadata={"proto": "cost_model"})
     # auto only: the schedulers its candidates may use (static CP candidates are static_packing);
     # empty: every one the server has.
     auto_schedulers: tuple[SchedulerKind, ...] = field(default=(), metadata={"proto": "auto_schedulers"})
+
+
+@dataclass(frozen=True)
+class PlanningOptions(OptionFields):
+    """The planning options of OptionFields as one value: what a job plans every batch with."""
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -82,6 +87,9 @@ class PlanningOptions:
         return {name: _plain(getattr(self, name)) for name in PlanningOptions.names()}
 
 
+_OPTION_NAMES = PlanningOptions.names()
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
@@ -90,18 +98,34 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
-@dataclass(frozen=True)
-class PlanRequest:
-    """One global batch to plan. Sample ids are indices into `sequence_lengths`.
+@dataclass(frozen=True, init=False, kw_only=True)
+class PlanRequest(OptionFields):
+    """One global batch to plan: the batch, its DP size, and its planning options. Sample ids are
+    indices into `sequence_lengths`.
 
-    Reads its planning options as attributes (`request.scheduler`), so that no second list of
-    them is needed here.
+    The options are the request's own attributes (`request.scheduler`), declared once in
+    OptionFields; `options` is the PlanningOptions the request was built from (not compared: the
+    attributes are).
     """
 
     sequence_lengths: tuple[int, ...]
     data_parallel_size: int
-    options: PlanningOptions
     job: str = ""  # a metric label only; never part of the plan
+    options: PlanningOptions = field(compare=False, repr=False)
+
+    def __init__(self, sequence_lengths: tuple[int, ...], data_parallel_size: int, options: PlanningOptions, job: str = ""):
+        if not isinstance(options, PlanningOptions):
+            raise TypeError(
+                f"PlanRequest's third field is its PlanningOptions, got {options!r}: for flat values use "
+                "PlanRequest.of(lengths, dp, cp, max_seqlen_per_dp_cp_rank, scheduler=...)"
+            )
+        own = object.__setattr__
+        for name in _OPTION_NAMES:
+            own(self, name, getattr(options, name))
+        own(self, "sequence_lengths", sequence_lengths)
+        own(self, "data_parallel_size", data_parallel_size)
+        own(self, "job", job)
+        own(self, "options", options)
 
     @classmethod
     def of(
@@ -119,25 +143,13 @@ class PlanRequest:
         )
         return cls(tuple(sequence_lengths), data_parallel_size, planning, job)
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.options, PlanningOptions):
-            raise TypeError(
-                f"PlanRequest's third field is its PlanningOptions, got {self.options!r}: for flat values use "
-                "PlanRequest.of(lengths, dp, cp, max_seqlen_per_dp_cp_rank, scheduler=...)"
-            )
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names that are not fields of the request itself.
-        if name in _OPTION_NAMES:
-            return getattr(self.options, name)
-        raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
-
     def replace(self, **changes: Any) -> PlanRequest:
         """A copy with some fields changed; option names change the options."""
         own = {k: v for k, v in changes.items() if k not in _OPTION_NAMES}
         option_changes = {k: v for k, v in changes.items() if k in _OPTION_NAMES}
         options = replace(self.options, **option_changes) if option_changes else self.options
-        return replace(self, options=options, **own)
+        values = {"sequence_lengths": self.sequence_lengths, "data_parallel_size": self.data_parallel_size, "job": self.job, **own}
+        return PlanRequest(options=options, **values)
 
     @property
     def dp_cp_size(self) -> int:
@@ -148,4 +160,3 @@ class PlanRequest:
         return len(self.sequence_lengths)
 
 
-_OPTION_NAMES = frozenset(PlanningOptions.names())

@@ -9,8 +9,10 @@ with a message that names the field, the value and what is allowed.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import NoReturn
+from typing import Annotated, Any, NoReturn
+
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass
 
 from batch_planner.cp_groups import is_power_of_two, largest_power_of_two_group, megatron_cp_group_sizes
 from batch_planner.domain import layout_refusal
@@ -22,15 +24,19 @@ from batch_planner.schedulers import require_scheduler
 JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 
 
-@dataclass(frozen=True)
-class RequestLimits:
-    """What one server accepts; configurable (planner-server --help)."""
+def _limit(doc: str) -> Any:
+    return Field(ge=1, le=1 << 62, description=doc)
 
-    max_samples_per_request: int = 16384
-    max_dp_cp_size: int = 1024
-    max_sequence_length: int = 4 * 1024 * 1024
-    max_tensor_parallel_size: int = 64
-    max_micro_batch_group_size: int = 64
+
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class RequestLimits:
+    """What one server accepts; configurable (planner-server --help, planner_server/config.py)."""
+
+    max_samples_per_request: Annotated[int, _limit("largest batch (samples) one request may carry")] = 16384
+    max_dp_cp_size: Annotated[int, _limit("largest DPxCP rank count a request may ask for")] = 1024
+    max_sequence_length: Annotated[int, _limit("longest sample (tokens) a request may carry")] = 4 * 1024 * 1024
+    max_tensor_parallel_size: Annotated[int, _limit("largest tensor-parallel size a request may ask for")] = 64
+    max_micro_batch_group_size: Annotated[int, _limit("largest virtual-pipeline micro-batch group size")] = 64
 
 
 def _reject(field: str, message: str) -> NoReturn:

@@ -113,7 +113,7 @@ def decompose_small(runs: int) -> list[list[str]]:
     """Where the added time goes at 64 samples: the worker's function called in this process vs
     through the server's PlanningPool (process-pool IPC), the pool's round trip of a no-op, and a
     bare gRPC echo (a server process with no handler of ours) of a 64-sample request's bytes."""
-    from batch_planner.cost import CostModel
+    from batch_planner.cost_spec import CostModel
     from batch_planner.validation import RequestLimits
     from planner_server.planning_worker import plan_request_bytes
     from planner_server.worker_pool import PlanningPool

@@ -16,12 +16,13 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
-from batch_planner.cost import CostModel, plan_statistics, static_cp_step_cost
+from batch_planner.cost import plan_statistics, single_rank_work, static_cp_step_cost
+from batch_planner.cost_spec import CostModel
 from batch_planner.errors import PlanningError
 from batch_planner.padding import padded_length
 from batch_planner.plan import Plan
 from batch_planner.auto import Outcome, candidates, plan_serially, serve
-from batch_planner.cost_profiles import CostModelSpec
+from batch_planner.cost_derivation import cost_model_for_preset
 from batch_planner.planner import plan_batch, plan_one_scheduler
 from batch_planner.validation import RequestLimits
 from batch_planner.request import PlanRequest, SchedulerKind
@@ -48,7 +49,7 @@ SCHEDULER_NAMES = {
     SchedulerKind.STATIC_PACKING: "static packing",
     SchedulerKind.AUTO: "auto",
 }
-# auto is shown under these cost models (batch_planner/cost_profiles.py): today's calibration of
+# auto is shown under these cost models (batch_planner/cost_spec.py): today's calibration of
 # the 4-layer benchmark model and three real model shapes on H200.
 AUTO_PRESETS = ("h200-bench-calibrated", "llama3-8b-h200", "llama3-70b-h200", "qwen3-30b-a3b-h200")
 BEST_STATIC_CP_SIZES = (1, 2, 4, 8)
@@ -91,7 +92,7 @@ def static_cp_row(distribution: str, size: BatchSize, request: PlanRequest, cp: 
     lengths = static.sequence_lengths
     assert [n for pack in packs for n in pack] == list(lengths), "packs must keep every sample, in order"
     padded = sum(padded_length(n, cp, static.tensor_parallel_size, static.cp_layout) for n in lengths)
-    lower = model.single_rank_work(lengths) / size.ranks
+    lower = single_rank_work(model, lengths) / size.ranks
     too_long = [n for n in lengths if n > MAX_SEQLEN_PER_DP_CP_RANK * cp]
     note = (
         f"{len(too_long)} sample(s) up to {max(too_long):,} tokens exceed CP{cp}'s {MAX_SEQLEN_PER_DP_CP_RANK * cp:,}"
@@ -154,7 +155,7 @@ def auto_rows(distribution: str, size: BatchSize) -> list[AutoRow]:
     outcomes = plan_serially(candidates(request), partial(plan_one_scheduler, limits=RequestLimits(), cost_model=CostModel()))
     rows = []
     for preset in AUTO_PRESETS:
-        model = CostModelSpec(preset=preset).resolve()
+        model = cost_model_for_preset(preset)
         priced = reprice(outcomes, model)
         plan = serve(request, priced, model, megatron_core_version())
         s = plan.statistics

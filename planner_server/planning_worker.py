@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 
 from batch_planner.auto import Candidate, Outcome, PlanOne, RunCandidates, plan_candidate, plan_serially
 from batch_planner.convert import JOB_METADATA_KEY, plan_to_proto, request_from_proto, scheduler_label
-from batch_planner.cost import CostModel
+from batch_planner.cost_spec import CostModel
 from batch_planner.errors import ErrorCode, InvariantViolationError, PlanningError
 from batch_planner.plan import CandidateSummary, Plan
 from batch_planner.planner import plan_batch

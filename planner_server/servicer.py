@@ -14,7 +14,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from batch_planner.convert import JOB_METADATA_KEY, SCHEDULER_TO_PROTO, cost_model_to_proto
-from batch_planner.cost_profiles import preset_names
+from batch_planner.cost_spec import preset_names
 from batch_planner.errors import ErrorCode
 from batch_planner.request import SchedulerKind
 from batch_planner.exact.verified import exact_path_status

@@ -22,7 +22,7 @@ import time
 from dataclasses import replace
 
 from batch_planner.auto import Candidate, Outcome, PlanOne
-from batch_planner.cost import CostModel
+from batch_planner.cost_spec import CostModel
 from batch_planner.plan import Plan
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.validation import RequestLimits

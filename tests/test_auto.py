@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 
 from batch_planner.auto import candidates
 from batch_planner.convert import plan_from_proto, plan_to_proto, request_to_proto
-from batch_planner.cost import CostModel
-from batch_planner.cost_profiles import CostModelSpec
+from batch_planner.cost_spec import CostModel, CostModelSpec
 from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
 from batch_planner.errors import InvalidRequestError
 from batch_planner.planner import plan_batch

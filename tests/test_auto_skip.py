@@ -7,8 +7,8 @@ import random
 from functools import partial
 
 from batch_planner.auto import candidates, lower_bound, plan_candidate, serve
-from batch_planner.cost import CostModel
-from batch_planner.cost_profiles import cost_model_for_preset, preset_names
+from batch_planner.cost_derivation import cost_model_for_preset
+from batch_planner.cost_spec import CostModel, preset_names
 from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
 from batch_planner.planner import plan_batch, plan_one_scheduler
 from batch_planner.request import PlanRequest, SchedulerKind

@@ -13,14 +13,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
+from scipy.optimize import nnls
 
-from batch_planner.cost import COEFFICIENT_NAMES, CostModel, unit_features
-from batch_planner.cost_profiles import COEFFICIENT_BOUNDS, CostModelSpec
+from batch_planner.cost import group_seconds, unit_features
+from batch_planner.cost_spec import COEFFICIENT_BOUNDS, COEFFICIENT_NAMES, CostModel, CostModelSpec
 from batch_planner.planner import plan_batch
 from batch_planner.request import CpLayout, PlanRequest, SchedulerKind
 from trainer_client.apply import micro_batches_for_rank
 from trainer_client.batch import unbind_batch
-from trainer_client.calibration import Calibrator, features_of, fit_cost_model, nnls, price
+from trainer_client.calibration import Calibrator, features_of, fit_cost_model, price
 from trainer_client.metrics import TrainerMetrics
 
 HIDDEN = CostModel(
@@ -61,7 +62,7 @@ def test_planner_and_calibration_share_the_unit_features():
     model = HIDDEN
     for lengths, cp, packed in (([1000, 37], 1, True), ([5000, 77, 3], 4, False), ([2048], 2, True)):
         for layout in CpLayout:
-            direct = model.group_seconds(lengths, cp, 1, layout, packed)
+            direct = group_seconds(model, lengths, cp, 1, layout, packed)
             from batch_planner.padding import padded_length
 
             padded = sum(padded_length(n, cp, 1, layout) for n in lengths)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from tests.megatron_init import run_ranks
-from batch_planner.cost import COEFFICIENT_NAMES, CostModel
+from batch_planner.cost_spec import COEFFICIENT_NAMES, CostModel
 
 JOIN_DEADLINE_SECONDS = 150
 MAX_PER_RANK = 1024

@@ -1,4 +1,5 @@
-"""Cost-model coefficients from model and hardware profiles (batch_planner/cost_profiles.py)."""
+"""Cost-model coefficients from model and hardware profiles (batch_planner/cost_spec.py, the profiles;
+batch_planner/cost_derivation.py, the formulas)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from batch_planner.cost import CostModel
-from batch_planner.cost_profiles import (
+from batch_planner.cost_derivation import (
+    cost_model_for_preset,
+    cp_bytes_per_token_per_layer,
+    derive_cost_model,
+    layer_terms,
+    matmul_params_per_layer,
+)
+from batch_planner.cost_spec import (
     CALIBRATED_PRESET,
     HARDWARE_PROFILES,
     MODEL_PROFILES,
+    CostModel,
     HardwareProfile,
     ModelProfile,
-    cost_model_for_preset,
     cost_model_from_coefficients,
-    derive_cost_model,
-    layer_terms,
     preset_hardware,
     preset_names,
 )
@@ -73,7 +78,7 @@ def test_bigger_models_cost_more() -> None:
 
 def test_more_kv_heads_more_cp_traffic() -> None:
     mha = dataclasses.replace(LLAMA8B, num_kv_heads=32)
-    assert mha.cp_bytes_per_token_per_layer() == 4 * LLAMA8B.cp_bytes_per_token_per_layer()
+    assert cp_bytes_per_token_per_layer(mha) == 4 * cp_bytes_per_token_per_layer(LLAMA8B)
     assert derive_cost_model(mha, H200).cp_seconds_per_token > derive_cost_model(LLAMA8B, H200).cp_seconds_per_token
     # Attention FLOPs depend on the query heads only.
     assert derive_cost_model(mha, H200).seconds_per_attention_token_pair == pytest.approx(
@@ -94,7 +99,7 @@ def test_tensor_parallel_divides_the_work_not_the_fixed_costs() -> None:
 def test_moe_counts_active_experts_only() -> None:
     qwen = MODEL_PROFILES["qwen3-30b-a3b"]
     all_experts = dataclasses.replace(qwen, moe_top_k=qwen.num_experts)
-    assert qwen.matmul_params_per_layer() < all_experts.matmul_params_per_layer() / 10
+    assert matmul_params_per_layer(qwen) < matmul_params_per_layer(all_experts) / 10
 
 
 def test_profiles_round_trip_through_mappings() -> None:

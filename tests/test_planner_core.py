@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
-from batch_planner.cost import CostModel, static_cp_step_cost
+from batch_planner.cost import group_seconds, static_cp_step_cost
+from batch_planner.cost_spec import CostModel
 from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
 from batch_planner.errors import InvariantViolationError
 from batch_planner.padding import padded_length
@@ -114,10 +115,10 @@ def test_pass_term_is_paid_per_sample_unpacked_and_once_per_pack():
     base = CostModel(seconds_per_pass=0.0)
     with_pass = CostModel(seconds_per_pass=0.002)
     for cp in (1, 2):
-        unpacked = with_pass.group_seconds(lengths, cp, 1, CpLayout.ZIGZAG, packed=False)
-        packed = with_pass.group_seconds(lengths, cp, 1, CpLayout.ZIGZAG, packed=True)
-        assert unpacked - base.group_seconds(lengths, cp, 1, CpLayout.ZIGZAG, packed=False) == pytest.approx(0.006)
-        assert packed - base.group_seconds(lengths, cp, 1, CpLayout.ZIGZAG, packed=True) == pytest.approx(0.002)
+        unpacked = group_seconds(with_pass, lengths, cp, 1, CpLayout.ZIGZAG, packed=False)
+        packed = group_seconds(with_pass, lengths, cp, 1, CpLayout.ZIGZAG, packed=True)
+        assert unpacked - group_seconds(base, lengths, cp, 1, CpLayout.ZIGZAG, packed=False) == pytest.approx(0.006)
+        assert packed - group_seconds(base, lengths, cp, 1, CpLayout.ZIGZAG, packed=True) == pytest.approx(0.002)
     with pytest.raises(ValueError, match="seconds_per_pass"):
         CostModel(seconds_per_pass=-1e-3)
 

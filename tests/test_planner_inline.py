@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from batch_planner.convert import plan_to_proto, request_to_proto
-from batch_planner.cost import CostModel
+from batch_planner.cost_spec import CostModel
 from batch_planner.distributions import sample_lengths
 from batch_planner.errors import ErrorCode
 from batch_planner.planner import plan_batch

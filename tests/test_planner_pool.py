@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from batch_planner.cost import CostModel
+from batch_planner.cost_spec import CostModel
 from batch_planner.distributions import sample_lengths
 from batch_planner.errors import ErrorCode
 from batch_planner.v1 import planner_pb2 as pb

@@ -8,7 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from batch_planner.convert import plan_from_proto, request_to_proto
-from batch_planner.cost import CostModel
+from batch_planner.cost_spec import CostModel
 from batch_planner.distributions import sample_lengths
 from batch_planner.plan import check_plan_invariants
 from batch_planner.request import PlanRequest, SchedulerKind

@@ -9,11 +9,11 @@ plan the job's next steps with what was measured (docs/trainer-client.md, "Calib
 2. Fit. Every `update_interval_steps` steps, `Calibrator.end_step` all-gathers the buffered
    observations over the DPxCP group, in rank order, so every rank fits identical data in the same
    order and holds the identical model (checked by a digest in the next gather). `fit_cost_model`
-   is a robust bounded non-negative least squares on relative residuals (Lawson-Hanson NNLS inside
-   iteratively reweighted least squares: Huber, then Tukey's bisquare) over a sliding window of
-   steps. Terms the window does not exercise (the CP terms of a job that ran no CP unit) keep the
-   prior's value. The fit is used once the window holds `min_observations` distinct units; a fit
-   that does not converge, or lands outside `COEFFICIENT_BOUNDS`, keeps the previous model.
+   is a robust bounded non-negative least squares on relative residuals (scipy: NNLS for the start,
+   then bounded least squares with a Cauchy loss) over a sliding window of steps. Terms the window
+   does not exercise (the CP terms of a job that ran no CP unit) keep the prior's value. The fit
+   is used once the window holds `min_observations` distinct units; a fit that does not converge,
+   or lands outside `COEFFICIENT_BOUNDS`, keeps the previous model.
 3. Use it, statelessly. A new model takes effect from a step no rank has prefetched yet (the
    fitting step + 1 + the plan-ahead depth, identical on all ranks), as `cost_model =
    CostModelSpec(coefficients=...)` in every request from then on: the server keeps no state, any
@@ -37,10 +37,12 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
+from scipy.optimize import least_squares, nnls
 import torch.distributed as dist
 
-from batch_planner.cost import COEFFICIENT_NAMES, CostModel, unit_features
-from batch_planner.cost_profiles import COEFFICIENT_BOUNDS, CostModelSpec, validate_coefficients
+from batch_planner.cost import price as price_features, unit_features
+from batch_planner.cost_derivation import resolve_cost_model
+from batch_planner.cost_spec import COEFFICIENT_BOUNDS, COEFFICIENT_NAMES, CostModel, CostModelSpec, validate_coefficients
 from batch_planner.errors import InvalidRequestError
 from batch_planner.plan import Plan
 from batch_planner.request import PlanningOptions
@@ -60,8 +62,10 @@ FIT_RESULTS = ("updated", "insufficient_data", "not_converged", "out_of_bounds")
 # A coefficient is fitted when its feature is non-zero in at least this many distinct units.
 MIN_UNITS_PER_TERM = 3
 SIGNIFICANT_DIGITS = 4  # fitted coefficients travel rounded: readable, and stable across ranks
-HUBER_K, BISQUARE_C = 1.345, 4.685
-MAX_IRLS_ITERATIONS, IRLS_TOLERANCE = 60, 1e-5
+# The Cauchy loss's scale, in robust standard deviations of the residuals: 95% efficiency on
+# Gaussian noise, while a unit many deviations off (a stall) weighs next to nothing.
+CAUCHY_C = 2.385
+MAX_FIT_EVALUATIONS = 60
 
 
 def features_of(unit: Any) -> tuple[float, ...]:
@@ -76,7 +80,7 @@ def features_of(unit: Any) -> tuple[float, ...]:
 
 
 def price(model: CostModel, features: Sequence[float]) -> float:
-    return model.price(dict(zip(COEFFICIENT_NAMES, features)))
+    return price_features(model, dict(zip(COEFFICIENT_NAMES, features)))
 
 
 def model_digest(model: CostModel) -> str:
@@ -154,39 +158,6 @@ def _runs_on_cuda(unit: Any) -> bool:
 # ---------------------------------------------------------------------------------------- fit
 
 
-def nnls(a: np.ndarray, b: np.ndarray, max_iterations: int | None = None) -> tuple[np.ndarray, bool]:
-    """min ||a x - b|| subject to x >= 0 (Lawson and Hanson's active-set method); returns x and
-    whether it converged within `max_iterations` (default 3 x columns)."""
-    m, n = a.shape
-    max_iterations = max_iterations or max(30, 3 * n)
-    passive = np.zeros(n, dtype=bool)
-    x = np.zeros(n)
-    tolerance = 10 * np.finfo(float).eps * max(1.0, float(np.abs(a).sum(axis=0).max(initial=0.0))) * max(m, n)
-    gradient = a.T @ (b - a @ x)
-    iterations = 0
-    while (~passive).any() and (gradient[~passive] > tolerance).any():
-        j = int(np.argmax(np.where(passive, -np.inf, gradient)))
-        passive[j] = True
-        while True:
-            iterations += 1
-            if iterations > max_iterations:
-                return x, False
-            s = np.zeros(n)
-            s[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
-            if (s[passive] > tolerance).all():
-                break
-            blocking = passive & (s <= tolerance)
-            denominator = x[blocking] - s[blocking]
-            movable = denominator > 0
-            alpha = float(np.min(x[blocking][movable] / denominator[movable])) if movable.any() else 0.0
-            x = x + alpha * (s - x)
-            passive &= x > tolerance
-            x[~passive] = 0.0
-        x = s
-        gradient = a.T @ (b - a @ x)
-    return x, True
-
-
 @dataclass(frozen=True)
 class FitResult:
     """`model`: the fitted coefficients, or None when `result` is not "updated"."""
@@ -204,15 +175,17 @@ def fit_cost_model(
     seconds: np.ndarray,
     prior: CostModel,
     min_observations: int,
-    max_iterations: int = MAX_IRLS_ITERATIONS,
+    max_iterations: int = MAX_FIT_EVALUATIONS,
 ) -> FitResult:
     """A robust, bounded, non-negative fit of the coefficients to timed units.
 
     Rows: units (features in COEFFICIENT_NAMES order, seconds measured). Residuals are relative
     (each unit weighs by 1 / its time: short and long units count alike, as multiplicative noise
-    does), reweighted by Huber's and then Tukey's bisquare weights of their robust scale so that a
-    few stalled units (a GC pause, a straggler) do not move the fit. A coefficient whose feature
-    is non-zero in fewer than MIN_UNITS_PER_TERM distinct units keeps the prior's value."""
+    does). scipy's NNLS gives the least-squares start; scipy's bounded least squares (coefficients
+    >= 0) with a Cauchy loss, scaled to the start's robust residual scale, then fits so that a few
+    stalled units (a GC pause, a straggler) do not move the fit. `max_iterations` bounds its
+    evaluations. A coefficient whose feature is non-zero in fewer than MIN_UNITS_PER_TERM distinct
+    units keeps the prior's value."""
     x = np.asarray(features, dtype=float).reshape(-1, len(COEFFICIENT_NAMES))
     y = np.asarray(seconds, dtype=float)
     distinct = {tuple(np.round(row, 6)) for row in x}
@@ -231,32 +204,13 @@ def fit_cost_model(
     scale = np.abs(z).max(axis=0)
     scale[scale == 0] = 1.0
     z = z / scale
-    weights = np.ones(len(y))
-    solution = None
-    residual_scale = 0.0
-    converged = False
-    for iteration in range(max_iterations):
-        root = np.sqrt(weights)
-        candidate, ok = nnls(z * root[:, None], t * root)
-        if not ok or not np.isfinite(candidate).all():
-            return FitResult("not_converged", observations=len(distinct), reason="NNLS did not converge")
-        if solution is not None and iteration > 2:
-            change = np.abs(candidate - solution).max() / max(np.abs(solution).max(), 1e-12)
-            if change < IRLS_TOLERANCE:
-                solution, converged = candidate, True
-                break
-        solution = candidate
-        residual = t - z @ solution
-        residual_scale = max(1.4826 * float(np.median(np.abs(residual - np.median(residual)))), 1e-6)
-        u = residual / residual_scale
-        if iteration < max_iterations // 3:  # Huber first: convex, from the least-squares start
-            weights = np.minimum(1.0, HUBER_K / np.maximum(np.abs(u), 1e-12))
-        else:  # then the bisquare: gross outliers get no weight at all
-            weights = np.where(np.abs(u) < BISQUARE_C, (1 - (u / BISQUARE_C) ** 2) ** 2, 0.0)
-            if weights.sum() <= fitted.sum():
-                return FitResult("not_converged", observations=len(distinct), reason="too few inliers")
-    if not converged or solution is None:
-        return FitResult("not_converged", observations=len(distinct), reason=f"no convergence in {max_iterations} iterations")
+    start, _ = nnls(z, t)  # the least-squares start
+    fit = least_squares(lambda c: z @ c - t, start, jac=lambda c: z, bounds=(0.0, np.inf), method="trf", loss="cauchy",
+                        f_scale=CAUCHY_C * _robust_scale(t - z @ start), max_nfev=max_iterations)
+    if fit.status <= 0 or not np.isfinite(fit.x).all():
+        return FitResult("not_converged", observations=len(distinct), reason=f"no convergence in {max_iterations} evaluations")
+    solution = np.where(fit.active_mask < 0, 0.0, fit.x)  # at its bound: exactly 0, not an interior 1e-19
+    residual_scale = _robust_scale(t - z @ solution)
     values = prior_values.copy()
     values[fitted] = solution / scale
     names = tuple(n for n, f in zip(COEFFICIENT_NAMES, fitted) if f)
@@ -269,6 +223,11 @@ def fit_cost_model(
     except (InvalidRequestError, ValueError) as error:
         return FitResult("out_of_bounds", observations=len(distinct), fitted_terms=names, reason=str(error))
     return FitResult("updated", model, len(distinct), names, residual_scale)
+
+
+def _robust_scale(residual: np.ndarray) -> float:
+    """1.4826 x the median absolute deviation: the residuals' standard deviation, stalled units aside."""
+    return max(1.4826 * float(np.median(np.abs(residual - np.median(residual)))), 1e-6)
 
 
 def _round(value: float) -> float:
@@ -319,7 +278,7 @@ class Calibrator:
         self.base_options = options
         spec = options.cost_model
         # The prior: the job's own cost model; without one, the server's default preset (CostModel()).
-        self.prior = spec.resolve(options.tensor_parallel_size) if spec is not None else CostModel()
+        self.prior = resolve_cost_model(spec, CostModel(), options.tensor_parallel_size)
         self.window_steps, self.min_observations = window_steps, min_observations
         self.update_interval_steps, self.plan_ahead_depth = update_interval_steps, max(1, plan_ahead_depth)
         self.metrics, self.group = metrics, group

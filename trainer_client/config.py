@@ -1,4 +1,4 @@
-"""The trainer client's settings: one typed dataclass, loadable from a dict or a YAML file.
+"""The trainer client's settings: one typed pydantic dataclass, loadable from a dict or a YAML file.
 
 It drops into a trainer's config file as one section, e.g.
 
@@ -6,17 +6,24 @@ It drops into a trainer's config file as one section, e.g.
       planner_endpoint: dns:///batch-planner.default.svc.cluster.local:50051
       max_seqlen_per_dp_cp_rank: 16384
       deadline_seconds: 2.0
+
+Every setting is checked on construction, from a file or in Python: its type (a count is an int, not
+a bool, a float or a string), its range, enums by value; an unknown key is refused. A bad one raises
+ConfigError naming the key, the value and what is allowed (`_config_error` words every message).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import MISSING, dataclass, fields
+import functools
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, NoReturn, get_args
 
-from batch_planner.cost_profiles import spec_from_mapping
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic.dataclasses import dataclass
+from pydantic_core import PydanticCustomError
+
+from batch_planner.cost_spec import spec_from_mapping
 from batch_planner.errors import InvalidRequestError
 from batch_planner.exact.verified import SchedulerImplementation
 from batch_planner.request import PlanningOptions, SchedulerKind
@@ -33,11 +40,32 @@ class ConfigError(ValueError):
     """A setting with a bad value or an unknown name; the message names the key and what is allowed."""
 
 
-@dataclass(frozen=True)
+# Plans held in memory are bounded by the depth: a 16,384-sample plan is a few MB.
+MAX_PLAN_AHEAD_DEPTH = 16
+Count = Annotated[int, Field(ge=1)]
+Seconds = Annotated[float, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0)]
+
+
+def _refuse(message: str) -> NoReturn:
+    """A refusal from a validator, worded after the key (or whole, for a check of several keys)."""
+    raise PydanticCustomError("refused", "{message}", {"message": message})
+
+
+@dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid", allow_inf_nan=False))
 class PlannerClientConfig(PlanningOptions):
-    """The planning options of the job (batch_planner.request.PlanningOptions: the per-rank token
+    """The planning options of the job (batch_planner.request.OptionFields: the per-rank token
     budget, the static CP size, the scheduler, ...; each documented there) and how to reach the
     planner. DPxCP comes from the process group, DP = DPxCP / CP."""
+
+    # The options' bounds as a trainer states them (the server checks a request against its own
+    # limits, batch_planner/validation.py).
+    max_seqlen_per_dp_cp_rank: Annotated[int, Field(ge=1, validate_default=True, description="required: the job's per-rank token budget")] = 0
+    context_parallel_size: Count = 1
+    tensor_parallel_size: Count = 1
+    min_cp_size: Count | None = None
+    max_seqs_per_micro_batch: Count | None = None
+    micro_batch_group_size: Count | None = None
 
     # The client asks for auto (the cheapest of Megatron-Core's plans and the job's static CP under
     # the job's cost model) unless the config names one scheduler. `cost_model` names the job's
@@ -53,25 +81,25 @@ class PlannerClientConfig(PlanningOptions):
     # many Plan RPCs in flight, spread over the planner's replicas and workers, and at most
     # depth + 1 plans held in memory. Set it so that step time x depth exceeds one plan's latency
     # (docs/trainer-client.md, "Planning far enough ahead"); 1 plans only the next step.
-    plan_ahead_depth: int = 1
+    plan_ahead_depth: Annotated[int, Field(ge=1, le=MAX_PLAN_AHEAD_DEPTH)] = 1
 
     # One RPC attempt may take this long before it counts as failed.
-    deadline_seconds: float = 2.0
+    deadline_seconds: Positive = 2.0
     # Attempts per plan, the first included, on the codes batch_planner.errors.CLIENT_ACTION marks
     # RETRY (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...); never on INVALID_ARGUMENT.
-    max_attempts: int = 2
-    initial_backoff_seconds: float = 0.05
-    max_backoff_seconds: float = 1.0
-    backoff_multiplier: float = 2.0
+    max_attempts: Count = 2
+    initial_backoff_seconds: Seconds = 0.05
+    max_backoff_seconds: Seconds = 1.0
+    backoff_multiplier: Annotated[float, Field(ge=1)] = 2.0
 
     # Plan in-process with the same Megatron-Core scheduler when the service fails. Off: a
     # failure raises PlannerUnavailableError.
     fallback: bool = True
     # After a failure, plan in-process for this long without calling the service (so steps do not
     # each wait a full deadline while it is down); then the next step probes the service again.
-    fallback_cooldown_seconds: float = 5.0
+    fallback_cooldown_seconds: Seconds = 5.0
     # How fast the gRPC channel reconnects to a planner that comes back.
-    max_reconnect_backoff_seconds: float = 1.0
+    max_reconnect_backoff_seconds: Positive = 1.0
     # Which code plans in this process (the fallback): "exact", the planner's exact and faster
     # execution of Megatron-Core's algorithm where the installed build is one it was verified
     # against (the same plan, byte for byte, as Megatron-Core's own code), or "upstream",
@@ -97,23 +125,51 @@ class PlannerClientConfig(PlanningOptions):
     # On by default: a trainer that never calls `end_step` plans with its preset and runs no
     # collective for it; `calibration: false` turns timing, gathering and fitting off.
     calibration: bool = True
-    calibration_window_steps: int = 50
-    calibration_min_observations: int = 24
-    calibration_update_interval_steps: int = 5
+    calibration_window_steps: Count = 50
+    calibration_min_observations: Count = 24
+    calibration_update_interval_steps: Count = 5
 
-    def __post_init__(self) -> None:
-        _check(self)
+    @field_validator("*", mode="before")
+    @classmethod
+    def _from_plain_data(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML's forms of what is not plain data: an enum by its value, the list of schedulers, a
+        cost model by its preset's name or as a mapping (batch_planner/cost_spec.py checks it)."""
+        name = info.field_name or ""
+        annotation = cls.__pydantic_fields__[name].annotation
+        if name == "cost_model":
+            return None if value is None else spec_from_mapping(value)
+        if name == "auto_schedulers":
+            if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+                _refuse(f"{value!r} is not a list of scheduler names")
+            return tuple(_member(SchedulerKind, v) for v in value)
+        return _member(annotation, value) if isinstance(annotation, type) and issubclass(annotation, Enum) else value
+
+    @field_validator("planner_endpoint")
+    @classmethod
+    def _endpoint(cls, endpoint: str) -> str:
+        if endpoint:
+            # dns://AUTHORITY/name:port asks that DNS server (gRPC's syntax); dns:///name:port the system's.
+            target = endpoint.removeprefix("dns://").partition("/")[2] if endpoint.startswith("dns://") else endpoint
+            host, sep, port = target.rpartition(":")
+            if "://" in endpoint and not endpoint.startswith("dns://"):
+                _refuse(f"{endpoint!r} is not allowed; expected 'host:port' or 'dns:///name:port'")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                _refuse(f"{endpoint!r} has no valid port; expected 'host:port' or 'dns:///name:port'")
+        return endpoint
+
+    @model_validator(mode="after")
+    def _tls_settings(self) -> PlannerClientConfig:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            _refuse("tls_cert_file and tls_key_file: set both (mutual TLS) or neither")
+        if not self.tls and (self.tls_ca_file or self.tls_cert_file or self.tls_server_name_override):
+            _refuse("tls: False (plaintext) but TLS files or a server name override are set; drop them or set tls: true")
+        return self
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> PlannerClientConfig:
         if not isinstance(values, dict):
             raise ConfigError(f"batch planner client config must be a mapping, got {type(values).__name__}")
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ConfigError(f"unknown key(s) {unknown}; allowed keys: {sorted(known)}")
-        converted = {name: _convert(known[name], value) for name, value in values.items()}
-        return cls(**converted)
+        return cls(**values)
 
     @classmethod
     def from_yaml(cls, path: str | Path, section: str | None = None) -> PlannerClientConfig:
@@ -128,111 +184,67 @@ class PlannerClientConfig(PlanningOptions):
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values = {name: getattr(self, name) for name in self.__pydantic_fields__}
         return {k: (v.value if isinstance(v, Enum) else v.canonical() if hasattr(v, "canonical") else v) for k, v in values.items()}
 
 
-# Read off the fields: every enum-typed setting, every optional count of the planning options.
-_ENUMS = {f.name: type(f.default) for f in fields(PlannerClientConfig) if isinstance(f.default, Enum)}
-_OPTIONAL_INTS = tuple(f.name for f in fields(PlanningOptions) if f.default is None and "int" in str(f.type))
-_POSITIVE_INTS = (
-    "max_seqlen_per_dp_cp_rank", "context_parallel_size", "tensor_parallel_size", "max_attempts", "plan_ahead_depth",
-    "calibration_window_steps", "calibration_min_observations", "calibration_update_interval_steps",
-)
-# Plans held in memory are bounded by the depth: a 16,384-sample plan is a few MB.
-MAX_PLAN_AHEAD_DEPTH = 16
-_POSITIVE_FLOATS = ("deadline_seconds", "backoff_multiplier", "max_reconnect_backoff_seconds")
-_NON_NEGATIVE_FLOATS = ("initial_backoff_seconds", "max_backoff_seconds", "fallback_cooldown_seconds")
+def _member(enum: type[Enum], value: Any) -> Any:
+    try:
+        return enum(value)
+    except ValueError:
+        _refuse(f"{value!r} is not allowed; allowed: {[e.value for e in enum]}")
 
 
-def _convert(f, value: Any) -> Any:
-    name = f.name
-    if name == "auto_schedulers":
-        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise ConfigError(f"auto_schedulers: {value!r} is not a list of scheduler names")
-        return tuple(_convert(next(f for f in fields(PlanningOptions) if f.name == "scheduler"), v) for v in value)
-    if name == "cost_model":
-        if value is None:
-            return None
+def _config_error(error: ValidationError) -> ConfigError:
+    """Pydantic's errors as one ConfigError: "<key>: <value> <what is wrong>; <what is allowed>"."""
+    problems = error.errors(include_url=False)
+    unknown = sorted(str(e["loc"][0]) for e in problems if e["type"] == "unexpected_keyword_argument")
+    if unknown:
+        return ConfigError(f"unknown key(s) {unknown}; allowed keys: {sorted(PlannerClientConfig.__pydantic_fields__)}")
+    return ConfigError("; ".join(_problem(e) for e in problems))
+
+
+_TYPES = {"int_type": "int", "float_type": "float", "bool_type": "bool", "string_type": "str"}
+_BOUNDS = {"ge": ">=", "gt": ">", "le": "<="}
+
+
+def _problem(e: Any) -> str:
+    if not e["loc"]:
+        return e["ctx"]["message"]  # a check of several keys
+    name, value, ctx = str(e["loc"][0]), e["input"], e.get("ctx") or {}
+    if e["type"] == "refused":
+        return f"{name}: {ctx['message']}"
+    if e["type"] in _TYPES:  # bool is an int in Python; "true" in YAML for a count is a mistake worth naming
+        return f"{name}: {value!r} is a {type(value).__name__}; expected a {_TYPES[e['type']]}"
+    bound = next(((op, ctx[key]) for key, op in _BOUNDS.items() if key in ctx), None)
+    if bound is None:
+        return f"{name}: {value!r} is not allowed; expected a finite number"
+    if isinstance(bound[1], float):  # pydantic gives a float key's bounds as floats
+        value, expected = float(value), f"a number {bound[0]} {bound[1]:g}"
+    else:
+        expected = f"an integer {bound[0]} {bound[1]}"
+    info = PlannerClientConfig.__pydantic_fields__[name]
+    optional = "null or " if type(None) in get_args(info.annotation) else ""
+    hint = f" ({info.description})" if info.description else ""
+    return f"{name}: {value!r} is not allowed; expected {optional}{expected}{hint}"
+
+
+def _refusing_with_config_error(cls: type[PlannerClientConfig]) -> type[PlannerClientConfig]:
+    """Every construction (from_dict, from_yaml, the constructor, dataclasses.replace) raises
+    ConfigError, worded by _config_error, or the cost model's own InvalidRequestError's message."""
+    validated = cls.__init__
+
+    @functools.wraps(validated)
+    def __init__(self: PlannerClientConfig, *args: Any, **kwargs: Any) -> None:
         try:
-            return spec_from_mapping(value)
+            validated(self, *args, **kwargs)
+        except ValidationError as error:
+            raise _config_error(error) from None
         except InvalidRequestError as error:
             raise ConfigError(str(error)) from None
-    if name in _ENUMS:
-        enum = _ENUMS[name]
-        if isinstance(value, enum):
-            return value
-        try:
-            return enum(value)
-        except ValueError:
-            raise ConfigError(
-                f"{name}: {value!r} is not allowed; allowed: {[e.value for e in enum]}"
-            ) from None
-    default = f.default if f.default is not MISSING else None
-    if name in _OPTIONAL_INTS:
-        return None if value is None else _strict(name, value, int)
-    if isinstance(default, bool):
-        return _strict(name, value, bool)
-    if isinstance(default, int):
-        return _strict(name, value, int)
-    if isinstance(default, float):
-        if isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        return _strict(name, value, float)
-    return _strict(name, value, str)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
 
 
-def _strict(name: str, value: Any, kind: type) -> Any:
-    # bool is an int in Python; "true" in YAML for a count is a mistake worth naming.
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise ConfigError(f"{name}: {value!r} is a {type(value).__name__}; expected a {kind.__name__}")
-    return value
-
-
-def _check(c: PlannerClientConfig) -> None:
-    object.__setattr__(c, "auto_schedulers", _convert(next(f for f in fields(c) if f.name == "auto_schedulers"), c.auto_schedulers))
-    if c.cost_model is not None:
-        object.__setattr__(c, "cost_model", _convert(next(f for f in fields(c) if f.name == "cost_model"), c.cost_model))
-    for name in _ENUMS:
-        if not isinstance(getattr(c, name), _ENUMS[name]):
-            object.__setattr__(c, name, _convert(next(f for f in fields(c) if f.name == name), getattr(c, name)))
-    for name in _POSITIVE_INTS:
-        value = getattr(c, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            hint = " (required: the job's per-rank token budget)" if name == "max_seqlen_per_dp_cp_rank" else ""
-            raise ConfigError(f"{name}: {value!r} is not allowed; expected an integer >= 1{hint}")
-    for name in _OPTIONAL_INTS:
-        value = getattr(c, name)
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{name}: {value!r} is not allowed; expected null or an integer >= 1")
-    for name in _POSITIVE_FLOATS:
-        value = getattr(c, name)
-        if not math.isfinite(value) or value <= 0:
-            raise ConfigError(f"{name}: {value!r} is not allowed; expected a number > 0")
-    for name in _NON_NEGATIVE_FLOATS:
-        value = getattr(c, name)
-        if not math.isfinite(value) or value < 0:
-            raise ConfigError(f"{name}: {value!r} is not allowed; expected a number >= 0")
-    if c.plan_ahead_depth > MAX_PLAN_AHEAD_DEPTH:
-        raise ConfigError(
-            f"plan_ahead_depth: {c.plan_ahead_depth!r} is not allowed; expected 1..{MAX_PLAN_AHEAD_DEPTH}"
-        )
-    if c.backoff_multiplier < 1:
-        raise ConfigError(f"backoff_multiplier: {c.backoff_multiplier!r} is not allowed; expected >= 1")
-    endpoint = c.planner_endpoint
-    if endpoint:
-        # dns://AUTHORITY/name:port asks that DNS server (gRPC's syntax); dns:///name:port the system's.
-        target = endpoint.removeprefix("dns://").partition("/")[2] if endpoint.startswith("dns://") else endpoint
-        host, sep, port = target.rpartition(":")
-        if "://" in endpoint and not endpoint.startswith("dns://"):
-            raise ConfigError(
-                f"planner_endpoint: {endpoint!r} is not allowed; expected 'host:port' or 'dns:///name:port'"
-            )
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(
-                f"planner_endpoint: {endpoint!r} has no valid port; expected 'host:port' or 'dns:///name:port'"
-            )
-    if bool(c.tls_cert_file) != bool(c.tls_key_file):
-        raise ConfigError("tls_cert_file and tls_key_file: set both (mutual TLS) or neither")
-    if not c.tls and (c.tls_ca_file or c.tls_cert_file or c.tls_server_name_override):
-        raise ConfigError("tls: False (plaintext) but TLS files or a server name override are set; drop them or set tls: true")
+_refusing_with_config_error(PlannerClientConfig)

@@ -4,14 +4,15 @@
         --json docs/gpu-benchmark-data/calibration.json --plot docs/img/gpu-benchmark.png
 
 Each row is one rank's busy time in one micro-batch (median over the timed steps), with the cost
-model's features of the CP group it ran: padded tokens per rank, L^2 / c, CP communication tokens
-P (c - 1) / c, the number of CP > 1 ring-attention sequences, and the number of forward+backward
-passes (one per sample under hybrid CP, one per pack under static CP). The fit is a non-negative
-least squares over those five terms (batch_planner/cost.py's CostModel fields, named in FEATURES).
+model's features of the CP group it ran (batch_planner.cost.unit_features: padded tokens per rank,
+L^2 / c, CP communication tokens P (c - 1) / c, CP passes, and the number of forward+backward
+passes, one per sample under hybrid CP, one per pack under static CP). The fit is the trainer's
+calibration fit (trainer_client.calibration.fit_cost_model: non-negative, relative, robust).
 
-The fixed CP term is counted per *sequence* on a CP group, also inside a packed pass: PyTorch's
-ring attention has no variable-length (THD) mode, so a packed pass makes one ring call per
-sequence and layer, and that is where the fixed cost lies. The pass term is counted per pass.
+One difference from unit_features, this engine's: the fixed CP term is counted per *sequence* on a
+CP group, also inside a packed pass: PyTorch's ring attention has no variable-length (THD) mode, so
+a packed pass makes one ring call per sequence and layer, and that is where the fixed cost lies.
+The pass term is counted per pass.
 A step is predicted the way the engine runs it: with a barrier between micro-batches (hybrid CP)
 the sum over micro-batches of the slowest rank; without one (static CP) the slowest rank's sum.
 The planner's own statistics (`step_cost`, `static_cp_step_cost`: fixed CP term once per pass, as
@@ -21,38 +22,29 @@ with Megatron-Core + Transformer Engine's THD ring attention) are reported besid
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 from dataclasses import asdict
 
 import numpy as np
 
-from batch_planner.cost import CostModel, static_cp_step_cost
+from batch_planner.cost import static_cp_step_cost, unit_features
+from batch_planner.cost_spec import COEFFICIENT_NAMES, CostModel
 from batch_planner.plan import CpGroup
 from batch_planner.padding import padded_length
 from batch_planner.request import CpLayout, PlanRequest
 from bench.gpu.plans import BenchPlan, plan_from_json
+from trainer_client.calibration import fit_cost_model
 
-FEATURES = (
-    "seconds_per_token",
-    "seconds_per_attention_token_pair",
-    "cp_seconds_per_token",
-    "cp_seconds_per_micro_batch",
-    "seconds_per_pass",
-)
 PLAN_ORDER = ("hybrid_cp", "static_cp2", "static_cp1")
 
 
 def group_features(lengths: list[int], cp_size: int, passes: int) -> list[float]:
-    padded = [padded_length(n, cp_size, 1, CpLayout.ZIGZAG) for n in lengths]
-    return [
-        sum(padded) / cp_size,
-        sum(float(n) * n for n in lengths) / cp_size,
-        sum(padded) * (cp_size - 1) / cp_size,
-        float(len(lengths)) if cp_size > 1 else 0.0,
-        float(passes),
-    ]
+    padded = sum(padded_length(n, cp_size, 1, CpLayout.ZIGZAG) for n in lengths)
+    features = unit_features(padded, sum(n * n for n in lengths), cp_size, passes)
+    if cp_size > 1:  # one ring call per sequence: this engine's fixed CP cost (module doc)
+        features["cp_seconds_per_micro_batch"] = float(len(lengths))
+    return [features[name] for name in COEFFICIENT_NAMES]
 
 
 def plan_group_features(plan: BenchPlan, lengths: list[int], group: CpGroup) -> list[float]:
@@ -62,22 +54,7 @@ def plan_group_features(plan: BenchPlan, lengths: list[int], group: CpGroup) -> 
 
 
 def coefficients(model: CostModel) -> np.ndarray:
-    return np.array([getattr(model, name) for name in FEATURES])
-
-
-def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Exact non-negative least squares for a handful of columns: best over all active sets."""
-    best, best_err = np.zeros(a.shape[1]), float(np.sum(b**2))
-    for k in range(1, a.shape[1] + 1):
-        for cols in itertools.combinations(range(a.shape[1]), k):
-            x, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
-            if np.all(x >= 0):
-                err = float(np.sum((a[:, cols] @ x - b) ** 2))
-                if err < best_err:
-                    best = np.zeros(a.shape[1])
-                    best[list(cols)] = x
-                    best_err = err
-    return best
+    return np.array([getattr(model, name) for name in COEFFICIENT_NAMES])
 
 
 def load_run(results_path: str, plans_path: str) -> tuple[dict, list[dict]]:
@@ -111,12 +88,10 @@ def micro_batch_rows(results: dict, batches: list[dict]) -> list[dict]:
 
 
 def fit(rows: list[dict]) -> CostModel:
-    a = np.array([r["features"] for r in rows])
-    b = np.array([r["seconds"] for r in rows])
-    # Relative weighting: short and long micro-batches count alike.
-    w = 1.0 / np.maximum(b, 1e-3)
-    x = nnls(a * w[:, None], b * w)
-    return CostModel(**{name: float(v) for name, v in zip(FEATURES, x)})
+    result = fit_cost_model(np.array([r["features"] for r in rows]), np.array([r["seconds"] for r in rows]), CostModel(), len(COEFFICIENT_NAMES))
+    if result.model is None:
+        raise SystemExit(f"the fit refused these timings: {result.result} ({result.reason})")
+    return result.model
 
 
 def plan_table(results: dict, batches: list[dict], model: CostModel) -> list[dict]:

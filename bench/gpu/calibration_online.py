@@ -33,8 +33,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from batch_planner.cost import COEFFICIENT_NAMES
-from batch_planner.cost_profiles import MODEL_PROFILES
+from batch_planner.cost_spec import COEFFICIENT_NAMES, MODEL_PROFILES
 from batch_planner.request import PlanningOptions, SchedulerKind
 
 K = 1024

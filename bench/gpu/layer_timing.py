@@ -1,5 +1,5 @@
 """Time one real decoder layer of each model preset's shape on one GPU, and compare the cost model's
-derived per-token and attention terms (batch_planner/cost_profiles.py) with what it measures.
+derived per-token and attention terms (batch_planner/cost_derivation.py) with what it measures.
 
     measure (GPU):  python -m bench.gpu.layer_timing measure --out raw.json
     report (CPU):   python -m bench.gpu.layer_timing report --raw raw.json \
@@ -32,12 +32,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from batch_planner.cost_profiles import (
-    MODEL_PROFILES,
-    ModelProfile,
-    layer_terms,
-    preset_hardware,
-)
+from batch_planner.cost_derivation import layer_terms
+from batch_planner.cost_spec import MODEL_PROFILES, ModelProfile, preset_hardware
 
 K = 1024
 SINGLE_LENGTHS = (1 * K, 2 * K, 4 * K, 8 * K, 16 * K, 32 * K)

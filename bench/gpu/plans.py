@@ -15,7 +15,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from batch_planner.cost import CostModel, pack_in_order, step_cost
+from batch_planner.cost import pack_in_order, step_cost
+from batch_planner.cost_spec import CostModel
 from batch_planner.plan import CpGroup, MicroBatch
 from batch_planner.padding import padded_length
 from batch_planner.request import CpLayout, PlanRequest, SchedulerKind
