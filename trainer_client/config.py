@@ -83,11 +83,13 @@ class PlannerClientConfig(PlanningOptions):
     # (docs/trainer-client.md, "Planning far enough ahead"); 1 plans only the next step.
     plan_ahead_depth: Annotated[int, Field(ge=1, le=MAX_PLAN_AHEAD_DEPTH)] = 1
 
-    # One RPC attempt may take this long before it counts as failed.
+    # One Plan call may take this long, its retries included (gRPC's retries live within the
+    # call's deadline), before the client falls back.
     deadline_seconds: Positive = 2.0
     # Attempts per plan, the first included, on the codes batch_planner.errors.CLIENT_ACTION marks
     # RETRY (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...); never on INVALID_ARGUMENT.
-    max_attempts: Count = 2
+    # At most 5: gRPC's retryPolicy would lower a larger value to 5 without saying so.
+    max_attempts: Annotated[int, Field(ge=1, le=5)] = 2
     initial_backoff_seconds: Seconds = 0.05
     max_backoff_seconds: Seconds = 1.0
     backoff_multiplier: Annotated[float, Field(ge=1)] = 2.0

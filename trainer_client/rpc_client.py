@@ -26,7 +26,7 @@ from trainer_client.config import ConfigError, PlannerClientConfig
 from trainer_client.metrics import TrainerMetrics
 
 # gRPC's retryPolicy caps maxAttempts at 5 (larger values are lowered to 5).
-GRPC_MAX_ATTEMPTS = 5
+GRPC_MAX_ATTEMPTS = 5  # trainer_client.config refuses more
 
 
 class PlanRejectedError(ValueError):
