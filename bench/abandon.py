@@ -7,11 +7,18 @@ that load, timed against --drain-seconds.
 One real planner (2 workers, --drain-seconds 5) on loopback. The honest client sends 11 requests
 of 2,048 samples on 128 ranks one after another (2 s deadline each); the abandoning client keeps
 two requests of 16,384 samples on 1,024 ranks in flight, each with a 1 s deadline.
+
+With `--baseline PATH` (a checkout of another commit of this repository) that checkout's server runs
+too, with the same flags, and the report sets the two side by side with new / baseline: the honest
+client's calls alone alternate between the servers call by call; beside the abandoning client, the
+two servers take turns (the abandoning client moves with the honest one), in rounds of a few calls;
+the drains come last, one server after the other.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import statistics
 import threading
@@ -24,9 +31,15 @@ import grpc
 from batch_planner.distributions import sample_lengths
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
+from bench.common import machine_note
+from bench.side_by_side import alternating, ratio, running
+from bench.side_by_side import intro as side_by_side_intro
+from bench.side_by_side import trees as side_by_side_trees
 
 HONEST_CALLS = 11
 DRAIN_SECONDS = 5.0
+ROUNDS = 4  # turns each server takes beside the abandoning client in a side-by-side run
+SERVER_FLAGS = ("--drain-seconds", str(DRAIN_SECONDS))
 
 
 def request(samples: int, ranks: int, seed: int) -> pb.PlanRequest:
@@ -47,8 +60,8 @@ def call(stub, message, timeout: float) -> tuple[str, float]:
         return error.code().name, time.perf_counter() - started
 
 
-def honest_run(stub) -> list[tuple[str, float]]:
-    return [call(stub, request(2048, 128, seed), timeout=2.0) for seed in range(HONEST_CALLS)]
+def honest_calls(stub, seeds) -> list[tuple[str, float]]:
+    return [call(stub, request(2048, 128, seed), timeout=2.0) for seed in seeds]
 
 
 def abandon(stub, stop: threading.Event, codes: Counter) -> None:
@@ -71,48 +84,102 @@ def with_abandoners(stub, work):
             thread.join()
 
 
+def codes_text(results: list[tuple[str, float]]) -> str:
+    return ", ".join(f"{c} {n}" for c, n in sorted(Counter(c for c, _ in results).items()))
+
+
 def row(name: str, results: list[tuple[str, float]]) -> str:
     seconds = [s for _, s in results]
-    codes = ", ".join(f"{c} {n}" for c, n in sorted(Counter(c for c, _ in results).items()))
-    return (f"| {name} | {statistics.median(seconds) * 1e3:.0f} ms | {max(seconds) * 1e3:.0f} ms | {codes} |")
+    return f"| {name} | {statistics.median(seconds) * 1e3:.0f} ms | {max(seconds) * 1e3:.0f} ms | {codes_text(results)} |"
+
+
+def side_by_side_row(name: str, new: list[tuple[str, float]], base: list[tuple[str, float]]) -> str:
+    n, b = ([s for _, s in results] for results in (new, base))
+    p50s, maxes = (statistics.median(n), statistics.median(b)), (max(n), max(b))
+    return (f"| {name} | {p50s[0] * 1e3:.0f} / {p50s[1] * 1e3:.0f} ms | {ratio(*p50s)} | "
+            f"{maxes[0] * 1e3:.0f} / {maxes[1] * 1e3:.0f} ms | {ratio(*maxes)} | {codes_text(new)} | {codes_text(base)} |")
+
+
+def drain(server) -> float:
+    started = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    server.proc.wait(120)
+    return time.monotonic() - started
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.abandon", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/bench/abandon.md"))
+    parser.add_argument("--baseline", type=Path, help="a checkout of another commit of this repository: its server "
+                        "is measured side by side with this tree's")
     args = parser.parse_args(argv)
-    from tests.planner_process import start_planner
-
-    server = start_planner("--drain-seconds", str(DRAIN_SECONDS), workers=2)
-    try:
-        with grpc.insecure_channel(server.address) as channel:
-            stub = planner_pb2_grpc.BatchPlannerStub(channel)
-            alone = honest_run(stub)
-            beside, abandoned = with_abandoners(stub, lambda: honest_run(stub))
-
-            def drain() -> float:
-                started = time.monotonic()
-                server.proc.send_signal(signal.SIGTERM)
-                server.proc.wait(120)
-                return time.monotonic() - started
-
-            took, _ = with_abandoners(stub, drain)
-    finally:
-        server.stop(signal.SIGKILL)
-    lines = [
-        "# Abandoned work: an honest client beside one that gives up",
-        "",
-        __doc__.split("\n\n")[2].replace("\n", " "),
-        "",
-        "| honest client | p50 | max | status codes |",
-        "|---|---|---|---|",
-        row("alone", alone),
-        row("beside the abandoning client", beside),
-        "",
-        f"Abandoning client: {sum(abandoned.values())} requests "
-        f"({', '.join(f'{c} {n}' for c, n in sorted(abandoned.items()))}).",
-        f"SIGTERM drain under that load: {took:.1f} s with --drain-seconds {DRAIN_SECONDS:.0f}.",
-    ]
+    trees = side_by_side_trees(args.baseline)
+    arms = range(len(trees))
+    seeds = list(range(HONEST_CALLS))
+    alone: list[list[tuple[str, float]]] = [[] for _ in arms]
+    beside: list[list[tuple[str, float]]] = [[] for _ in arms]
+    abandoned = [Counter() for _ in arms]
+    took = [0.0 for _ in arms]
+    with running(trees, *SERVER_FLAGS, workers=2, stop_signal=signal.SIGKILL) as servers:
+        channels = [grpc.insecure_channel(server.address) for server in servers]
+        stubs = [planner_pb2_grpc.BatchPlannerStub(channel) for channel in channels]
+        try:
+            for seed in seeds:  # alone: call by call, alternating which server goes first
+                for k in alternating(arms, seed):
+                    alone[k] += honest_calls(stubs[k], [seed])
+            # Beside the abandoning client: one round with one server; with two, each takes ROUNDS
+            # turns of a few calls, the abandoning client on the same server as the honest one.
+            rounds = 1 if len(trees) == 1 else ROUNDS
+            for r in range(rounds):
+                for k in alternating(arms, r):
+                    results, codes = with_abandoners(stubs[k], functools.partial(honest_calls, stubs[k], seeds[r::rounds]))
+                    beside[k] += results
+                    abandoned[k] += codes
+            for k in alternating(arms, rounds):
+                took[k], _ = with_abandoners(stubs[k], functools.partial(drain, servers[k]))
+        finally:
+            for channel in channels:
+                channel.close()
+    if len(trees) == 1:
+        lines = [
+            "# Abandoned work: an honest client beside one that gives up",
+            "",
+            __doc__.split("\n\n")[2].replace("\n", " "),
+            "",
+            "| honest client | p50 | max | status codes |",
+            "|---|---|---|---|",
+            row("alone", alone[0]),
+            row("beside the abandoning client", beside[0]),
+            "",
+            f"Abandoning client: {sum(abandoned[0].values())} requests "
+            f"({', '.join(f'{c} {n}' for c, n in sorted(abandoned[0].items()))}).",
+            f"SIGTERM drain under that load: {took[0]:.1f} s with --drain-seconds {DRAIN_SECONDS:.0f}.",
+        ]
+    else:
+        lines = [
+            f"# Abandoned work, side by side with {trees[1].commit}: an honest client beside one that gives up",
+            "",
+            __doc__.split("\n\n")[2].replace("\n", " "),
+            "",
+            __doc__.split("\n\n")[3].replace("\n", " "),
+            "",
+            side_by_side_intro(trees),
+            "",
+            machine_note(),
+            "",
+            "| honest client | p50 new / baseline | new/baseline p50 | max new / baseline | new/baseline max "
+            "| status codes new | status codes baseline |",
+            "|---|---|---|---|---|---|---|",
+            side_by_side_row("alone", alone[0], alone[1]),
+            side_by_side_row("beside the abandoning client", beside[0], beside[1]),
+            "",
+            "With 11 calls per row, max is p99. Abandoning client: "
+            + "; ".join(f"{tree.label} {sum(codes.values())} requests "
+                        f"({', '.join(f'{c} {n}' for c, n in sorted(codes.items()))})"
+                        for tree, codes in zip(trees, abandoned)) + ".",
+            f"SIGTERM drain under that load, --drain-seconds {DRAIN_SECONDS:.0f}: new {took[0]:.1f} s, "
+            f"baseline {took[1]:.1f} s (new/baseline {ratio(took[0], took[1])}).",
+        ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
