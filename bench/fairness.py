@@ -5,8 +5,9 @@
 One real planner (2 workers unless `--workers` says otherwise, --max-queued-requests 6: a bound of
 8 slots with 2 workers, --max-job-share 0.5: half of it per job) on loopback and two simulated training jobs. The quiet job ("quiet") plans 64 samples on 8
 ranks (hybrid_cp) one request after another and records each latency. The bursting job ("burst",
-a separate client process, as another job's trainers would be) keeps 32 concurrent requests of 4,096 samples on 256 ranks (hybrid_cp, about 2 s of scheduling
-each) going, retrying RESOURCE_EXHAUSTED with exponential backoff (0.1 s doubling to 1 s, as a
+a separate client process, as another job's trainers would be) keeps 32 concurrent requests of 4,096 samples on 256 ranks (hybrid_cp: tens of ms each on the
+exact path, the server's default; about 2 s with Megatron-Core's own code, which the results before
+the exact path ran) going, retrying RESOURCE_EXHAUSTED with exponential backoff (0.1 s doubling to 1 s, as a
 client should). Phases alternate (alone, with the burst, alone, with the burst) so that both arms
 see the same machine; a burst phase measures only once the burst holds its whole share, and the
 next phase starts once its work has drained. A last arm restarts the server with --max-job-share
