@@ -3,6 +3,7 @@ the largest requests with a 1 s deadline and walks away, side by side; then a SI
 that load, timed against --drain-seconds.
 
     python -m bench.abandon --out docs/bench/abandon.md
+    python -m bench.abandon --baseline ../planner-base --out docs/bench   # abandon_vs_<commit>.md
 
 One real planner (2 workers, --drain-seconds 5, --scheduler-implementation upstream) on loopback.
 The honest client sends 11 requests of 2,048 samples on 128 ranks one after another (2 s deadline
@@ -13,10 +14,10 @@ at their deadline; with the exact path (the server's default) the large request 
 under its 1 s and nothing is abandoned.
 
 With `--baseline PATH` (a checkout of another commit of this repository) that checkout's server runs
-too, with the same flags, and the report sets the two side by side with new / baseline: the honest
-client's calls alone alternate between the servers call by call; beside the abandoning client, the
-two servers take turns (the abandoning client moves with the honest one), in rounds of a few calls;
-the drains come last, one server after the other.
+too, with the same flags, and the report sets the two side by side with new / baseline, over 33
+honest calls per server and row: alone, the calls alternate between the servers call by call;
+beside the abandoning client, the two servers take 6 turns each (the abandoning client moves with
+the honest one); the drains come last, one server after the other (one drain each).
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ from bench.side_by_side import trees as side_by_side_trees
 
 HONEST_CALLS = 11
 DRAIN_SECONDS = 5.0
-ROUNDS = 4  # turns each server takes beside the abandoning client in a side-by-side run
+# A side-by-side run: the honest client's calls per server and row (11 calls leave new / baseline
+# of p50 to within +-25% between two identical trees), and the turns each server takes beside the
+# abandoning client.
+SIDE_BY_SIDE_CALLS = 33
+ROUNDS = 6
 # Megatron-Core's own code: plans slow enough that the abandoning client's outlast its deadline.
 SERVER_FLAGS = ("--drain-seconds", str(DRAIN_SECONDS), "--scheduler-implementation", "upstream")
 
@@ -114,13 +119,14 @@ def drain(server) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.abandon", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("docs/bench/abandon.md"))
+    parser.add_argument("--out", type=Path, default=Path("docs/bench/abandon.md"),
+                        help="the report's file, or a folder for abandon.md (abandon_vs_<commit>.md with --baseline)")
     parser.add_argument("--baseline", type=Path, help="a checkout of another commit of this repository: its server "
                         "is measured side by side with this tree's")
     args = parser.parse_args(argv)
     trees = side_by_side_trees(args.baseline)
     arms = range(len(trees))
-    seeds = list(range(HONEST_CALLS))
+    seeds = list(range(HONEST_CALLS if len(trees) == 1 else SIDE_BY_SIDE_CALLS))
     alone: list[list[tuple[str, float]]] = [[] for _ in arms]
     beside: list[list[tuple[str, float]]] = [[] for _ in arms]
     abandoned = [Counter() for _ in arms]
@@ -178,15 +184,18 @@ def main(argv: list[str] | None = None) -> int:
             side_by_side_row("alone", alone[0], alone[1]),
             side_by_side_row("beside the abandoning client", beside[0], beside[1]),
             "",
-            "With 11 calls per row, max is p99. Abandoning client: "
+            f"{len(seeds)} calls per server and row (with fewer than 100, max is p99). Abandoning client: "
             + "; ".join(f"{tree.label} {sum(codes.values())} requests "
                         f"({', '.join(f'{c} {n}' for c, n in sorted(codes.items()))})"
                         for tree, codes in zip(trees, abandoned)) + ".",
             f"SIGTERM drain under that load, --drain-seconds {DRAIN_SECONDS:.0f}: new {took[0]:.1f} s, "
             f"baseline {took[1]:.1f} s (new/baseline {ratio(took[0], took[1])}).",
         ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
+    out = args.out
+    if out.suffix != ".md":
+        out = out / ("abandon.md" if len(trees) == 1 else f"abandon_vs_{trees[1].commit}.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
