@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the benchmarks plot with matplotlib: install the `bench` extra")
 
-from bench import ahead, fairness, growth, hidden, overhead, quality, rl_wait, scaling, startup, trainer_cost  # noqa: E402
+from bench import ahead, fairness, growth, hidden, overhead, quality, rl_wait, scaling, side_by_side, startup, trainer_cost  # noqa: E402
 from bench.__main__ import summary  # noqa: E402
 from bench.common import Bar, BatchSize, Report, read_bars, write_report  # noqa: E402
 
@@ -63,6 +63,27 @@ def test_overhead_smoke(tmp_path, planner):
     assert report.rows[0].scheduler.runs == 5
     assert [bar.case for bar in report.bars] == ["64 on 8"]  # the 64-sample bar: added time
     assert_bars_stored(report)
+
+
+def test_overhead_side_by_side_smoke(tmp_path, planner):
+    # This tree stands in for the baseline checkout: the harness starts its server from that
+    # checkout and measures both, interleaved; the report names the baseline's commit.
+    report = overhead.run(tmp_path, smoke=True, address=planner.address, baseline=side_by_side.ROOT)
+    assert_report(report, 1)
+    row = report.rows[0]
+    assert row.baseline is not None and row.baseline.rpc.runs == row.rpc.runs == 5
+    baseline = side_by_side.trees(side_by_side.ROOT)[1]
+    assert report.path.name == f"overhead_vs_{baseline.commit}_smoke.md"
+    text = report.path.read_text()
+    assert "New and baseline side by side" in text and f"**baseline** = commit {baseline.commit}" in text
+    assert_bars_stored(report)
+
+
+def test_side_by_side_refuses_a_flag_a_tree_lacks():
+    trees = side_by_side.trees(side_by_side.ROOT)
+    side_by_side.check_flags(trees, ["--max-job-share", "0.5", "--drain-seconds=5"])
+    with pytest.raises(SystemExit, match="has no --no-such-flag"):
+        side_by_side.check_flags(trees, ["--no-such-flag", "1"])
 
 
 def test_scaling_smoke(tmp_path, planner):
