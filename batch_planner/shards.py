@@ -76,11 +76,3 @@ def _contiguous(padded: Sequence[int], cp_size: int, cp_rank: int) -> list[Shard
         if offset >= end:
             break
     return ranges
-
-
-def shard_tokens_per_sequence(ranges: Sequence[ShardRange], num_sequences: int) -> list[int]:
-    """How many rows (padding included) of each sequence of the unit the ranges hold."""
-    counts = [0] * num_sequences
-    for r in ranges:
-        counts[r.index] += r.stop - r.start
-    return counts

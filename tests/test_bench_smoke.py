@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the benchmarks plot with matplotlib: install the `bench` extra")
 
-from bench import ahead, fairness, growth, hidden, overhead, quality, rl_wait, scaling, side_by_side, startup, trainer_cost  # noqa: E402
+from bench import ahead, auto_transfer, fairness, growth, hidden, overhead, quality, rl_wait, scaling, side_by_side, startup, trainer_cost  # noqa: E402
 from bench.__main__ import summary  # noqa: E402
 from bench.common import Bar, BatchSize, Report, read_bars, write_report  # noqa: E402
 
@@ -177,6 +177,14 @@ def test_quality_smoke(tmp_path):
     # auto: every distribution under every preset, never slower than the best static CP it tried.
     assert len(autos) == 4 * len(quality.AUTO_PRESETS)
     assert all(a.cost_over_bound >= 0.999 and (a.speedup_over_best_static or 1.0) >= 1.0 for a in autos)
+
+
+def test_auto_transfer_smoke(tmp_path):
+    # The handler's two ways of loading auto's candidates answer the same bytes (the run asserts
+    # it), each arm timed every run.
+    report = auto_transfer.run(tmp_path, smoke=True)
+    assert [(r.what, r.size.samples) for r in report.rows] == [("handler", 64)]
+    assert report.rows[0].first.runs == report.rows[0].second.runs == auto_transfer.SMOKE_RUNS
 
 
 def test_startup_smoke(tmp_path):

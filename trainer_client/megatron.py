@@ -164,16 +164,6 @@ class DataGroups:
         return groups
 
     @property
-    def is_first_tp_rank(self) -> bool:
-        return self.tp.rank() == 0
-
-
-def rerun_data_iterator(items: list[Any]) -> Any:
-    """Megatron-Core's RerunDataIterator over `items` (what its schedules expect to be handed)."""
-    from megatron.core.rerun_state_machine import RerunDataIterator
-
-    return RerunDataIterator(iter(items))
-
 
 def unpack_hybrid_cp_batch(batch: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
     """The sub-samples of a list of packed samples, cut exactly as Megatron-Core's

@@ -25,10 +25,6 @@ from batch_planner.v1 import planner_pb2_grpc
 from trainer_client.config import ConfigError, PlannerClientConfig
 from trainer_client.metrics import TrainerMetrics
 
-# gRPC's retryPolicy caps maxAttempts at 5 (larger values are lowered to 5).
-GRPC_MAX_ATTEMPTS = 5  # trainer_client.config refuses more
-
-
 class PlanRejectedError(ValueError):
     """The planner (or the in-process planner) refused the request itself; retrying cannot help."""
 
@@ -134,7 +130,7 @@ def service_config(config: PlannerClientConfig) -> dict:
     plan = {"name": [{"service": pb.DESCRIPTOR.services_by_name["BatchPlanner"].full_name, "method": "Plan"}]}
     if config.max_attempts > 1:  # gRPC refuses a retryPolicy of one attempt
         plan["retryPolicy"] = {
-            "maxAttempts": min(config.max_attempts, GRPC_MAX_ATTEMPTS),
+            "maxAttempts": config.max_attempts,  # 2..5: gRPC's cap, which the config enforces
             "initialBackoff": _duration(config.initial_backoff_seconds),
             "maxBackoff": _duration(config.max_backoff_seconds),
             "backoffMultiplier": config.backoff_multiplier,
