@@ -163,7 +163,6 @@ class DataGroups:
             raise ValueError(f"process group(s) {missing} are None: initialise Megatron-Core's parallel_state first")
         return groups
 
-    @property
 
 def unpack_hybrid_cp_batch(batch: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
     """The sub-samples of a list of packed samples, cut exactly as Megatron-Core's
