@@ -12,10 +12,17 @@ from google.protobuf.message import DecodeError
 
 from batch_planner.v1 import planner_pb2 as pb
 
-# Bytes a PlanRequest holds besides its sample lengths: layout, limits, enums and a job name of at
-# most 63 characters. Longer messages are not parsed in the handler thread to find their size.
-_REQUEST_FIXED_BYTES = 256
+# Bytes a PlanRequest holds besides its sample lengths, at most: layout, limits, enums, a job name
+# of at most 63 characters and a cost model with its profiles. Longer messages are not parsed in
+# the handler thread.
+_REQUEST_FIXED_BYTES = 4096
 _MAX_VARINT_BYTES = 10
+
+
+def request_bytes_bound(samples: int) -> int:
+    """More bytes than a PlanRequest of at most `samples` samples can take (each length a varint of
+    at most 10 bytes): a longer message is not one validation would accept at that limit."""
+    return _REQUEST_FIXED_BYTES + _MAX_VARINT_BYTES * samples
 
 
 class PoolOverloaded(Exception):
@@ -85,7 +92,7 @@ class InlineBound:
     def admits(self, request_bytes: bytes) -> bool:
         if self.max_samples <= 0:
             return False
-        if len(request_bytes) > _REQUEST_FIXED_BYTES + _MAX_VARINT_BYTES * self.max_samples:
+        if len(request_bytes) > request_bytes_bound(self.max_samples):
             return False  # too many samples to be small; not worth parsing here
         try:
             message = pb.PlanRequest.FromString(request_bytes)

@@ -207,6 +207,6 @@ def plan_candidate_in_worker(candidate: Candidate, plan_one: PlanOne) -> tuple[O
     return replace(outcome, plan=replace(outcome.plan, micro_batches=())), pickle.dumps(outcome.plan.micro_batches, protocol=5)
 
 
-def plan_in_worker(request_bytes: bytes, deadline: float) -> WorkerResult:
+def plan_in_worker(request_bytes: bytes, deadline: float, admitted_job: str = "") -> WorkerResult:
     """What the pool submits to a worker for a request: plan_request_bytes with the worker's settings."""
-    return plan_request_bytes(request_bytes, deadline, _settings.limits, _settings.cost_model)
+    return plan_request_bytes(request_bytes, deadline, _settings.limits, _settings.cost_model, admitted_job)

@@ -27,7 +27,7 @@ from batch_planner.plan import Plan
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.validation import RequestLimits
 from planner_server import planning_worker
-from planner_server.admission import Admission, InlineBound, JobShareExceeded, PoolOverloaded
+from planner_server.admission import Admission, InlineBound, JobShareExceeded, PoolOverloaded, request_bytes_bound
 from planner_server.planning_worker import (
     WorkerResult, parse, plan_candidate_in_worker, plan_in_worker, plan_parsed, plan_request_bytes, worker_initializer,
 )
@@ -95,6 +95,10 @@ class PlanningPool:
         self.limits = limits
         self.cost_model = cost_model
         self.inline = inline
+        # The handler parses a request (to run auto's candidates on the workers) only up to the size
+        # of the largest valid one: parsing a hostile 64 MiB message in every handler thread would
+        # leave that much resident in each thread's malloc arena.
+        self._parse_bound = request_bytes_bound(limits.max_samples_per_request)
         # Requests planning in a handler thread now: nothing can stop one, so a server that drains
         # with one still running ends its process rather than wait for it (server.serve).
         self.inline_running = 0
@@ -157,14 +161,15 @@ class PlanningPool:
                     self.inline_running -= 1
                 self.admission.release(1, job)
         end = time.monotonic() + timeout
-        parsed = parse(request_bytes, deadline, job)
-        if isinstance(parsed, WorkerResult):
-            return parsed  # not a PlanRequest, its deadline has passed, or its job disagrees: no worker needed
-        if parsed[0].scheduler == pb.SCHEDULER_AUTO:
-            return self._plan_auto(parsed, end, on_abandon, job)
+        if len(request_bytes) <= self._parse_bound:  # a larger one cannot be valid: its worker says why
+            parsed = parse(request_bytes, deadline, job)
+            if isinstance(parsed, WorkerResult):
+                return parsed  # not a PlanRequest, its deadline has passed, or its job disagrees: no worker needed
+            if parsed[0].scheduler == pb.SCHEDULER_AUTO:
+                return self._plan_auto(parsed, end, on_abandon, job)
         work = self.admit(1, job)
         try:
-            return self._run(work, plan_in_worker, request_bytes, deadline, timeout=timeout, on_abandon=on_abandon)
+            return self._run(work, plan_in_worker, request_bytes, deadline, job, timeout=timeout, on_abandon=on_abandon)
         finally:
             work.close()
 
