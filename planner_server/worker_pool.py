@@ -201,6 +201,8 @@ class PlanningPool:
         if time.monotonic() - started > timeout:
             raise TimeoutError  # the caller has given up: the same answer a slow worker gets
         return result
+
+
 class _WorkerCandidates:
     """The core's run_candidates seam on the workers: each round of auto's candidates reserves a
     slot per candidate (the work it really causes), runs them side by side and stops them all when
