@@ -1,30 +1,11 @@
 """The `auto` policy: serve the cheapest of Megatron-Core's candidate plans for a request.
 
 No scheduling algorithm lives here. Every candidate is a plan from one of Megatron-Core's
-schedulers (batch_planner/schedulers.py), validated and checked like any other plan; the only
-decision made here is which candidate to serve: the one with the lowest predicted step cost under
-the request's cost model (docs/cost-model.md), ties going to the earlier candidate (`serve`). The candidates
-(docs/design.md, "The auto policy"), in this order:
-
-1. static CP at the job's CP size: every sample split over the job's CP group, packed by
-   Megatron-Core's `DpBalancedScheduler` (what the job runs without a planner). Listed first, so
-   that auto never serves a plan predicted dearer than it, and serves it on a tie;
-2. dynamic CP (`DefaultDynamicCPScheduler`) with `max_seqlen_per_dp_cp_rank` at the job's limit
-   and at 3/4 and 1/2 of it (a tighter budget spreads long samples over more ranks), each with
-   the job's `min_cp_size` and with a minimum CP size of 2;
-3. hybrid CP (0.19's `BalancedCPScheduler`) at the same three budgets;
-4. static CP at every other CP size Megatron-Core builds groups of (batch_planner/cp_groups.py).
-
-A candidate the installed Megatron-Core lacks, that validation refuses, whose scheduler fails, or
-whose plan breaks an invariant is listed with the reason and never served. With none left the
-request fails, naming every candidate's reason.
-
-Skipping what cannot win: hybrid CP candidates are planned after the others (`deferred`), and one
-whose proven lower bound (`lower_bound`) is above the cheapest cost already planned is listed as
-skipped, with its bound, instead of being planned. The served plan is the one planning every
-candidate would serve: a skipped candidate's cost is above that bound, so it cannot be the
-cheapest, and ties go to the earlier candidate either way (docs/design.md, "The auto policy",
-states the proof).
+schedulers, validated and checked like any other plan; the only decision made here is which to
+serve: the one with the lowest predicted step cost under the request's cost model, ties going to
+the earlier candidate. docs/design.md ("The auto policy") lists the candidates and their order
+(`candidates`), what happens to one that cannot plan, and the proof that skipping a candidate
+whose lower bound (`lower_bound`) is above a cost already planned serves the same plan.
 
 All of auto lives here: the candidates, the two rounds and the skip (`plan_auto`), and the answer
 (`serve`). Who plans each candidate is the caller's choice, the one seam (`RunCandidates`): this
@@ -182,20 +163,11 @@ def _static(request: PlanRequest, cp: int) -> Candidate:
 
 def lower_bound(request: PlanRequest, model: CostModel) -> float | None:
     """A lower bound on the predicted step cost of every plan hybrid CP can return for `request`
-    (None for the other schedulers: their candidates are cheap to plan).
-
-    Hybrid CP runs each sample of a CP group as its own pass (capacity bound per sample), and
-    every DPxCP rank is in exactly one CP group of each micro-batch. A micro-batch lasts as long as
-    its slowest rank, which is at least the average over its ranks, so the step (the sum over
-    micro-batches) is at least the total rank-seconds of all groups divided by DPxCP. A sample of
-    length L on a group of c ranks adds c times its share of the group's time (cost.unit_features):
-
-        seconds_per_token * P + seconds_per_attention_token_pair * L^2
-        + c * (seconds_per_pass + cp_seconds_per_micro_batch [c > 1]) + cp_seconds_per_token * P * (c - 1)
-
-    with P >= L its padded length, and c at least the CP size BalancedCPScheduler gives L (the
-    smallest power of two with c * max_seqlen_per_dp_cp_rank >= L; it only ever grows a group).
-    Every term grows with P and c, so L and that c give the bound.
+    (None for the other schedulers: their candidates are cheap to plan). The step is at least the
+    total rank-seconds of all groups over DPxCP; a sample of length L adds, over the c ranks of its
+    group, c times its share of the group's time (cost.unit_features), with its padded length at
+    least L and c at least the CP size BalancedCPScheduler gives it (docs/design.md, "Skipping
+    candidates that cannot win", has the proof).
     """
     if request.scheduler is not SchedulerKind.HYBRID_CP:
         return None
