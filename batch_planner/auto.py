@@ -78,6 +78,10 @@ class Outcome:
         return self.candidate.summary(self.cost, self.reason, skipped_lower_bound=self.skipped_lower_bound)
 
 
+# Plans a round of candidates, their outcomes in order. One that has an `expect(count)` method is
+# told, once before the first round, how many candidates the request has (the most it will be
+# asked to plan): the server reserves a slot for each then, so no round is refused after another's
+# work is done.
 RunCandidates = Callable[[Sequence[Candidate], PlanOne], list[Outcome]]
 
 
@@ -110,6 +114,9 @@ def plan_candidates(
 ) -> list[Outcome]:
     """The candidates in two rounds: first every one but the deferred, then those of the deferred
     that the first round's best cost does not skip."""
+    expect = getattr(run_candidates, "expect", None)
+    if expect is not None:
+        expect(len(found))
     later = set(deferred(found))
     first = [k for k in range(len(found)) if k not in later]
     outcomes: dict[int, Outcome] = dict(zip(first, run_candidates([found[k] for k in first], plan_one)))

@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 from batch_planner.auto import Candidate, Outcome, PlanOne, RunCandidates, plan_candidate, plan_serially
 from batch_planner.convert import JOB_METADATA_KEY, plan_to_proto, request_from_proto, scheduler_label
 from batch_planner.cost_spec import CostModel
-from batch_planner.errors import ErrorCode, InvariantViolationError, PlanningError
+from batch_planner.errors import ErrorCode, InvalidRequestError, InvariantViolationError, PlanningError
 from batch_planner.plan import CandidateSummary, Plan
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
@@ -63,14 +63,15 @@ def request_digest(request_bytes: bytes) -> str:
 
 
 def plan_request_bytes(
-    request_bytes: bytes, deadline: float, limits: RequestLimits, cost_model: CostModel, admitted_job: str = ""
+    request_bytes: bytes, deadline: float, limits: RequestLimits, cost_model: CostModel, admitted_job: str = "",
+    run_candidates: RunCandidates = plan_serially,
 ) -> WorkerResult:
     """Plans one serialized PlanRequest in this process; `deadline` is wall-clock seconds since the epoch."""
     received = time.perf_counter()
     parsed = parse(request_bytes, deadline, admitted_job)
     if isinstance(parsed, WorkerResult):
         return parsed
-    result = plan_parsed(*parsed, limits, cost_model)
+    result = plan_parsed(*parsed, limits, cost_model, run_candidates)
     return replace(result, planning_seconds=time.perf_counter() - received)
 
 
@@ -208,5 +209,14 @@ def plan_candidate_in_worker(candidate: Candidate, plan_one: PlanOne) -> tuple[O
 
 
 def plan_in_worker(request_bytes: bytes, deadline: float, admitted_job: str = "") -> WorkerResult:
-    """What the pool submits to a worker for a request: plan_request_bytes with the worker's settings."""
-    return plan_request_bytes(request_bytes, deadline, _settings.limits, _settings.cost_model, admitted_job)
+    """What the pool submits to a worker for a request: plan_request_bytes with the worker's settings.
+    An auto request reaches a worker only when it is larger than the handler parses (a valid one
+    never is): it is refused rather than have one worker plan every candidate on one slot."""
+    return plan_request_bytes(request_bytes, deadline, _settings.limits, _settings.cost_model, admitted_job, _refuse_auto)
+
+
+def _refuse_auto(found: Sequence[Candidate], plan_one: PlanOne) -> list[Outcome]:
+    raise InvalidRequestError(
+        "request: an auto request larger than any request within this server's limits, though its samples are within "
+        "them (fields batch_planner.v1.PlanRequest does not have?); send only the request's own fields", field="request",
+    )

@@ -135,7 +135,7 @@ class PlannerServer:
         # The calls run at once: every request the pool admits, plus the ones it refuses at once,
         # health checks and capability calls. RpcLimit enforces it and counts its refusals (gRPC's
         # own maximum_concurrent_rpcs would refuse without telling us). Handler threads only wait on
-        # workers; 16 more than the bound, so a refusal never waits for a thread.
+        # workers; 16 more than the bound, so a refusal rarely waits for a thread.
         rpc_limit = RpcLimit(self.pool.capacity + config.extra_concurrent_rpcs, self.metrics.rpc_limit_rejections.inc)
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=rpc_limit.limit + 16, thread_name_prefix="grpc"),
@@ -146,6 +146,9 @@ class PlannerServer:
                 ("grpc.so_reuseport", 0),
                 *connection_age_options(config),
             ],
+            # A backstop past our own limit: calls beyond it are refused by gRPC before they take a
+            # handler thread (and are not counted), so a burst cannot queue without end.
+            maximum_concurrent_rpcs=rpc_limit.limit + 16,
         )
         self.servicer = PlannerServicer(config, self.pool, self.metrics)
         self.metrics.track_pool(self.pool)

@@ -1,7 +1,9 @@
 """The thin gRPC servicer: moves bytes to a planning worker and maps results to status codes.
 
-Plan is registered without a request deserializer and response serializer: the worker parses the
-request and serializes the response, so this process spends no GIL time on large messages.
+Plan is registered without a request deserializer and response serializer: the pool
+(planner_server/worker_pool.py) parses a request no larger than a valid one, to route it, and a
+worker parses it again, plans it and serializes the response. An auto request is assembled in this
+process (docs/design.md, "The auto policy"): tens of milliseconds of its GIL at 16,384 samples.
 """
 
 from __future__ import annotations

@@ -165,6 +165,7 @@ class PlanningPool:
             parsed = parse(request_bytes, deadline, job)
             if isinstance(parsed, WorkerResult):
                 return parsed  # not a PlanRequest, its deadline has passed, or its job disagrees: no worker needed
+            job = job or parsed[1]["job"]  # a client that sends no metadata: the message's job
             if parsed[0].scheduler == pb.SCHEDULER_AUTO:
                 return self._plan_auto(parsed, end, on_abandon, job)
         work = self.admit(1, job)
@@ -177,7 +178,10 @@ class PlanningPool:
         """auto, assembled by the core (batch_planner/auto.py) in this thread, its candidates
         planned side by side on the workers (`_WorkerCandidates`)."""
         run = _WorkerCandidates(self, end, on_abandon, job)
-        result = plan_parsed(*parsed, self.limits, self.cost_model, run, passes=(PoolOverloaded, TimeoutError, WorkersLost), finish=run.finish)
+        try:
+            result = plan_parsed(*parsed, self.limits, self.cost_model, run, passes=(PoolOverloaded, TimeoutError, WorkersLost), finish=run.finish)
+        finally:
+            run.close()
         # The worker time of every candidate: what one auto request costs the replica, so the plan
         # rates GetCapabilities reports for auto say how many a replica plans per second.
         return replace(result, scheduler_seconds=run.seconds, planning_seconds=run.seconds)
@@ -204,23 +208,29 @@ class PlanningPool:
 
 
 class _WorkerCandidates:
-    """The core's run_candidates seam on the workers: each round of auto's candidates reserves a
-    slot per candidate (the work it really causes), runs them side by side and stops them all when
-    the caller goes away or the deadline passes. The plans come back without their micro-batches,
-    which stay pickled until `finish` gives the served plan its own."""
+    """The core's run_candidates seam on the workers. Before the first round it reserves a slot for
+    every candidate of the request (`expect`: no round is refused after another's work); each round
+    runs side by side, and all stop when the caller goes away or the deadline passes; `close` gives
+    back the slots of candidates never planned (skipped). The plans come back without their
+    micro-batches, which stay pickled until `finish` gives the served plan its own."""
 
     def __init__(self, pool: PlanningPool, end: float, on_abandon, job: str):
         self._pool, self._end, self._on_abandon, self._job = pool, end, on_abandon, job
+        self._work: Work | None = None
         self._micro_batches: dict[str, bytes] = {}  # by candidate name
         self.seconds = 0.0  # worker time of the candidates planned
 
+    def expect(self, count: int) -> None:
+        self._work = self._pool.admit(count, self._job)
+        if self._on_abandon is not None and self._on_abandon(self._work.cancel) is False:
+            self._work.cancel()  # the RPC has already ended
+
     def __call__(self, found: list[Candidate], plan_one: PlanOne) -> list[Outcome]:
-        work = self._pool.admit(len(found), self._job)
-        try:
-            tasks = [work.submit(plan_candidate_in_worker, candidate, plan_one) for candidate in found]
-            results = self._pool._run_all(work, tasks, self._end, self._on_abandon)
-        finally:
-            work.close()
+        assert self._work is not None, "the core tells expect() the candidate count first"
+        if time.monotonic() >= self._end:
+            raise TimeoutError  # the deadline passed between rounds: start no worker on it
+        tasks = [self._work.submit(plan_candidate_in_worker, candidate, plan_one) for candidate in found]
+        results = self._pool._run_all(self._work, tasks, self._end, on_abandon=None)
         for outcome, micro_batches in results:
             self._micro_batches[outcome.candidate.name] = micro_batches
             self.seconds += outcome.seconds
@@ -229,3 +239,7 @@ class _WorkerCandidates:
     def finish(self, plan: Plan) -> Plan:
         served = next(c.name for c in plan.candidates if c.served)
         return replace(plan, micro_batches=pickle.loads(self._micro_batches[served]))
+
+    def close(self) -> None:
+        if self._work is not None:
+            self._work.close()

@@ -109,6 +109,10 @@ def test_a_flooding_job_is_refused_naming_its_share_while_another_job_is_planned
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "job 'burst'" in refused.value.details() and "its share is 2" in refused.value.details()
             assert metric(server.metrics_url, "batch_planner_job_share_rejections_total", training_job="burst") == 1
+            # A client that sends no metadata (an older one, grpcurl) is admitted under its message's job.
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Plan(big, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "job 'burst'" in refused.value.details()
             # The other job still gets its plans, inline and on a worker (the bound has 2 slots left).
             quiet = stub.Plan(request("quiet", samples=64, dp=8), timeout=60, metadata=job("quiet"))
             assert quiet.micro_batches

@@ -219,6 +219,18 @@ def test_a_job_metadata_that_disagrees_with_the_messages_job_is_invalid_argument
     raw_plan_method(channel)(message.SerializeToString(), timeout=60, metadata=((JOB_METADATA_KEY, "job-in-body"),))
 
 
+def test_an_auto_request_padded_past_any_valid_size_is_refused_not_planned_on_one_worker(channel):
+    # The handler parses (and spreads auto's candidates over the workers) only requests up to the
+    # size of the largest valid one; a valid auto request padded with an unknown field past that
+    # must not have one worker plan every candidate on one slot of the per-job share.
+    message = valid_request(scheduler=pb.SCHEDULER_AUTO).SerializeToString()
+    padding = _field(1000, 2, _varint(SAMPLE_LIMIT * 12) + b"x" * (SAMPLE_LIMIT * 12))
+    assert call_raw(channel, message)[0] == grpc.StatusCode.OK
+    code, details = call_raw(channel, message + padding)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "request:" in details and "auto" in details
+
+
 def test_hostile_job_names_never_reach_the_metrics(planner, channel):
     # A refused request's job name must not become a metric label: 64 distinct 50 kB names would
     # otherwise pin megabytes in the registry and in every scrape.
