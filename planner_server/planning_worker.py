@@ -177,13 +177,7 @@ def warm_up() -> None:
     plan_batch(PlanRequest.of((4096, 2048, 1024, 512, 512, 256, 128, 64), 4, 2, 4096))
 
 
-@dataclass(frozen=True)
-class _WorkerSettings:
-    limits: RequestLimits
-    cost_model: CostModel
-
-
-_settings = _WorkerSettings(RequestLimits(), CostModel())
+_settings: tuple[RequestLimits, CostModel] = (RequestLimits(), CostModel())  # the server's, once per worker
 
 
 def worker_initializer(
@@ -194,7 +188,7 @@ def worker_initializer(
     global _settings
     select_implementation(scheduler_implementation)
     configure_logging(log_level, log_format, process="worker")
-    _settings = _WorkerSettings(limits, cost_model)
+    _settings = (limits, cost_model)
     warm_up()
 
 
@@ -212,7 +206,7 @@ def plan_in_worker(request_bytes: bytes, deadline: float, admitted_job: str = ""
     """What the pool submits to a worker for a request: plan_request_bytes with the worker's settings.
     An auto request reaches a worker only when it is larger than the handler parses (a valid one
     never is): it is refused rather than have one worker plan every candidate on one slot."""
-    return plan_request_bytes(request_bytes, deadline, _settings.limits, _settings.cost_model, admitted_job, _refuse_auto)
+    return plan_request_bytes(request_bytes, deadline, *_settings, admitted_job, _refuse_auto)
 
 
 def _refuse_auto(found: Sequence[Candidate], plan_one: PlanOne) -> list[Outcome]:

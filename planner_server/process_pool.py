@@ -7,9 +7,8 @@
   slot thread starts a replacement at once and says why (`on_restart(DIED | ABANDONED)`). A task
   lost with a worker that died on its own runs again (functions run here must be deterministic),
   up to `ATTEMPTS` times, then fails with WorkersLost.
-- Workers fork from a forkserver that imported the `preload` modules once; a forkserver that died
-  is started again by multiprocessing on the next start, which this pool retries with backoff.
-Why not pebble's ProcessPool: docs/design.md, "Why our own process pool".
+- Workers fork from a forkserver that imported the `preload` modules once; one that died is started
+  again on the next start, retried with backoff. Why not pebble: docs/design.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
-"""The bound on calls the server runs at once, enforced and counted with public gRPC API only.
-
-gRPC's own `maximum_concurrent_rpcs` refuses without telling any code of ours (counting its
-refusals meant reading grpcio's private state), so the server does not set it; this does:
+"""The bound on calls the server runs at once, enforced and counted with public gRPC API only;
+gRPC's own `maximum_concurrent_rpcs` is a backstop past it (docs/reliability.md).
 - gRPC runs interceptors in its one polling thread, one call at a time, as it looks up a handler.
 - A call is counted from then until its behaviour returns (a streamed response: until it ends).
   When gRPC never runs the behaviour (the caller cancelled before its message arrived, a message
   that does not deserialize), the count comes back when gRPC drops the per-call behaviour
   (`weakref.finalize`; CPython frees it as the call's work item ends): no call leaks a slot.
-- A refusal is gRPC's own status and words, answered from a handler thread: the server has more
-  handler threads than the bound (server.py), so it never waits behind calls holding threads.
+- A refusal is gRPC's own status and words, answered from a handler thread.
 """
 
 from __future__ import annotations

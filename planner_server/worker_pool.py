@@ -1,17 +1,10 @@
 """The planning pool: admission (planner_server/admission.py) in front of the worker processes
-(planner_server/process_pool.py), and inline planning for small requests.
-
-- A request reserves slots (one per task it will run) before any work starts; each comes back
-  when its task has really stopped (a result, a queued task dropped, its worker killed), so the
-  bound and `in_flight` count what runs. `Work.cancel()` (the caller went away, or its deadline
-  passed) stops them all: Megatron-Core's schedulers cannot be interrupted, so killing the worker
-  is the only way to stop paying for a plan nobody waits for.
-- Inline: a request within `InlineBound` is planned in the calling (gRPC handler) thread. The
-  schedulers hold the GIL, so this is only for requests that plan in a few milliseconds, for which
-  the hop to a worker costs about as much as the planning; it cannot be cancelled, which is why it
-  is bounded, and it is never given work that can loop: validation refuses every layout where
-  upstream's code can (batch_planner/domain.py). A drain that still finds one running ends the
-  process rather than wait for the thread (planner_server/server.py, `serve`).
+(planner_server/process_pool.py), inline planning of small requests, and auto's candidates on the
+workers. A request reserves a slot per task before any work starts; each comes back once its task
+has really stopped, and `Work.cancel()` (the caller went away, or its deadline passed) kills the
+workers running them: Megatron-Core's schedulers cannot be interrupted. An inline request runs in
+the handler thread and cannot be stopped, so it is bounded (`InlineBound`) and never given work
+that can loop (batch_planner/domain.py); a drain that finds one running ends the process.
 """
 
 from __future__ import annotations
@@ -170,7 +163,8 @@ class PlanningPool:
                 return self._plan_auto(parsed, end, on_abandon, job)
         work = self.admit(1, job)
         try:
-            return self._run(work, plan_in_worker, request_bytes, deadline, job, timeout=timeout, on_abandon=on_abandon)
+            task = work.submit(plan_in_worker, request_bytes, deadline, job)
+            return self._run_all(work, [task], end, on_abandon)[0]
         finally:
             work.close()
 
@@ -185,9 +179,6 @@ class PlanningPool:
         # The worker time of every candidate: what one auto request costs the replica, so the plan
         # rates GetCapabilities reports for auto say how many a replica plans per second.
         return replace(result, scheduler_seconds=run.seconds, planning_seconds=run.seconds)
-
-    def _run(self, work: Work, fn, *args, timeout: float, on_abandon):
-        return self._run_all(work, [work.submit(fn, *args)], time.monotonic() + timeout, on_abandon)[0]
 
     @staticmethod
     def _run_all(work: Work, tasks: list[Task], end: float, on_abandon) -> list:
