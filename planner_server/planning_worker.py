@@ -1,10 +1,8 @@
 """A request's bytes in, a WorkerResult (the serialized response, or the status and message) out.
 
-Megatron-Core's schedulers are pure Python and hold the GIL, so the server plans in separate
-processes: a worker parses the request itself and returns the serialized response
-(`plan_in_worker`), so the gRPC process only moves bytes. An `auto` request is the exception: the
-handler runs the core's `plan_batch` with its candidates on the workers (`plan_parsed` with the
-pool's `run_candidates`), so that auto is assembled in one place (batch_planner/auto.py).
+The schedulers hold the GIL, so a worker process parses, plans and serializes (`plan_in_worker`)
+and the gRPC process moves bytes. An auto request is assembled in the handler by the core's
+`plan_batch`, its candidates on the workers (`plan_parsed` with the pool's `run_candidates`).
 """
 
 from __future__ import annotations

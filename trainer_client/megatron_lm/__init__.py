@@ -1,13 +1,8 @@
 """A drop-in for Megatron-LM's own training loop: the planner behind Megatron-Core's data-iterator
-contract (docs/megatron-lm.md says how to use it and what changes against Megatron-Core's wrappers).
-
-Two drop-ins, one for each contract Megatron-LM's `training.py` uses: `HybridCPDataLoaderWrapper`
-(0.19.x, `--hybrid-context-parallel`) and `wrap_data_iterator` (dev branch,
-`--sequence-packing-scheduler default_dynamic_cp | dp_balanced`), each with Megatron-Core's
-arguments and return values. The modules, one concern each: `settings` (the planner settings),
-`checks` (one step's input, checked and agreed over the DPxCP group), `routing` (the plan in
-Megatron-Core's shape, the all-to-all), `read_ahead` (the step planner one global batch ahead), and
-the two drop-ins, `hybrid_cp` and `packing`.
+contract (docs/megatron-lm.md). Two drop-ins, one per contract Megatron-LM's `training.py` uses:
+`HybridCPDataLoaderWrapper` (0.19.x, `--hybrid-context-parallel`) and `wrap_data_iterator` (dev
+branch, `--sequence-packing-scheduler default_dynamic_cp | dp_balanced`), each with Megatron-Core's
+arguments and return values; each module here says its own concern.
 """
 
 from trainer_client.megatron_lm.checks import DropInInputError, GlobalLayout, LocalBatch, check_packed_sample
