@@ -1,0 +1,319 @@
+"""What one rank of the Bridge drop-in tests runs: Bridge's own distributed initialisation, rerun
+state machine, `train_step`, `evaluate`, GPT forward step and loss, on a tiny Megatron-Core
+GPTModel, with the drop-in enabled and the planner on loopback.
+
+CPU stand-ins, each named as such, for what needs CUDA here:
+- `tests.megatron_init`'s stand-ins for `torch.cuda.current_device` / `synchronize` (the dev
+  build's group creation calls them even on gloo);
+- `DataParallelStandIn` for Megatron-Core's `DistributedDataParallel` (its gradient buffers and
+  streams are CUDA): the contract `train_step` and Megatron-Core's real `finalize_model_grads` use
+  (`zero_grad_buffer`, `finish_grad_sync` = all-reduce over DPxCP, `scale_gradients`);
+- `OptimizerStandIn` for `get_megatron_optimizer` (which needs those buffers): plain SGD with
+  MegatronOptimizer's `zero_grad` / `step` contract;
+- `torch.cuda.get_rng_state` / `set_rng_state`, which the rerun state machine calls around a rerun;
+- `CudaOnCpuStandIn`: a tensor the loop's own code asks for on CUDA (Megatron-Core's schedule, its
+  token count; Bridge's `evaluate`, its loss sums) is made on the CPU;
+- the model's layer has no self-attention (`IdentityOp`): Megatron-Core's local attention takes no
+  packed THD input with a CP group, only Transformer Engine's does (docs/megatron-bridge.md says
+  what only GPUs show). Each token's loss then depends on its token and position only, so a
+  single-process reference over the unsharded samples gives the same loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import warnings
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+VOCAB = 64
+HIDDEN = 16
+MAX_POSITION = 512
+MAX_SEQLEN_PER_RANK = 64
+MICRO_BATCHES = 2  # Bridge's num_microbatches: packed micro-batches each DP rank reads per step
+LR = 0.5
+
+
+def sequence_lengths(step: int, dp_rank: int, micro_batch: int) -> list[int]:
+    """The sequences packed in one micro-batch: long-tail lengths, one past a single rank's budget."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * dp_rank + micro_batch)
+    count = 2 + int(torch.randint(0, 3, (1,), generator=g))
+    lengths = [int(x) for x in torch.randint(1, 48, (count,), generator=g)]
+    if (step + dp_rank + micro_batch) % 3 == 0:
+        lengths[0] = 65 + int(torch.randint(0, 60, (1,), generator=g))  # longer than one rank holds: CP2 or more
+    return lengths
+
+
+def micro_batch(step: int, dp_rank: int, index: int) -> dict[str, torch.Tensor]:
+    """One of Bridge's packed micro-batches ([1, T] fields, `cu_seqlens` padded with -1 as Bridge's
+    packed datasets pad it, `cu_seqlens_argmin`). Every token id is drawn from the sample's own
+    seed, so each sample is recognisable by its tokens."""
+    lengths = sequence_lengths(step, dp_rank, index)
+    tokens, labels, masks, positions = [], [], [], []
+    for k, n in enumerate(lengths):
+        g = torch.Generator().manual_seed(hash((step, dp_rank, index, k)) % (2**31))
+        tokens.append(torch.randint(0, VOCAB, (n,), generator=g))
+        labels.append(torch.randint(0, VOCAB, (n,), generator=g))
+        mask = torch.ones(n)
+        mask[-1] = 0.0  # the last token of each sequence has no next token
+        masks.append(mask)
+        positions.append(torch.arange(n))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    padded_cu = torch.cat([cu, torch.full((2,), -1, dtype=torch.int32)])
+    return {
+        "tokens": torch.cat(tokens)[None], "labels": torch.cat(labels)[None], "loss_mask": torch.cat(masks)[None],
+        "position_ids": torch.cat(positions)[None], "attention_mask": None,
+        "cu_seqlens": padded_cu[None], "cu_seqlens_argmin": torch.tensor(len(cu)), "max_seqlen": torch.tensor(max(lengths)),
+    }
+
+
+def global_samples(step: int, dp_size: int) -> list[dict[str, torch.Tensor]]:
+    """The step's samples by global id (DP rank order, as the drop-in numbers them), unpacked."""
+    from trainer_client.megatron_bridge import unpack_micro_batch
+
+    return [s for d in range(dp_size) for m in range(MICRO_BATCHES) for s in unpack_micro_batch(micro_batch(step, d, m), m)]
+
+
+class CountingIterator:
+    """The user's data iterator: counts each micro-batch read, so a test sees what was read twice."""
+
+    def __init__(self, dp_rank: int, steps: int, first_step: int = 0):
+        self.items = [(s, dp_rank, m) for s in range(first_step, first_step + steps) for m in range(MICRO_BATCHES)]
+        self.reads: list[tuple[int, int, int]] = []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if len(self.reads) == len(self.items):
+            raise StopIteration
+        item = self.items[len(self.reads)]
+        self.reads.append(item)
+        return micro_batch(*item)
+
+
+class DataParallelStandIn(torch.nn.Module):
+    """CPU stand-in for Megatron-Core's DistributedDataParallel (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, dp_cp_group, ddp_config):
+        super().__init__()
+        self.module, self.config, self.group, self.ddp_config = module, module.config, dp_cp_group, ddp_config
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def zero_grad_buffer(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+
+    def start_grad_sync(self, *args, **kwargs) -> None:
+        pass
+
+    def finish_grad_sync(self, *args, **kwargs) -> None:
+        for p in self.module.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.group)
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scaling_factor)
+
+
+class OptimizerStandIn:
+    """CPU stand-in for Megatron-Core's MegatronOptimizer (see the module docstring)."""
+
+    def __init__(self, params):
+        self.sgd = torch.optim.SGD(params, lr=LR)
+        self.param_groups = self.sgd.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.sgd.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        self.sgd.step()
+        return True, None, None
+
+
+def bridge_config(tp: int, cp: int, world: int, **overrides):
+    """Bridge's ConfigContainer for the tiny model (real config classes)."""
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
+    from megatron.bridge.training.config import (
+        CheckpointConfig, ConfigContainer, DistributedDataParallelConfig, DistributedInitConfig, LoggerConfig,
+        MockGPTDatasetConfig, OptimizerConfig, RerunStateMachineConfig, SchedulerConfig, TokenizerConfig, TrainingConfig,
+        ValidationConfig,
+    )
+
+    dp = world // (tp * cp)
+    model_fields = dict(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, vocab_size=VOCAB, seq_length=MAX_POSITION,
+        tensor_model_parallel_size=tp, context_parallel_size=cp, max_seqlen_per_dp_cp_rank=MAX_SEQLEN_PER_RANK,
+        calculate_per_token_loss=True, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+        position_embedding_type="learned_absolute", share_embeddings_and_output_weights=False,
+        bf16=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+    )
+    model_fields.update(overrides.pop("model", {}))
+    cfg = ConfigContainer(
+        model=GPTModelProvider(**model_fields),
+        train=TrainingConfig(micro_batch_size=1, global_batch_size=MICRO_BATCHES * dp, train_iters=10, **overrides.pop("train", {})),
+        optimizer=OptimizerConfig(optimizer="sgd", lr=LR, use_distributed_optimizer=False, **overrides.pop("optimizer", {})),
+        scheduler=SchedulerConfig(lr_decay_style="constant"),
+        dataset=MockGPTDatasetConfig(random_seed=0, seq_length=MAX_POSITION, **overrides.pop("dataset", {})),
+        logger=LoggerConfig(), tokenizer=TokenizerConfig(), checkpoint=CheckpointConfig(),
+        ddp=DistributedDataParallelConfig(**overrides.pop("ddp", {})),
+        dist=DistributedInitConfig(distributed_backend="gloo", **overrides.pop("dist", {})),
+        rerun_state_machine=RerunStateMachineConfig(**overrides.pop("rerun_state_machine", {})),
+        validation=ValidationConfig(eval_iters=1, eval_global_batch_size=MICRO_BATCHES * dp, eval_micro_batch_size=1),
+    )
+    assert not overrides, overrides
+    cfg.model.finalize()  # Bridge's deferred Megatron-Core post-init, as its config validation runs it
+    # Set after it: with a packing scheduler, Megatron-Core's config check asks for Transformer
+    # Engine >= 2.9, which GPU trainers install and this machine cannot.
+    setattr(cfg.model, "dynamic_context_parallel" if _has_dynamic_cp() else "hybrid_context_parallel", True)
+    cfg.data_parallel_size = dp
+    return cfg
+
+
+def _has_dynamic_cp() -> bool:
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    return any(f.name == "dynamic_context_parallel" for f in dataclasses.fields(ModelParallelConfig))
+
+
+def tiny_model(cfg) -> torch.nn.Module:
+    """A GPTModel whose layer has no self-attention (see the module docstring), seeded alike on every rank."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    spec = get_gpt_layer_local_spec()
+    layer = ModuleSpec(module=TransformerLayer, submodules=dataclasses.replace(
+        spec.submodules, input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp))
+    torch.manual_seed(1234)
+    return GPTModel(config=cfg.model, transformer_layer_spec=layer, vocab_size=VOCAB, max_sequence_length=MAX_POSITION,
+                    position_embedding_type="learned_absolute", share_embeddings_and_output_weights=False)
+
+
+def reference_loss(model: torch.nn.Module, samples: list[dict[str, torch.Tensor]]) -> float:
+    """Single pass over the unsharded samples, one at a time: sum of masked token losses / real tokens."""
+    total, tokens = 0.0, 0.0
+    with torch.no_grad():
+        for s in samples:
+            losses = model(input_ids=s["tokens"][None], position_ids=s["position_ids"][None], attention_mask=None,
+                           labels=s["labels"][None])
+            total += float((losses.view(-1).double() * s["loss_mask"].double()).sum())
+            tokens += float(s["loss_mask"].sum())
+    return total / tokens
+
+
+def start_rank(rank: int, world: int, store_path: str, tp: int, cp: int, **overrides):
+    """gloo, then Bridge's own distributed initialisation and rerun state machine; returns what
+    train_step needs: (cfg, state, model list, optimizer, scheduler, pg_collection, p2p)."""
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    from tests.megatron_init import _stand_in_for_cuda_calls_on_cpu
+
+    _stand_in_for_cuda_calls_on_cpu()
+    _stand_in_for_cuda_rng_state()
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    from megatron.bridge.training.initialize import _initialize_distributed, init_rerun_state
+    from megatron.bridge.training.state import GlobalState
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    cfg = bridge_config(tp, cp, world, **overrides)
+    pg_collection = _initialize_distributed(cfg.model, cfg.dist, 1, None, None)
+    init_rerun_state(cfg.rerun_state_machine)
+    init_num_microbatches_calculator(rank, None, cfg.train.global_batch_size, 1, cfg.data_parallel_size)
+    module = tiny_model(cfg)
+    module.config.finalize_model_grads_func = finalize_model_grads
+    model = [DataParallelStandIn(module, pg_collection.dp_cp, cfg.ddp)]
+    optimizer = OptimizerStandIn(module.parameters())
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0, lr_decay_steps=100,
+                                        lr_decay_style="constant", start_wd=0.0, end_wd=0.0, wd_incr_steps=100,
+                                        wd_incr_style="constant")
+    state = GlobalState()
+    state.cfg = cfg
+    return cfg, state, model, optimizer, scheduler, pg_collection, P2PCommunicator(pp_group=pg_collection.pp, config=module.config)
+
+
+class CudaOnCpuStandIn(TorchFunctionMode):
+    """CPU stand-in for the few CUDA allocations in the loop's own code (Megatron-Core's schedule
+    allocates its token count with `device="cuda"`, Bridge's `evaluate` its loss sums with
+    `.cuda()`): inside this mode a tensor asked for on CUDA is made on the CPU. Nothing else changes."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in (torch.Tensor.cuda,):
+            return args[0]
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _stand_in_for_cuda_rng_state() -> None:
+    """CPU stand-in: the rerun state machine saves and restores CUDA's RNG state around a rerun;
+    without a GPU there is none (the CPU generator's state stands in, and is left alone)."""
+    if torch.cuda.is_available():
+        return
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda *args, **kwargs: None
+
+
+def forward_step(state):
+    """Bridge's own GPT forward step, bound to the state as Bridge's train loop binds it."""
+    from megatron.bridge.training.gpt_step import forward_step as bridge_forward_step
+
+    return partial(bridge_forward_step, state)
+
+
+def unit_record(unit) -> dict:
+    """What a test compares of one planned unit on this rank."""
+    return {
+        "sample_ids": list(unit.sample_ids), "tokens": unit.token_fields["tokens"].tolist(),
+        "positions": unit.token_fields["position_ids"].tolist(), "cp_size": unit.local_cp_size,
+        "cp_group": dist.get_process_group_ranks(unit.cp_group) if unit.cp_group is not None else [dist.get_rank()],
+        "cp_rank": unit.cp_rank,
+    }
+
+
+def write(out_dir: str, rank: int, record: dict) -> None:
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
+        json.dump(record, handle)
+
+
+def stop_planner(pid: int, port: int) -> None:
+    """Kills the planner's session and returns once its port refuses connections."""
+    import socket
+
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        except OSError:
+            return
+
+
+def full_batch(samples: list[dict[str, torch.Tensor]]):
+    """The oracle: the whole step as one GlobalBatch (what every rank would hold without routing)."""
+    from trainer_client.batch import GlobalBatch, JaggedField
+
+    lengths = tuple(int(s["tokens"].shape[0]) for s in samples)
+    starts = tuple(int(x) for x in torch.tensor((0, *lengths[:-1])).cumsum(0))
+    fields = {name: JaggedField(torch.cat([s[name] for s in samples]), starts) for name in samples[0]}
+    return GlobalBatch(lengths, fields, {})

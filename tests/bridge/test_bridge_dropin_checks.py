@@ -1,0 +1,179 @@
+"""The Bridge drop-in's refusals, version gate and input checks, in one process on Bridge's real
+config classes: every unsupported combination is refused by `enable()` before anything runs, with
+the setting's path, its value and what to do; a Bridge version it was not checked against gets one
+warning and no change; docs/megatron-bridge.md lists the same refusals as the code."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.bridge import dropin_ranks as ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A value of each row's setting that the drop-in refuses.
+REFUSED = {
+    "model.virtual_pipeline_model_parallel_size": 2,
+    "model.pipeline_model_parallel_size": 2,
+    "dataset.dataloader_type": "batch",
+    "train.rampup_batch_size": [1, 1, 100],
+    "ddp.use_megatron_fsdp": True,
+    "optimizer.optimizer_cuda_graph": True,
+    "model.mtp_num_layers": 1,
+    "model.is_hybrid_model": True,
+    "model.moe_expert_rank_capacity_factor": 1.5,
+    "dist.use_decentralized_pg": True,
+    "model.dynamic_context_parallel": False,
+    "model.hybrid_context_parallel": False,
+}
+
+
+def _config():
+    return ranks.bridge_config(tp=1, cp=2, world=4)
+
+
+def _set(cfg, path: str, value) -> None:
+    *parents, name = path.split(".")
+    target = cfg
+    for parent in parents:
+        target = getattr(target, parent)
+    setattr(target, name, value)
+
+
+def _applies(path: str) -> bool:
+    """The two group rows apply to the build that has their field (dynamic: dev, hybrid: 0.19)."""
+    dev = ranks._has_dynamic_cp()
+    return {"model.dynamic_context_parallel": dev, "model.hybrid_context_parallel": not dev}.get(path, True)
+
+
+def test_every_bridge_rule_has_a_refused_value():
+    from trainer_client.megatron_bridge import BRIDGE_RULES
+
+    assert sorted(r.path for r in BRIDGE_RULES) == sorted(REFUSED)
+
+
+@pytest.mark.parametrize("path", sorted(REFUSED))
+def test_enable_refuses_each_unsupported_combination(path):
+    from trainer_client import UnsupportedCombinationError
+    from trainer_client.megatron_bridge import BRIDGE_RULES, active, enable
+
+    if not _applies(path):
+        pytest.skip(f"{path} is the other Megatron-Core build's field")
+    cfg = _config()
+    if path == "model.dynamic_context_parallel":  # the scheduler named, the groups not asked for
+        cfg.model.sequence_packing_scheduler = "default_dynamic_cp"
+    _set(cfg, path, REFUSED[path])
+    with pytest.raises(UnsupportedCombinationError) as refused:
+        enable(cfg)
+    rule = next(r for r in BRIDGE_RULES if r.path == path)
+    assert refused.value.option == path and rule.fix in str(refused.value), str(refused.value)
+    assert repr(REFUSED[path]) in str(refused.value)
+    assert active() is None  # nothing was changed
+
+
+def test_enable_refuses_what_every_dynamic_cp_trainer_refuses():
+    from trainer_client import UnsupportedCombinationError
+    from trainer_client.megatron_bridge import enable
+
+    cfg = _config()
+    cfg.model.calculate_per_token_loss = False
+    with pytest.raises(UnsupportedCombinationError, match="calculate_per_token_loss"):
+        enable(cfg)
+
+
+def test_settings_come_from_bridges_config():
+    from batch_planner.request import SchedulerKind
+    from trainer_client.megatron_bridge import BridgeSettings
+
+    cfg = _config()
+    settings = BridgeSettings.of(cfg, {"planner_endpoint": "127.0.0.1:1"})
+    assert settings.scheduler is SchedulerKind.DYNAMIC_CP
+    assert settings.planner.max_seqlen_per_dp_cp_rank == ranks.MAX_SEQLEN_PER_RANK
+    assert (settings.planner.context_parallel_size, settings.planner.tensor_parallel_size) == (2, 1)
+    assert settings.planner.planner_endpoint == "127.0.0.1:1"
+
+
+def test_a_size_given_twice_must_agree():
+    from trainer_client import ConfigError
+    from trainer_client.megatron_bridge import BridgeSettings
+
+    with pytest.raises(ConfigError, match="max_seqlen_per_dp_cp_rank.*planner settings say 7"):
+        BridgeSettings.of(_config(), {"max_seqlen_per_dp_cp_rank": 7})
+
+
+def test_an_unchecked_bridge_version_warns_once_and_changes_nothing(monkeypatch):
+    import megatron.bridge.training.gpt_step as gpt_step
+    import megatron.bridge.training.train as train
+
+    from trainer_client.megatron_bridge import active, enable, version
+
+    before = (train.get_forward_backward_func, gpt_step.get_batch, gpt_step.get_packed_seq_params)
+    monkeypatch.setattr(version, "bridge_version", lambda: "0.7.0")
+    monkeypatch.setattr(version, "_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert enable(_config()) is False
+        assert enable(_config()) is False
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "0.7.0" in messages[0] and "nothing is changed" in messages[0], messages
+    assert (train.get_forward_backward_func, gpt_step.get_batch, gpt_step.get_packed_seq_params) == before
+    assert active() is None
+
+
+def test_enable_and_disable_replace_and_restore_bridges_functions():
+    import megatron.bridge.training.eval as bridge_eval
+    import megatron.bridge.training.gpt_step as gpt_step
+    import megatron.bridge.training.train as train
+
+    from trainer_client.megatron_bridge import active, disable, enable, get_batch
+
+    before = (train.get_forward_backward_func, bridge_eval.get_forward_backward_func, gpt_step.get_batch,
+              gpt_step.get_packed_seq_params)
+    assert enable(_config())
+    try:
+        assert gpt_step.get_batch is get_batch and active() is not None
+        assert train.get_forward_backward_func is not before[0] and bridge_eval.get_forward_backward_func is not before[1]
+    finally:
+        disable()
+    assert (train.get_forward_backward_func, bridge_eval.get_forward_backward_func, gpt_step.get_batch,
+            gpt_step.get_packed_seq_params) == before
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"tokens": torch.zeros(1, 4, dtype=torch.long)}, "has no tensor"),
+    ({**ranks.micro_batch(0, 0, 0), "cu_seqlens": torch.tensor([[0, 5, 3]], dtype=torch.int32),
+      "cu_seqlens_argmin": torch.tensor(3)}, "decreases"),
+    ([1, 2], "is a list"),
+    ({**ranks.micro_batch(0, 0, 0), "labels": torch.zeros(1, 3, dtype=torch.long)}, "share one"),
+])
+def test_bad_micro_batches_name_what_is_wrong(bad, message):
+    from trainer_client.megatron_lm import DropInInputError
+    from trainer_client.megatron_bridge import unpack_micro_batch
+
+    with pytest.raises(DropInInputError, match=message):
+        unpack_micro_batch(bad, 0)
+
+
+def test_packed_and_row_micro_batches_unpack_to_their_sequences():
+    from trainer_client.megatron_bridge import unpack_micro_batch
+
+    packed = ranks.micro_batch(0, 0, 0)
+    samples = unpack_micro_batch(packed, 0)
+    assert [len(s["tokens"]) for s in samples] == ranks.sequence_lengths(0, 0, 0)
+    assert torch.equal(torch.cat([s["tokens"] for s in samples]), packed["tokens"][0])
+    rows = {name: torch.arange(6).reshape(2, 3) for name in ("tokens", "labels", "loss_mask", "position_ids")}
+    assert [s["tokens"].tolist() for s in unpack_micro_batch(rows, 0)] == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_docs_list_the_refusals_of_the_code():
+    from trainer_client.megatron_bridge import BRIDGE_RULES
+
+    page = (ROOT / "docs" / "megatron-bridge.md").read_text()
+    page = page.split("## What is refused", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z_.]+)` \| (.+?) \|", page, flags=re.M)
+    assert [(r.path, r.when) for r in BRIDGE_RULES] == rows

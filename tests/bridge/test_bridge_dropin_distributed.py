@@ -1,0 +1,153 @@
+"""The Bridge drop-in on 4 real gloo ranks (DP2 x CP2, and TP2 x CP2), a real planner on loopback,
+Bridge's own distributed initialisation, `train_step` with its rerun loop, `evaluate`, its GPT
+forward step and loss (tests/bridge/dropin_ranks.py names the CPU stand-ins).
+
+Per step and rank: the micro-batch count, each unit's tokens and positions (bitwise) and its CP
+group equal the plan applied to the whole step's batch; the loss Bridge reports equals a
+single-process reference over the same samples; steps are re-run in place by the rerun state
+machine (a failed validation injected) and no micro-batch is read twice; evaluation runs on planned micro-batches; the planner is
+killed after the first step (the second was planned ahead), the third falls back in process with the plan ids the service would
+have sent, and every sample is trained exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.bridge import dropin_ranks as ranks
+from tests.megatron_init import run_ranks
+from tests.planner_process import start_planner
+
+WORLD = 4
+STEPS = 3
+STOP_PLANNER_AFTER = 0  # step after which rank 0 kills the planner (the next one is planned already)
+DEADLINE_SECONDS = 600
+LAYOUTS = {"dp2_cp2": (1, 2), "tp2_cp2": (2, 2)}
+
+
+def _rank(rank: int, *args) -> None:
+    with ranks.CudaOnCpuStandIn():
+        _train_and_evaluate(rank, *args)
+
+
+def _train_and_evaluate(rank: int, store_path: str, out_dir: str, tp: int, cp: int, endpoint: str, planner_pid: int,
+                        port: int) -> None:
+    import torch.distributed as dist
+
+    cfg, state, model, optimizer, scheduler, pgs, p2p = ranks.start_rank(
+        rank, WORLD, store_path, tp, cp,
+        # Every step's (non-fatal) spiky-loss check is failed on purpose, so the state machine re-runs
+        # the step in place and then continues.
+        rerun_state_machine={"rerun_mode": "validate_results", "error_injection_rate": 1,
+                             "error_injection_type": "transient_error", "check_for_nan_in_loss": False,
+                             "check_for_spiky_loss": True},
+    )
+    from megatron.bridge.training import eval as bridge_eval
+    from megatron.bridge.training import train as bridge_train
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    from batch_planner.planner import plan_batch
+    from trainer_client.apply import micro_batches_for_rank
+    from trainer_client.megatron_bridge import active, enable
+
+    planner = {"planner_endpoint": endpoint, "deadline_seconds": 20.0, "fallback_cooldown_seconds": 0.0}
+    assert enable(cfg, planner=planner)
+    dp_rank, dp = pgs.dp.rank(), pgs.dp.size()
+    source = ranks.CountingIterator(dp_rank, STEPS)
+    data = RerunDataIterator(source)
+    step_func = ranks.forward_step(state)
+    fbf = bridge_train.get_forward_backward_func(pp_size=1, vp_size=None)
+    module = model[0].module
+    records = []
+    for step in range(STEPS):
+        samples = ranks.global_samples(step, dp)
+        reference = ranks.reference_loss(module, samples)
+        losses, *rest = bridge_train.train_step(step_func, data, model, optimizer, scheduler, state, pgs, fbf, p2p)
+        assert "lm loss" in losses, (losses, rest)
+        planned = active().planned_iterator(data, ranks.MICRO_BATCHES, pgs)
+        plan = planned.last_step.plan
+        expected = micro_batches_for_rank(plan, ranks.full_batch(samples), pgs.dp_cp.rank(), None, pack_group_samples=True)
+        client = planned.planner.client
+        records.append({
+            "loss": float(losses["lm loss"]), "reference": reference, "plan_id": plan.plan_id,
+            "in_process_plan_id": plan_batch(client.request_for([int(s["tokens"].shape[0]) for s in samples], step)).plan_id,
+            "source": planned.last_step.source, "num_samples": len(samples), "micro_batches": len(plan.micro_batches),
+            "units": [ranks.unit_record(u) for u in planned.last_units],
+            "expected": [dict(ranks.unit_record(u), cp_group=None) for u in expected],
+            "group_positions": [[list(g.ranks) for g in mb.cp_groups] for mb in plan.micro_batches],
+        })
+        if step == STOP_PLANNER_AFTER:
+            if rank == 0:
+                ranks.stop_planner(planner_pid, port)
+            dist.barrier()
+    # Evaluation through Bridge's own evaluate(), on a data iterator of its own.
+    eval_source = ranks.CountingIterator(dp_rank, 1, first_step=100)
+    eval_data = RerunDataIterator(eval_source)
+    eval_reference = ranks.reference_loss(module, ranks.global_samples(100, dp))
+    totals, _, _ = bridge_eval.evaluate(state, ranks.forward_step(state), eval_data, model, None, cfg, verbose=False,
+                                        p2p_communicator=p2p, pg_collection=pgs)
+    evaluated = active().planned_iterator(eval_data, ranks.MICRO_BATCHES, pgs)
+    checksum = float(sum(p.double().sum() for p in module.parameters()))
+    ranks.write(out_dir, rank, {
+        "steps": records, "reads": source.reads, "reruns": planned.reruns, "handed_out": planned.steps,
+        "eval": {"loss": float(totals["lm loss"]), "reference": eval_reference, "steps": evaluated.steps,
+                 "units": len(evaluated.last_units), "reads": eval_source.reads},
+        "checksum": checksum, "dp_cp_ranks": dist.get_process_group_ranks(pgs.dp_cp), "dp_rank": dp_rank,
+    })
+    from trainer_client.megatron_bridge import disable
+
+    disable()
+
+
+@pytest.mark.timeout(DEADLINE_SECONDS + 120)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_dynamic_cp_through_bridge_train_step(layout, tmp_path):
+    tp, cp = LAYOUTS[layout]
+    planner = start_planner(workers=1, without_release_overlay=True)
+    try:
+        run_ranks(_rank, (str(tmp_path / "store"), str(tmp_path), tp, cp, planner.address, planner.proc.pid, planner.port),
+                  WORLD, DEADLINE_SECONDS)
+    finally:
+        planner.stop()
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for rank, result in enumerate(results):
+        for step, record in enumerate(result["steps"]):
+            where = f"{layout} rank {rank} step {step}"
+            assert len(record["units"]) == record["micro_batches"], where
+            for got, want in zip(record["units"], record["expected"]):
+                assert {k: v for k, v in got.items() if k != "cp_group"} == {k: v for k, v in want.items() if k != "cp_group"}, where
+            _check_cp_groups(record, result["dp_cp_ranks"], where)
+            assert record["loss"] == pytest.approx(record["reference"], rel=1e-5), where
+            assert record["plan_id"] == record["in_process_plan_id"], where
+        # Steps were re-run (the injector fails a validation once per rank and step, at random); each
+        # rerun got its step again and nothing was read twice, the read-ahead included.
+        assert 0 < result["reruns"] <= STEPS and result["handed_out"] == STEPS, (rank, result["reruns"], result["handed_out"])
+        assert len(result["reads"]) == len(set(map(tuple, result["reads"]))) == STEPS * ranks.MICRO_BATCHES, rank
+        assert result["eval"]["steps"] == 1 and result["eval"]["units"] > 0, result["eval"]
+        assert result["eval"]["loss"] == pytest.approx(result["eval"]["reference"], rel=1e-5), result["eval"]
+    assert len({r["reruns"] for r in results}) == 1, [r["reruns"] for r in results]  # the state machine reruns all
+    sources = [r["source"] for r in results[0]["steps"]]
+    assert sources[0] == "service" and sources[-1] == "fallback", sources
+    _check_every_sample_once(results)
+    for result in results:  # replicas of one DPxCP group hold the same weights after the updates
+        peers = [results[r]["checksum"] for r in result["dp_cp_ranks"]]
+        assert max(peers) - min(peers) < 1e-9 * max(1.0, abs(peers[0])), peers
+
+
+def _check_cp_groups(record: dict, dp_cp_ranks: list[int], where: str) -> None:
+    """Each unit's process group is parallel_state's group of exactly the plan's ranks."""
+    for index, unit in enumerate(record["units"]):
+        positions = next(g for g in record["group_positions"][index] if dp_cp_ranks.index(unit["cp_group"][0]) in g)
+        assert unit["cp_group"] == [dp_cp_ranks[p] for p in positions], (where, index, unit["cp_group"], positions)
+        assert unit["cp_size"] == len(positions), where
+
+
+def _check_every_sample_once(results: list[dict]) -> None:
+    """Per step and DPxCP group: each global sample is in exactly one CP group, led by one rank."""
+    groups = {tuple(r["dp_cp_ranks"]) for r in results}
+    for group in groups:
+        for step in range(STEPS):
+            led = [i for r in group for u in results[r]["steps"][step]["units"] if u["cp_rank"] == 0 for i in u["sample_ids"]]
+            assert sorted(led) == list(range(results[group[0]]["steps"][step]["num_samples"])), (group, step, sorted(led))

@@ -1,0 +1,26 @@
+"""Dynamic CP for Megatron-Bridge: the batch planner behind Bridge's own training loop
+(docs/megatron-bridge.md). One call before `pretrain`, no edit of Bridge:
+
+    from trainer_client.megatron_bridge import enable
+    enable(cfg, planner={"planner_endpoint": "dns:///planner-headless:50051"})
+    pretrain(cfg, forward_step)
+
+One concern per module: `version` (the releases it was checked against), `settings` (what Bridge's
+config and the planner settings say), `checks` (the one function that refuses what the drop-in
+cannot honour), `micro_batches` (Bridge's micro-batches in, planned units out), `schedule` (the
+forward-backward function over the planned units, read ahead per data iterator) and `enable`.
+Reading ahead, routing and the planner client are the Megatron-LM drop-in's (trainer_client/megatron_lm).
+"""
+
+from trainer_client.megatron_bridge.checks import BRIDGE_RULES, check_bridge_support
+from trainer_client.megatron_bridge.enable import active, disable, enable, get_batch, get_packed_seq_params
+from trainer_client.megatron_bridge.micro_batches import TOKEN_FIELDS, PlannedMicroBatches, unpack_micro_batch
+from trainer_client.megatron_bridge.schedule import PlannedForwardBackward, PlannedIterator
+from trainer_client.megatron_bridge.settings import BridgeSettings
+from trainer_client.megatron_bridge.version import CHECKED_BRIDGE_VERSIONS, bridge_version
+
+__all__ = [
+    "BRIDGE_RULES", "CHECKED_BRIDGE_VERSIONS", "TOKEN_FIELDS", "BridgeSettings", "PlannedForwardBackward",
+    "PlannedIterator", "PlannedMicroBatches", "active", "bridge_version", "check_bridge_support", "disable",
+    "enable", "get_batch", "get_packed_seq_params", "unpack_micro_batch",
+]

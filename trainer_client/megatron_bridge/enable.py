@@ -1,0 +1,132 @@
+"""Turning the drop-in on: `enable(cfg)` before `pretrain(cfg, forward_step)`, no edit of Bridge.
+
+It replaces four names in Bridge's modules (each kept, and put back by `disable()`):
+- `get_forward_backward_func` in `megatron.bridge.training.train` and `.eval`, so that training
+  and evaluation run Megatron-Core's schedule over the planned micro-batches
+  (`PlannedForwardBackward`);
+- `get_batch` and `get_packed_seq_params` in `megatron.bridge.training.gpt_step`, so that Bridge's
+  own GPT forward step takes each planned unit as it is: already sharded for its CP group, with
+  `PackedSeqParams` holding that group (Bridge's would slice over the static CP group and set none).
+  Every other data iterator goes to Bridge's own functions unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainer_client import megatron as mcore
+from trainer_client.config import PlannerClientConfig
+from trainer_client.megatron_bridge.checks import check_bridge_support
+from trainer_client.megatron_bridge.micro_batches import PlannedMicroBatches, PlannedPackedSeq, bridge_batch
+from trainer_client.megatron_bridge.schedule import PlannedForwardBackward, PlannedIterator
+from trainer_client.megatron_bridge.settings import BridgeSettings
+from trainer_client.megatron_bridge.version import bridge_version, version_checked
+
+log = logging.getLogger(__name__)
+
+SCHEDULE_MODULES = ("megatron.bridge.training.train", "megatron.bridge.training.eval")
+STEP_MODULE = "megatron.bridge.training.gpt_step"
+
+
+@dataclass
+class BridgeDropIn:
+    """The drop-in in force: its settings and one read-ahead planner per Bridge data iterator."""
+
+    settings: BridgeSettings
+    iterators: list[PlannedIterator] = field(default_factory=list)
+
+    def planned_iterator(self, data_iterator: Any, num_microbatches: int, pg_collection: Any) -> PlannedIterator:
+        found = next((p for p in self.iterators if p.data_iterator is data_iterator), None)
+        if found is None:
+            found = PlannedIterator(data_iterator, num_microbatches, mcore.DataGroups.of(pg_collection), self.settings)
+            self.iterators.append(found)
+        return found
+
+    def close(self) -> None:
+        for planned in self.iterators:
+            planned.close()
+        self.iterators.clear()
+
+
+_active: BridgeDropIn | None = None
+_originals: dict[tuple[str, str], Any] = {}
+
+
+def enable(cfg: Any, planner: PlannerClientConfig | dict | None = None) -> bool:
+    """Plans Bridge's training and evaluation steps through the batch planner.
+
+    `cfg`: the `ConfigContainer` given to `pretrain`; `planner`: the planner's settings (a
+    `PlannerClientConfig` or dict; default `$BATCH_PLANNER_CONFIG`, else in-process planning).
+    Refuses an unsupported combination here, before anything runs. Returns False (after one
+    warning) and changes nothing on a Bridge version the drop-in was not checked against."""
+    global _active
+    if not version_checked():
+        return False
+    settings = BridgeSettings.of(cfg, planner)
+    check_bridge_support(cfg, settings)
+    disable()
+    _active = BridgeDropIn(settings)
+    for name in SCHEDULE_MODULES:
+        original = _replace(name, "get_forward_backward_func", None)
+        _replace(name, "get_forward_backward_func", _planned_getter(original))
+    _replace(STEP_MODULE, "get_batch", get_batch)
+    _replace(STEP_MODULE, "get_packed_seq_params", get_packed_seq_params)
+    log.info("trainer_client.megatron_bridge: Megatron-Bridge %s plans %s steps through the batch planner",
+             bridge_version(), settings.scheduler.value)
+    return True
+
+
+def active() -> BridgeDropIn | None:
+    """The drop-in in force (its read-ahead planners, their last steps), or None."""
+    return _active
+
+
+def disable() -> None:
+    """Puts Bridge's own functions back and closes the planner clients."""
+    global _active
+    for (name, attribute), original in _originals.items():
+        setattr(importlib.import_module(name), attribute, original)
+    _originals.clear()
+    if _active is not None:
+        _active.close()
+        _active = None
+
+
+def _replace(module_name: str, attribute: str, value: Any) -> Any:
+    """Sets `module.attribute` (keeping the original once); returns the original."""
+    module = importlib.import_module(module_name)
+    key = (module_name, attribute)
+    _originals.setdefault(key, getattr(module, attribute))
+    if value is not None:
+        setattr(module, attribute, value)
+    return _originals[key]
+
+
+def _planned_getter(original: Any) -> Any:
+    def get_forward_backward_func(*args: Any, **kwargs: Any) -> Any:
+        return PlannedForwardBackward(original(*args, **kwargs), _active)
+
+    return get_forward_backward_func
+
+
+def get_batch(data_iterator: Any, cfg: Any, use_mtp: bool = False, *, pg_collection: Any, vp_stage: Any = None):
+    """Bridge's `gpt_step.get_batch`, except for the planned iterator: then the next planned unit,
+    as Bridge's returns a batch (a forward step of one's own can call this too)."""
+    if not isinstance(data_iterator, PlannedMicroBatches):
+        original = _originals[(STEP_MODULE, "get_batch")]
+        return original(data_iterator, cfg, use_mtp, pg_collection=pg_collection, vp_stage=vp_stage)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return bridge_batch(next(data_iterator), device)
+
+
+def get_packed_seq_params(metadata: Any) -> Any:
+    """Bridge's `get_packed_seq_params`, except for a planned unit's metadata: then its own
+    `PackedSeqParams`, with the unit's CP group."""
+    if isinstance(metadata, PlannedPackedSeq):
+        return metadata.params
+    return _originals[(STEP_MODULE, "get_packed_seq_params")](metadata)

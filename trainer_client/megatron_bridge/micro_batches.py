@@ -1,0 +1,143 @@
+"""Bridge's micro-batches in, planned micro-batches out.
+
+In: what Bridge's data iterator yields per micro-batch, a dict with `tokens`, `labels`,
+`loss_mask` and `position_ids`; either rows `[micro_batch_size, seq]` (each row one sample) or one
+packed row `[1, T]` with Bridge's packed-sequence metadata (`cu_seqlens`, trimmed at
+`cu_seqlens_argmin` or at its first negative entry, or `cu_seqlens_q_padded` / `cu_seqlens_q`),
+each sequence of the pack one sample.
+
+Out: this rank's execution units of the plan (trainer_client/apply.py: zigzag or contiguous CP
+shards, padding, `PackedSeqParams` with the micro-batch's CP group from parallel_state), built
+from the samples the read-ahead routed to this rank, and turned into what Bridge's `get_batch`
+returns."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from trainer_client.apply import micro_batches_for_rank
+from trainer_client.batch import GlobalBatch, JaggedField
+from trainer_client.megatron_lm.checks import DropInInputError, GlobalLayout, LocalBatch, check_packed_sample
+from trainer_client.micro_batch import RankMicroBatch
+
+# The per-token fields Bridge's gpt_step reads from a micro-batch.
+TOKEN_FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def read_local_batch(micro_batches: list[Mapping[str, Any]]) -> LocalBatch:
+    """This DP rank's samples of one step: every sample of each micro-batch, in order."""
+    subsamples: list[dict[str, torch.Tensor]] = []
+    for index, micro_batch in enumerate(micro_batches):
+        subsamples += unpack_micro_batch(micro_batch, index)
+    if not subsamples:
+        raise DropInInputError("the local batch is empty (the data iterator yielded no sample of non-zero length)")
+    return LocalBatch.of(subsamples)
+
+
+def unpack_micro_batch(micro_batch: Mapping[str, Any], index: int) -> list[dict[str, torch.Tensor]]:
+    """The samples of one of Bridge's micro-batches, each field 1-D `[length]`."""
+    where = f"micro-batch {index} of this rank's step"
+    if not isinstance(micro_batch, Mapping):
+        raise DropInInputError(f"{where} is a {type(micro_batch).__name__}; Bridge's micro-batches are dicts of tensors")
+    missing = [name for name in TOKEN_FIELDS if not torch.is_tensor(micro_batch.get(name))]
+    if missing:
+        raise DropInInputError(f"{where} has no tensor {missing} (keys: {sorted(micro_batch)}); it needs {list(TOKEN_FIELDS)}")
+    fields = {name: micro_batch[name] for name in TOKEN_FIELDS}
+    shapes = {name: tuple(value.shape) for name, value in fields.items()}
+    if len(set(shapes.values())) > 1 or len(shapes["tokens"]) != 2:
+        raise DropInInputError(f"{where}: {list(TOKEN_FIELDS)} must share one [rows, seq] shape; got {shapes}")
+    boundaries = _packed_boundaries(micro_batch, where)
+    if boundaries is None:  # unpacked rows: each row one sample of the whole sequence length
+        return [{name: value[row] for name, value in fields.items()} for row in range(shapes["tokens"][0])]
+    if shapes["tokens"][0] != 1:
+        raise DropInInputError(f"{where}: a packed micro-batch holds one row (micro_batch_size 1), got {shapes['tokens'][0]}")
+    problem = check_packed_sample({"cu_seqlens": boundaries, **fields}, where)
+    if problem:
+        raise DropInInputError(problem)
+    starts = boundaries.tolist()
+    return [
+        {name: value[0, start:stop] for name, value in fields.items()}
+        for start, stop in zip(starts, starts[1:])
+        if stop > start
+    ]
+
+
+def _packed_boundaries(micro_batch: Mapping[str, Any], where: str) -> torch.Tensor | None:
+    """The physical sequence boundaries of a packed micro-batch, or None when it is not packed."""
+    for name in ("cu_seqlens_q_padded", "cu_seqlens_q"):
+        if torch.is_tensor(micro_batch.get(name)):
+            return micro_batch[name].reshape(-1).cpu()
+    if not torch.is_tensor(micro_batch.get("cu_seqlens")):
+        return None
+    boundaries = micro_batch["cu_seqlens"].reshape(-1).cpu()
+    argmin = micro_batch.get("cu_seqlens_argmin")
+    if torch.is_tensor(argmin):
+        return boundaries[: int(argmin.reshape(-1)[0])]
+    negative = torch.nonzero(boundaries < 0)
+    return boundaries[: int(negative[0])] if negative.numel() else boundaries
+
+
+def routed_batch(samples: dict[int, dict[str, torch.Tensor]], layout: GlobalLayout) -> GlobalBatch:
+    """The samples routed to this rank as a GlobalBatch of the whole step's lengths (samples this
+    rank does not run hold no tokens in it; the plan never asks this rank for them)."""
+    ids = sorted(samples)
+    starts = [0] * len(layout.rows)
+    cursor = 0
+    for i in ids:
+        starts[i] = cursor
+        cursor += layout.rows[i]
+    token_fields = {
+        name: JaggedField(_cat([samples[i][name] for i in ids], dtype, trailing), tuple(starts))
+        for name, dtype, trailing in layout.fields
+    }
+    return GlobalBatch(layout.rows, token_fields, {})
+
+
+def _cat(pieces: list[torch.Tensor], dtype: torch.dtype, trailing: tuple[int, ...]) -> torch.Tensor:
+    return torch.cat(pieces) if pieces else torch.empty((0, *trailing), dtype=dtype)
+
+
+def rank_micro_batches(plan, samples, layout: GlobalLayout, dp_cp_rank: int, cp_group_for) -> list[RankMicroBatch]:
+    """This rank's planned micro-batches: one packed unit per micro-batch of the plan."""
+    batch = routed_batch(samples, layout)
+    return micro_batches_for_rank(plan, batch, dp_cp_rank, cp_group_for, pad_token_id=0, pack_group_samples=True)
+
+
+class PlannedMicroBatches(Iterator[RankMicroBatch]):
+    """The iterator the schedule is given instead of Bridge's: one planned unit per `next()`."""
+
+    def __init__(self, units: list[RankMicroBatch]):
+        self.units = units
+        self._next = 0
+
+    def __next__(self) -> RankMicroBatch:
+        if self._next >= len(self.units):
+            raise StopIteration
+        self._next += 1
+        return self.units[self._next - 1]
+
+
+class PlannedPackedSeq(dict):
+    """Bridge's packed-sequence metadata of one planned unit (the dict its forward step reads),
+    carrying the unit's `PackedSeqParams`, CP group included, for `get_packed_seq_params`."""
+
+    params: Any = None
+
+
+def bridge_batch(unit: RankMicroBatch, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """What Bridge's `get_batch` returns for one unit: tokens, labels, loss_mask, attention_mask
+    (None: THD attention reads cu_seqlens), position_ids, packed-sequence metadata. Padding has
+    loss_mask 0, so the loss stays normalised over real tokens."""
+    fields = {name: unit.token_fields[name].to(device).unsqueeze(0) for name in TOKEN_FIELDS}
+    params = unit.packed_seq_params
+    moved = {
+        name: getattr(params, name).to(device)
+        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+    }
+    metadata = PlannedPackedSeq(cu_seqlens_q=moved["cu_seqlens_q"], cu_seqlens_q_padded=moved["cu_seqlens_q_padded"],
+                                max_seqlen_q=unit.max_seqlen)
+    metadata.params = dataclasses.replace(params, **moved)
+    return fields["tokens"], fields["labels"], fields["loss_mask"], None, fields["position_ids"], metadata

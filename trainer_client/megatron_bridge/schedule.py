@@ -1,0 +1,102 @@
+"""Megatron-Core's forward-backward function, fed the planned micro-batches.
+
+Bridge's `train_step` and `evaluate` call `forward_backward_func(data_iterator=..., num_microbatches=...)`
+with Bridge's data iterator and the configured micro-batch count. `PlannedForwardBackward` wraps the
+function Bridge got from `get_forward_backward_func`: per call it takes one step from the read-ahead
+planner of that data iterator (`StepPlanner`, shared with the Megatron-LM drop-in: it reads this DP
+rank's `num_microbatches` micro-batches of the step after, all-gathers the lengths, plans ahead and
+routes each sample to the ranks that run it), and calls the wrapped function with an iterator over
+this rank's planned units and their count.
+
+A rerun of the step (Megatron-Core's rerun state machine re-running the forward-backward in place)
+gets the same units again: no step is read twice, and the rerun sees the same micro-batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from batch_planner.request import SchedulerKind
+from trainer_client import megatron as mcore
+from trainer_client.config import ConfigError
+from trainer_client.megatron_lm.read_ahead import PlannedStep, StepPlanner
+from trainer_client.megatron_lm.settings import checked_transformer_config, client_for
+from trainer_client.megatron_bridge.micro_batches import PlannedMicroBatches, rank_micro_batches, read_local_batch
+from trainer_client.megatron_bridge.settings import BridgeSettings
+from trainer_client.micro_batch import RankMicroBatch
+
+
+@dataclass
+class PlannedIterator:
+    """One of Bridge's data iterators (training or evaluation) and its read-ahead planner."""
+
+    data_iterator: Any
+    num_microbatches: int
+    groups: mcore.DataGroups
+    settings: BridgeSettings
+    planner: StepPlanner = field(init=False)
+    last_step: PlannedStep | None = None
+    last_units: list[RankMicroBatch] = field(default_factory=list)
+    steps: int = 0  # steps handed out (reruns not counted)
+    reruns: int = 0  # calls that re-ran the last step
+
+    def __post_init__(self) -> None:
+        client = client_for(self.settings.planner, self.groups)
+        self.planner = StepPlanner(self._read_local, self.groups, client, checked_transformer_config(self.settings.model))
+
+    def _read_local(self):
+        return read_local_batch([next(self.data_iterator) for _ in range(self.num_microbatches)])
+
+    def units_for(self, num_microbatches: int, rerun: bool) -> list[RankMicroBatch]:
+        if rerun and self.last_step is not None:
+            self.reruns += 1
+            return self.last_units
+        if num_microbatches != self.num_microbatches:
+            raise ConfigError(
+                f"num_microbatches changed from {self.num_microbatches} to {num_microbatches} (batch-size ramp-up): "
+                "the drop-in reads one global batch ahead with the count in force; unset train.rampup_batch_size"
+            )
+        step = self.last_step = self.planner.next_step()
+        resolver = self._cp_group_resolver(step)
+        self.last_units = rank_micro_batches(step.plan, step.samples, step.layout, self.groups.dp_cp.rank(), resolver)
+        self.steps += 1
+        return self.last_units
+
+    def _cp_group_resolver(self, step: PlannedStep) -> Callable[[int], Any]:
+        if self.settings.scheduler is SchedulerKind.STATIC_PACKING:
+            return lambda size: _static_cp_group()  # static packing plans groups of the static CP size only
+        return mcore.megatron_cp_group_resolver(step.plan, self.groups.dp_cp)
+
+    def close(self) -> None:
+        self.planner.close()
+
+
+def _static_cp_group() -> Any:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_group()
+
+
+def in_rerun() -> bool:
+    """Whether Megatron-Core's rerun state machine is re-running the current step's forward-backward."""
+    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+
+    return get_rerun_state_machine().state not in (RerunState.NOT_RUNNING_YET, RerunState.INITIAL_RUN)
+
+
+class PlannedForwardBackward:
+    """`forward_backward_func` with the planned units and their count in place of Bridge's."""
+
+    def __init__(self, inner: Callable[..., Any], dropin: Any):
+        self.inner = inner
+        self.dropin = dropin
+
+    def __call__(self, **kwargs: Any) -> Any:
+        data_iterator = kwargs.get("data_iterator")
+        if data_iterator is None or isinstance(data_iterator, list):
+            return self.inner(**kwargs)  # nothing to plan (checks refuse VPP's list of iterators up front)
+        planned = self.dropin.planned_iterator(data_iterator, kwargs["num_microbatches"], kwargs.get("pg_collection"))
+        rerun = not kwargs.get("forward_only", False) and in_rerun()
+        units = planned.units_for(kwargs["num_microbatches"], rerun)
+        kwargs.update(data_iterator=PlannedMicroBatches(units), num_microbatches=len(units))
+        return self.inner(**kwargs)

@@ -1,0 +1,43 @@
+"""The version gate: the drop-in changes Megatron-Bridge only on the releases it was checked
+against (the CI leg `./dev test-bridge`); on any other it warns once and changes nothing."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import warnings
+
+log = logging.getLogger(__name__)
+
+# Bridge releases whose training loop (train_step, evaluate, gpt_step.get_batch and
+# get_packed_seq_params) this drop-in was tested against.
+CHECKED_BRIDGE_VERSIONS = ("0.6.2",)
+DISTRIBUTION = "megatron-bridge"
+_warned = False
+
+
+def bridge_version() -> str | None:
+    """The installed Megatron-Bridge's version (read from its metadata: importing
+    `megatron.bridge` imports Transformer Engine), or None when it is not installed."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def version_checked() -> bool:
+    """True on a checked release; otherwise warns once (log and RuntimeWarning) and returns False."""
+    global _warned
+    version = bridge_version()
+    if version in CHECKED_BRIDGE_VERSIONS:
+        return True
+    if not _warned:
+        _warned = True
+        message = (
+            f"trainer_client.megatron_bridge: Megatron-Bridge {version or 'not installed'} is not a version this "
+            f"drop-in was checked against (checked: {list(CHECKED_BRIDGE_VERSIONS)}); Bridge's own training loop "
+            "stays as it is, nothing is changed"
+        )
+        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return False
