@@ -71,6 +71,7 @@ class StepPlanner:
     def _plan_and_route(self, current: ReadStep) -> PlannedStep:
         assert current.layout is not None and current.local is not None
         plan = self.client.plan_step(current.step, list(current.layout.padded))
+        self.client.check_planned_batch(plan, current.layout.padded)  # the batch routed is the one planned
         check_dynamic_cp_support(planner_config=self.client.config, transformer_config=self.transformer_config, plan=plan)
         id_groups = sample_id_groups(plan)
         traffic = Traffic()
