@@ -10,6 +10,7 @@ sample.
 
 from __future__ import annotations
 
+import array
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ class GlobalBatch:
     lengths: tuple[int, ...]
     token_fields: dict[str, JaggedField]
     sample_fields: dict[str, torch.Tensor]  # name -> [B, ...]
+    # The lengths as int64 bytes (`lengths_key`), so that checking them against a plan's is one
+    # memory comparison (trainer_client/batch_check.py); b"" when not known.
+    lengths_bytes: bytes = b""
 
     @property
     def real_tokens(self) -> int:
@@ -78,13 +82,13 @@ def unbind_batch(batch: Mapping[str, Any]) -> GlobalBatch:
             "batch: input_ids must be a jagged NestedTensor (torch.nested.nested_tensor(..., layout=torch.jagged)), "
             f"got a dense tensor of shape {tuple(input_ids.shape)}"
         )
-    lengths, _ = _jagged_field(input_ids)
+    lengths, _, key = _jagged_field(input_ids)
     token_fields: dict[str, JaggedField] = {}
     sample_fields: dict[str, torch.Tensor] = {}
     for name in batch.keys():
         value = batch[name]
         if getattr(value, "is_nested", False):
-            field_lengths, token_fields[name] = _jagged_field(value)
+            field_lengths, token_fields[name], _ = _jagged_field(value)
             _check_token_field(name, field_lengths, lengths)
         else:
             if value.shape[:1] != (len(lengths),):
@@ -93,7 +97,13 @@ def unbind_batch(batch: Mapping[str, Any]) -> GlobalBatch:
                     f"{len(lengths)} (one row per sample)"
                 )
             sample_fields[name] = value
-    return GlobalBatch(lengths, token_fields, sample_fields)
+    return GlobalBatch(lengths, token_fields, sample_fields, key if key is not None else lengths_key(lengths))
+
+
+def lengths_key(lengths: tuple[int, ...]) -> bytes:
+    """Per-sample lengths as int64 bytes: equal keys, equal lengths."""
+    return array.array("q", lengths).tobytes()
+
 
 
 def _kind(value: Any) -> str:
@@ -105,19 +115,21 @@ def _kind(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _jagged_field(nested: torch.Tensor) -> tuple[tuple[int, ...], JaggedField]:
-    """(lengths, packed field) of a NestedTensor; its offsets give both without unbinding it."""
+def _jagged_field(nested: torch.Tensor) -> tuple[tuple[int, ...], JaggedField, bytes | None]:
+    """(lengths, packed field, `lengths_key` of the lengths or None) of a NestedTensor; its
+    offsets give them without unbinding it (the key from the lengths tensor: a microsecond)."""
     if nested.layout is torch.jagged and getattr(nested, "_ragged_idx", 1) == 1:
         offsets = nested.offsets()
         lengths = nested.lengths()  # not None only for a view with holes between samples
         if lengths is None:
             lengths = offsets.diff()
-        return tuple(lengths.tolist()), JaggedField(nested.values(), tuple(offsets[:-1].tolist()))
+        lengths = lengths.to(device="cpu", dtype=torch.int64)
+        return tuple(lengths.tolist()), JaggedField(nested.values(), tuple(offsets[:-1].tolist())), lengths.numpy().tobytes()
     # Strided layout (or ragged along another dimension): per-sample tensors, packed once.
     per_sample = list(nested.unbind())
     lengths = tuple(int(t.shape[0]) for t in per_sample)
     starts = tuple(itertools.accumulate(lengths, initial=0))[:-1]
-    return lengths, JaggedField(torch.cat(per_sample) if per_sample else torch.empty(0, dtype=nested.dtype), starts)
+    return lengths, JaggedField(torch.cat(per_sample) if per_sample else torch.empty(0, dtype=nested.dtype), starts), None
 
 
 def _check_token_field(name: str, field_lengths: tuple[int, ...], lengths: tuple[int, ...]) -> None:

@@ -217,7 +217,7 @@ class BatchPlannerClient:
         if pack_group_samples not in (None, True, False):
             raise TypeError(f"pack_group_samples: got {pack_group_samples!r}; expected None, True or False")
         global_batch = batch if isinstance(batch, GlobalBatch) else unbind_batch(batch)
-        self.planned_batches.check(plan, global_batch.lengths)
+        self.planned_batches.check(plan, global_batch.lengths, global_batch.lengths_bytes)
         given = {} if isinstance(batch, GlobalBatch) else {"batch": batch}
         check_dynamic_cp_support(planner_config=self.config, plan=plan, **given, **self._trainer_configs)
         resolver = self._cp_groups

@@ -34,7 +34,8 @@ class PlannedStep:
 
 @dataclass
 class StepPlanner:
-    """Reads step k+1 while step k is handed out, plans it ahead, and routes step k's samples."""
+    """Reads step k+1 while step k is handed out, plans it ahead, and routes step k's samples,
+    after checking that the plan is the one made for them (trainer_client/batch_check.py)."""
 
     read_local: Callable[[], LocalBatch]  # raises StopIteration at the end of the data
     groups: mcore.DataGroups
