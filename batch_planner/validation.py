@@ -8,7 +8,9 @@ with a message that names the field, the value and what is allowed.
 
 from __future__ import annotations
 
+import operator
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, NoReturn
 
 from pydantic import ConfigDict, Field
@@ -22,10 +24,13 @@ from batch_planner.schedulers import require_scheduler
 
 # \Z, not $: "$" also matches before a trailing newline, which would let "run1\n" through.
 JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
+# The largest value any limit may be set to: no server accepts a longer sample than this.
+MAX_LIMIT = 1 << 62
+LENGTHS_ACCEPTED = "a sequence of integer lengths, one per sample (a list or tuple of ints, or a 1-D integer tensor or array)"
 
 
 def _limit(doc: str) -> Any:
-    return Field(ge=1, le=1 << 62, description=doc)
+    return Field(ge=1, le=MAX_LIMIT, description=doc)
 
 
 @dataclass(frozen=True, config=ConfigDict(extra="forbid"))
@@ -43,11 +48,52 @@ def _reject(field: str, message: str) -> NoReturn:
     raise InvalidRequestError(f"{field}: {message}", field=field)
 
 
-def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
-    """Raises InvalidRequestError (or SchedulerUnavailableError) for a request we must not plan."""
-    lengths = request.sequence_lengths
+def sequence_lengths_of(values: Any) -> tuple[int, ...]:
+    """A batch's lengths as a tuple of ints, or InvalidRequestError naming `sequence_lengths`, the
+    sample and its value: the rule the server, the in-process planner and the trainer client share.
+    Integers only (Python ints, numpy integers, integer tensors and arrays): nothing is truncated
+    or converted, so floats, NaN, strings and bools are refused; so are None, scalars and mappings;
+    every length is 1..MAX_LIMIT (a server's own limits are checked by validate_request)."""
+    if hasattr(values, "tolist") and not isinstance(values, (str, bytes)):  # a tensor or an array
+        values = values.tolist()
+    if values is None or isinstance(values, (str, bytes, bytearray)) or not isinstance(values, Sequence):
+        what = "None" if values is None else f"the {type(values).__name__} {_shown(values)}"
+        _reject("sequence_lengths", f"got {what}; expected {LENGTHS_ACCEPTED}")
+    if set(map(type, values)) == {int}:  # the usual case, at C speed
+        lengths = tuple(values)
+    else:
+        lengths = tuple(_length_at(index, value) for index, value in enumerate(values))
     if not lengths:
         _reject("sequence_lengths", "the batch is empty; send at least one sample length")
+    shortest, longest = min(lengths), max(lengths)
+    if shortest < 1:
+        _reject("sequence_lengths", f"sample {lengths.index(shortest)} has length {shortest}; every sample needs >= 1 token")
+    if longest > MAX_LIMIT:
+        _reject("sequence_lengths", f"sample {lengths.index(longest)} has length {longest}; any server allows at most 2^62 tokens")
+    return lengths
+
+
+def _length_at(index: int, value: Any) -> int:
+    if not isinstance(value, bool) and type(value).__name__ not in ("bool_", "bool"):
+        try:
+            return operator.index(value)  # an int, a numpy integer, a 0-d integer tensor
+        except TypeError:
+            pass
+    _reject(
+        "sequence_lengths",
+        f"sample {index} has value {_shown(value)} ({type(value).__name__}); expected an integer length >= 1 "
+        "(floats, NaN, strings and bools are refused, not converted)",
+    )
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
+    """Raises InvalidRequestError (or SchedulerUnavailableError) for a request we must not plan."""
+    lengths = sequence_lengths_of(request.sequence_lengths)
     if len(lengths) > limits.max_samples_per_request:
         _reject(
             "sequence_lengths",
@@ -69,10 +115,6 @@ def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
             f"DPxCP = {request.data_parallel_size}x{request.context_parallel_size} = {dp_cp} ranks "
             f"exceeds this server's limit of {limits.max_dp_cp_size}",
         )
-    shortest = min(lengths)
-    if shortest < 1:
-        zero = lengths.index(shortest)
-        _reject("sequence_lengths", f"sample {zero} has length {shortest}; every sample needs >= 1 token")
     longest_id = lengths.index(max(lengths))
     if lengths[longest_id] > limits.max_sequence_length:
         _reject(

@@ -10,6 +10,11 @@ In process, on CPU, with trainer_client's apply and restore (the code a trainer 
   position ids, padding mask, cu_seqlens. One run per rank of the plan, so the spread is over ranks;
   measured with torch's default intra-op threads and with one thread, rank by rank side by side
   (on this busy 2-core machine, small tensor ops with 2 threads lose much time to waiting);
+- `check`: what makes sure the batch is the one the plan was made for (trainer_client/batch_check.py):
+  `unbind` keeps the batch's lengths as int64 bytes (from the lengths tensor it reads anyway; timed
+  alone, right after reading it as `unbind` does), and `BatchPlannerClient.micro_batches` compares
+  them with the plan's recorded lengths (timed on every rank right before that rank's apply, default
+  threads). Reported as a ratio to the apply: checks plus keys over applies, summed over the ranks;
 - `restore`: `trainer_client.outputs.restore_outputs` on one output per sample (a float32 tensor of
   the sample's length, e.g. per-token log-probs), without torch.distributed: the ordering and
   checking only, not the all-gather between ranks;
@@ -20,7 +25,8 @@ In process, on CPU, with trainer_client's apply and restore (the code a trainer 
   all-gather between ranks not counted);
 - memory: bytes of the tensors `apply` creates for one rank (its shards, position ids, masks,
   cu_seqlens; the unsharded per-sample views share the batch's storage), next to the batch itself.
-The plan: dynamic CP (packed units), 1,024 samples of `lognormal_32k` on 64 ranks. Bar: apply <= 5 ms.
+The plan: dynamic CP (packed units), 1,024 samples of `lognormal_32k` on 64 ranks. Bars: apply <= 5 ms;
+check <= 1% of apply.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from bench.common import (
 DISTRIBUTION, SIZE, SMOKE_SIZE = "lognormal_32k", BatchSize(1024, 64), BatchSize(64, 8)
 UNBIND_RUNS, RESTORE_RUNS = 10, 10
 APPLY_BAR_S, APPLY_BAR = 5e-3, "<= 5 ms"
+CHECK_BAR_RATIO, CHECK_BAR = 0.01, "<= 1% of apply"
 MS, MIB = 1e3, 1 / 2**20
 
 
@@ -129,9 +136,26 @@ def plan_max(plan) -> int:
     return max(1, max((g.padded_tokens for mb in plan.micro_batches for g in mb.cp_groups), default=1))
 
 
+def key_seconds(lengths: torch.Tensor) -> float:
+    """The lengths key as `unbind_batch` makes it: right after reading the lengths into ints."""
+    tuple(lengths.tolist())
+    started = time.perf_counter()
+    lengths.numpy().tobytes()
+    return time.perf_counter() - started
+
+
+def check_seconds(planned, plan, global_batch) -> float:
+    """The check `micro_batches` runs before the apply: the recorded plan's lengths against the
+    batch's, by their keys."""
+    started = time.perf_counter()
+    planned.check(plan, global_batch.lengths, global_batch.lengths_bytes)
+    return time.perf_counter() - started
+
+
 def run(out: Path, smoke: bool = False) -> Report[CostRow]:
     from trainer_client.apply import micro_batches_for_rank
     from trainer_client.batch import unbind_batch
+    from trainer_client.batch_check import PlannedBatches
     from trainer_client.outputs import restore_outputs
 
     size = SMOKE_SIZE if smoke else SIZE
@@ -147,12 +171,19 @@ def run(out: Path, smoke: bool = False) -> Report[CostRow]:
         unbind.append(time.perf_counter() - started)
     default_threads = torch.get_num_threads()
     apply_one_thread: list[float] = []
+    planned, check = PlannedBatches(keep=3), []
+    planned.record(plan, request.sequence_lengths, step=0)  # as plan_step records it
+    lengths = batch["input_ids"].offsets().diff().to(dtype=torch.int64)  # as unbind_batch reads it
     micro_batches_for_rank(plan, global_batch, 0)  # warm-up
+    check_seconds(planned, plan, global_batch)
+    key = [key_seconds(lengths) for _ in range(64)]
     try:
         for rank in range(plan.dp_cp_size):
             # Side by side: torch's default intra-op threads, then one thread, on the same rank.
             for threads, sink in ((default_threads, apply), (1, apply_one_thread)):
                 torch.set_num_threads(threads)
+                if threads == default_threads:  # as micro_batches: the check, then the apply
+                    check.append(check_seconds(planned, plan, global_batch))
                 started = time.perf_counter()
                 mine = micro_batches_for_rank(plan, global_batch, rank)
                 sink.append(time.perf_counter() - started)
@@ -167,10 +198,13 @@ def run(out: Path, smoke: bool = False) -> Report[CostRow]:
         restore.append(time.perf_counter() - started)
     assert len(restored) == size.samples
     timing, fitting = calibration_cost(plan, global_batch, 2 if smoke else RESTORE_RUNS)
+    ratio = (sum(check) + len(check) * Spread.of(key).p50) / sum(apply)
     rows = [
         CostRow("unbind the global batch (once per step)", Spread.of(unbind)),
         CostRow(f"apply the plan for one rank, torch default threads ({default_threads})", Spread.of(apply), bar_s=APPLY_BAR_S),
         CostRow("apply the plan for one rank, torch.set_num_threads(1)", Spread.of(apply_one_thread), bar_s=APPLY_BAR_S),
+        CostRow("check: the batch's lengths key, made in unbind, in µs", Spread.of(key), 1e6),
+        CostRow("check: the batch against the plan's lengths, before each apply above, in µs", Spread.of(check), 1e6),
         CostRow("restore output order (no all-gather)", Spread.of(restore)),
         CostRow("calibration: time every unit of one step on one rank", Spread.of(timing)),
         CostRow("calibration: refit over a 50-step window (no all-gather)", Spread.of(fitting)),
@@ -179,12 +213,17 @@ def run(out: Path, smoke: bool = False) -> Report[CostRow]:
     table = markdown_table(
         ["batch", "what", "runs", "ms p50 (min..max)", "ms p99", "bar", "verdict"], [r.cells(size.label) for r in rows]
     )
+    check_line = (
+        f"Checking the batch costs {ratio:.3%} of applying the plan: the {len(check)} ranks' checks (each timed "
+        f"right before its rank's apply) and as many lengths keys (p50), over the sum of the applies; bar "
+        f"{CHECK_BAR}, {verdict(ratio <= CHECK_BAR_RATIO)}."
+    )
     suffix = "_smoke" if smoke else ""
     return write_report(
         out, f"trainer_cost{suffix}", "Trainer-side cost of applying a plan",
         (__doc__ or "").split("\n\n", 2)[2].strip()
         + f"\n\nThe plan has {len(plan.micro_batches)} micro-batches; the verdict uses p99 over the ranks.",
-        [("Results", table)],
+        [("Results", table), ("Checking the batch against the plan", check_line)],
         rows=rows,
         bars=[Bar(f"{size.label}: {r.what}", APPLY_BAR, r.met) for r in rows if r.met is not None],
     )

@@ -64,8 +64,13 @@ def test_service_plan_equals_the_in_process_plan_and_the_fallback_plan(planner, 
 def test_invalid_argument_is_raised_not_retried_and_not_planned_in_process(planner):
     client = client_for(planner.address, max_attempts=4)
     try:
-        with pytest.raises(PlanRejectedError, match=r"INVALID_ARGUMENT.*sequence_lengths"):
+        # A length of 0 breaks a rule the client shares with the server: refused before any RPC.
+        with pytest.raises(PlanRejectedError, match=r"INVALID_ARGUMENT.*sequence_lengths: sample 1 has length 0"):
             client.plan_step(0, [1000, 0, 2000])
+        assert metric(client, "batch_planner_client_rpc_latency_seconds_count") == 0
+        # Longer than this server's --max-sequence-length: only the server knows its limit.
+        with pytest.raises(PlanRejectedError, match=r"INVALID_ARGUMENT.*sequence_lengths"):
+            client.plan_step(0, [1000, 10_000_000, 2000])
     finally:
         client.close()
     assert metric(client, "batch_planner_client_rpc_latency_seconds_count") == 1  # one attempt

@@ -1,5 +1,7 @@
 """What a Megatron trainer imports to get its batches planned by the batch planner service."""
 
+from trainer_client.batch import BatchMismatchError
+from trainer_client.batch_check import check_batch_is_planned
 from trainer_client.client import BatchPlannerClient
 from trainer_client.compatibility import UnsupportedCombinationError, check_dynamic_cp_support
 from trainer_client.config import ConfigError, PlannerClientConfig, WhoAsks
@@ -7,6 +9,7 @@ from trainer_client.side_data import RouterReplayAlignmentError, align_router_re
 from trainer_client.token_outputs import TokenPiece, restore_token_outputs, token_pieces
 
 __all__ = [
+    "BatchMismatchError",
     "BatchPlannerClient",
     "ConfigError",
     "PlannerClientConfig",
@@ -16,6 +19,7 @@ __all__ = [
     "WhoAsks",
     "align_router_replay",
     "attach_router_replay",
+    "check_batch_is_planned",
     "check_dynamic_cp_support",
     "restore_token_outputs",
     "token_pieces",

@@ -10,15 +10,23 @@ sample.
 
 from __future__ import annotations
 
+import array
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 
 class BatchMismatchError(ValueError):
     """The batch does not match the plan (sample count, lengths, field shapes)."""
+
+
+BATCH_ACCEPTED = (
+    "a TensorDict, or a mapping of field name -> tensor, whose 'input_ids' is a jagged NestedTensor "
+    "(torch.nested.nested_tensor(..., layout=torch.jagged)), one row per sample"
+)
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,9 @@ class GlobalBatch:
     lengths: tuple[int, ...]
     token_fields: dict[str, JaggedField]
     sample_fields: dict[str, torch.Tensor]  # name -> [B, ...]
+    # The lengths as int64 bytes (`lengths_key`), so that checking them against a plan's is one
+    # memory comparison (trainer_client/batch_check.py); b"" when not known.
+    lengths_bytes: bytes = b""
 
     @property
     def real_tokens(self) -> int:
@@ -53,51 +64,78 @@ class GlobalBatch:
 
 
 def unbind_batch(batch: Mapping[str, Any]) -> GlobalBatch:
+    """The batch read once; TypeError when it is not a mapping of tensors, BatchMismatchError when
+    its fields do not describe one batch."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batch: got {_kind(batch)}; expected {BATCH_ACCEPTED}")
     if "input_ids" not in batch.keys():
-        raise BatchMismatchError(f"the batch has no 'input_ids' field; fields: {sorted(batch.keys())}")
+        raise BatchMismatchError(f"batch: it has no 'input_ids' field; fields: {sorted(map(str, batch.keys()))}")
+    for name in batch.keys():
+        if not isinstance(batch[name], torch.Tensor):
+            raise TypeError(
+                f"batch: field {name!r} is {_kind(batch[name])}; expected a tensor (a jagged NestedTensor of [L, ...] "
+                f"per sample, or a dense [B, ...] tensor); the batch must be {BATCH_ACCEPTED}"
+            )
     input_ids = batch["input_ids"]
-    if not getattr(input_ids, "is_nested", False):
+    if not input_ids.is_nested:
         raise BatchMismatchError(
-            "input_ids must be a jagged NestedTensor (torch.nested.nested_tensor(..., layout=torch.jagged)), "
+            "batch: input_ids must be a jagged NestedTensor (torch.nested.nested_tensor(..., layout=torch.jagged)), "
             f"got a dense tensor of shape {tuple(input_ids.shape)}"
         )
-    lengths, _ = _jagged_field(input_ids)
+    lengths, _, key = _jagged_field(input_ids)
     token_fields: dict[str, JaggedField] = {}
     sample_fields: dict[str, torch.Tensor] = {}
     for name in batch.keys():
         value = batch[name]
         if getattr(value, "is_nested", False):
-            field_lengths, token_fields[name] = _jagged_field(value)
+            field_lengths, token_fields[name], _ = _jagged_field(value)
             _check_token_field(name, field_lengths, lengths)
         else:
             if value.shape[:1] != (len(lengths),):
                 raise BatchMismatchError(
-                    f"per-sample field {name!r} has shape {tuple(value.shape)}; expected first dimension "
+                    f"batch: per-sample field {name!r} has shape {tuple(value.shape)}; expected first dimension "
                     f"{len(lengths)} (one row per sample)"
                 )
             sample_fields[name] = value
-    return GlobalBatch(lengths, token_fields, sample_fields)
+    return GlobalBatch(lengths, token_fields, sample_fields, key if key is not None else lengths_key(lengths))
 
 
-def _jagged_field(nested: torch.Tensor) -> tuple[tuple[int, ...], JaggedField]:
-    """(lengths, packed field) of a NestedTensor; its offsets give both without unbinding it."""
+def lengths_key(lengths: tuple[int, ...]) -> bytes:
+    """Per-sample lengths as int64 bytes: equal keys, equal lengths."""
+    return array.array("q", lengths).tobytes()
+
+
+
+def _kind(value: Any) -> str:
+    """What a value is, for a message: its type (and the first element's, for a list or tuple)."""
+    if value is None:
+        return "None"
+    if isinstance(value, (list, tuple)) and value:
+        return f"a {type(value).__name__} of {type(value[0]).__name__}"
+    return f"a {type(value).__name__}"
+
+
+def _jagged_field(nested: torch.Tensor) -> tuple[tuple[int, ...], JaggedField, bytes | None]:
+    """(lengths, packed field, `lengths_key` of the lengths or None) of a NestedTensor; its
+    offsets give them without unbinding it (the key from the lengths tensor: a microsecond)."""
     if nested.layout is torch.jagged and getattr(nested, "_ragged_idx", 1) == 1:
         offsets = nested.offsets()
         lengths = nested.lengths()  # not None only for a view with holes between samples
         if lengths is None:
             lengths = offsets.diff()
-        return tuple(lengths.tolist()), JaggedField(nested.values(), tuple(offsets[:-1].tolist()))
+        lengths = lengths.to(device="cpu", dtype=torch.int64)
+        return tuple(lengths.tolist()), JaggedField(nested.values(), tuple(offsets[:-1].tolist())), lengths.numpy().tobytes()
     # Strided layout (or ragged along another dimension): per-sample tensors, packed once.
     per_sample = list(nested.unbind())
     lengths = tuple(int(t.shape[0]) for t in per_sample)
     starts = tuple(itertools.accumulate(lengths, initial=0))[:-1]
-    return lengths, JaggedField(torch.cat(per_sample) if per_sample else torch.empty(0, dtype=nested.dtype), starts)
+    return lengths, JaggedField(torch.cat(per_sample) if per_sample else torch.empty(0, dtype=nested.dtype), starts), None
 
 
 def _check_token_field(name: str, field_lengths: tuple[int, ...], lengths: tuple[int, ...]) -> None:
     if len(field_lengths) != len(lengths):
-        raise BatchMismatchError(f"field {name!r} has {len(field_lengths)} samples, input_ids has {len(lengths)}")
+        raise BatchMismatchError(f"batch: field {name!r} has {len(field_lengths)} samples, input_ids has {len(lengths)}")
     if field_lengths == lengths:
         return
     sample_id, (tokens, length) = next((i, pair) for i, pair in enumerate(zip(field_lengths, lengths)) if pair[0] != pair[1])
-    raise BatchMismatchError(f"field {name!r} of sample {sample_id} has {tokens} tokens, its input_ids has {length}")
+    raise BatchMismatchError(f"batch: field {name!r} of sample {sample_id} has {tokens} tokens, its input_ids has {length}")

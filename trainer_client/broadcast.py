@@ -44,20 +44,24 @@ def request_digest(request: PlanRequest) -> str:
 
 def agree_on_plan(
     own: Plan | PlanRejectedError | None,
-    request: PlanRequest,
+    request: PlanRequest | None,
     group: dist.ProcessGroup | None,
     who_asks: WhoAsks,
 ) -> Plan:
     """Every rank calls this with its own result (`None` on ranks that did not ask) and the request
     for its own batch, and gets the group's plan back, or the asking rank's PlanRejectedError.
-    Without a process group of several ranks there is no one to agree with: no digest, no collective."""
+    A rank whose batch was refused before planning passes its error and no request: every rank
+    then raises. Without a process group of several ranks there is no one to agree with: no
+    digest, no collective."""
     if not is_distributed(group):
         return _unwrap(own)
     if who_asks is WhoAsks.LEADER:
         holder: list[Any] = [_encode(own) if dist.get_rank(group) == 0 else None]
         dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-        own = _decode(holder[0])
-    mine = (own.plan_id if isinstance(own, Plan) else f"error: {own}", request_digest(request))
+        if request is not None or dist.get_rank(group) == 0:  # a refused batch keeps its own error
+            own = _decode(holder[0])
+    digest = request_digest(request) if request is not None else "refused"
+    mine = (own.plan_id if isinstance(own, Plan) else f"error: {own}", digest)
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     errors = [(rank, entry[0]) for rank, entry in enumerate(everyone) if entry[0].startswith("error: ")]

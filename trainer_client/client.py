@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import numbers
 import time
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
@@ -22,11 +24,14 @@ from typing import Any, Mapping, Sequence
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry, start_http_server
 
+from batch_planner.errors import InvalidRequestError
 from batch_planner.plan import Plan
 from batch_planner.request import PlanningOptions, PlanRequest, SchedulerKind
+from batch_planner.validation import sequence_lengths_of
 from trainer_client.ahead import Fetched, PlanAhead
 from trainer_client.apply import micro_batches_for_rank
 from trainer_client.batch import GlobalBatch, unbind_batch
+from trainer_client.batch_check import PlannedBatches
 from trainer_client.megatron import (
     CpGroupResolver,
     dp_cp_group,
@@ -76,6 +81,11 @@ class BatchPlannerClient:
         model_config: Any = None,
         transformer_config: Any = None,
     ):
+        if not isinstance(config, PlannerClientConfig):
+            raise TypeError(
+                f"config: got a {type(config).__name__}; expected a PlannerClientConfig "
+                "(PlannerClientConfig.from_dict or .from_yaml)"
+            )
         self.config = config
         self._trainer_configs = dict(
             engine_config=engine_config, model_config=model_config, transformer_config=transformer_config
@@ -87,18 +97,14 @@ class BatchPlannerClient:
         if group is None and megatron_ready:
             group = dp_cp_group()
         self.group = group
-        if dist.is_available() and dist.is_initialized():
-            self.dp_cp_size = dist.get_world_size(group)
-            self.rank = dist.get_rank(group)
-        else:
-            if dp_cp_size is None:
-                raise ValueError("torch.distributed is not initialised: pass dp_cp_size (and rank) explicitly")
-            self.dp_cp_size, self.rank = dp_cp_size, rank or 0
+        self.dp_cp_size, self.rank = _group_layout(group, dp_cp_size, rank)
         if self.dp_cp_size % config.context_parallel_size:
             raise ValueError(
                 f"context_parallel_size={config.context_parallel_size} does not divide the DPxCP group "
                 f"of {self.dp_cp_size} ranks"
             )
+        if not (cp_groups in ("auto", "megatron", None) or callable(cp_groups)):
+            raise ValueError(f"cp_groups: {cp_groups!r} is not allowed; expected 'auto', 'megatron', None or a callable size -> group")
         if cp_groups == "auto":
             cp_groups = "megatron" if megatron_ready else None
         self._cp_groups = cp_groups
@@ -112,6 +118,8 @@ class BatchPlannerClient:
         self.ahead = PlanAhead(self.source.plan, depth=config.plan_ahead_depth)
         self.metrics.plan_ahead_depth.labels(self.metrics.job).set(config.plan_ahead_depth)
         self.last_source: str | None = None
+        # The lengths and step of the plans handed out, so that micro_batches checks the batch.
+        self.planned_batches = PlannedBatches(keep=config.plan_ahead_depth + 2)
         # Closed-loop calibration (trainer_client/calibration.py): None when config.calibration is off.
         self.calibration = Calibrator(
             self._options, config.calibration_window_steps, config.calibration_min_observations,
@@ -125,12 +133,14 @@ class BatchPlannerClient:
 
     def request_for(self, lengths: Sequence[int], step: int | None = None) -> PlanRequest:
         """The request for a batch of `step` (default: the next step), with the options in force
-        then: the calibrated cost model changes only from a step no rank has prefetched yet."""
-        values = lengths.tolist() if hasattr(lengths, "tolist") else lengths  # a tensor or numpy array
-        return PlanRequest(
-            tuple(map(int, values)), self.dp_cp_size // self.config.context_parallel_size, self._options_for(step),
-            self.config.job,
-        )
+        then: the calibrated cost model changes only from a step no rank has prefetched yet.
+        Lengths that are not integers >= 1 raise PlanRejectedError (INVALID_ARGUMENT) with the
+        server's words, before any RPC or fallback (`checked_lengths`)."""
+        return self._request(checked_lengths(lengths), step)
+
+    def _request(self, lengths: tuple[int, ...], step: int | None) -> PlanRequest:
+        dp = self.dp_cp_size // self.config.context_parallel_size
+        return PlanRequest(lengths, dp, self._options_for(step), self.config.job)
 
     def _options_for(self, step: int | None) -> PlanningOptions:
         return self._options if self.calibration is None else self.calibration.options_for(step)
@@ -138,15 +148,21 @@ class BatchPlannerClient:
     def prefetch(self, step: int, lengths: Sequence[int]) -> None:
         """Start planning `step` in the background: call it for steps step + 1 .. step +
         `plan_ahead_depth` while a step trains, as soon as each batch's lengths are known."""
+        _check_step(step)
+        request = self.request_for(lengths, step)  # on every rank: a bad batch raises everywhere
         if self.asks:
-            self.ahead.prefetch(step, self.request_for(lengths, step), source=lengths)
+            self.ahead.prefetch(step, request, source=lengths)
 
     def plan_step(self, step: int, lengths: Sequence[int]) -> Plan:
         """The plan for `step`, the same on every rank of the group (a collective: all ranks call it)."""
         started = time.perf_counter()
-        request = self._request_for_step(step, lengths)
+        _check_step(step)
         own: Plan | PlanRejectedError | None = None
-        if self.asks:
+        try:
+            request: PlanRequest | None = self._request_for_step(step, lengths)
+        except PlanRejectedError as error:  # still enters the collectives, so every rank raises
+            request, own = None, error
+        if self.asks and request is not None:
             try:
                 fetched = self.ahead.get(step, request)
                 self._record_lead(fetched)
@@ -156,6 +172,8 @@ class BatchPlannerClient:
             except PlannerUnavailableError as error:
                 own = PlanRejectedError("UNAVAILABLE", str(error))
         plan = agree_on_plan(own, request, self.group, self.config.who_asks)
+        if request is not None:  # (else agree_on_plan raised this rank's error)
+            self.planned_batches.record(plan, request.sequence_lengths, step)
         self.metrics.plan_wait.labels(self.metrics.job).observe(time.perf_counter() - started)
         self.metrics.micro_batches.labels(self.metrics.job).set(len(plan.micro_batches))
         if self.calibration is not None:
@@ -173,13 +191,12 @@ class BatchPlannerClient:
         prefetched = self.ahead.pending_request(step) if self.asks else None
         if prefetched is None or prefetched.options != self._options_for(step):
             return self.request_for(lengths, step)
-        # The very object prefetch was given (a tuple: unchanged since) needs no element-wise
-        # comparison, which for 16,384 samples costs a cold cache a fraction of a millisecond.
+        # The very object prefetch was given (a tuple: unchanged since, checked then) needs no
+        # element-wise pass, which for 16,384 samples costs a cold cache a fraction of a millisecond.
         if isinstance(lengths, tuple) and self.ahead.pending_source(step) is lengths:
             return prefetched
-        if _same_lengths(prefetched.sequence_lengths, lengths):
-            return prefetched
-        return self.request_for(lengths, step)
+        checked = checked_lengths(lengths)
+        return prefetched if checked == prefetched.sequence_lengths else self._request(checked, step)
 
     def micro_batches(
         self,
@@ -192,20 +209,32 @@ class BatchPlannerClient:
 
         pack_group_samples: pack all samples of a CP group into one unit (default: as the plan's
         scheduler executes; hybrid CP runs each sample alone, the packing schedulers pack).
+        The batch must be the one the plan was made for: BatchMismatchError names the first sample
+        whose length differs (`trainer_client.batch_check`); TypeError for what is not a batch.
         """
-        if not isinstance(batch, GlobalBatch):
-            check_dynamic_cp_support(planner_config=self.config, batch=batch, plan=plan, **self._trainer_configs)
-        else:
-            check_dynamic_cp_support(planner_config=self.config, plan=plan, **self._trainer_configs)
+        _require_plan(plan)
+        _require_int("pad_token_id", pad_token_id, 0, what="a token id")
+        if pack_group_samples not in (None, True, False):
+            raise TypeError(f"pack_group_samples: got {pack_group_samples!r}; expected None, True or False")
+        global_batch = batch if isinstance(batch, GlobalBatch) else unbind_batch(batch)
+        self.planned_batches.check(plan, global_batch.lengths, global_batch.lengths_bytes)
+        given = {} if isinstance(batch, GlobalBatch) else {"batch": batch}
+        check_dynamic_cp_support(planner_config=self.config, plan=plan, **given, **self._trainer_configs)
         resolver = self._cp_groups
         if resolver == "megatron":
             resolver = megatron_cp_group_resolver(plan, self.group)
-        if not isinstance(batch, GlobalBatch):
-            batch = unbind_batch(batch)
-        return micro_batches_for_rank(plan, batch, self.rank, resolver, pad_token_id, pack_group_samples)
+        return micro_batches_for_rank(plan, global_batch, self.rank, resolver, pad_token_id, pack_group_samples)
+
+    def check_planned_batch(self, plan: Plan, lengths: Sequence[int]) -> None:
+        """BatchMismatchError unless `lengths` (a batch's, in sample order) are those `plan`, one of
+        this client's last plans, was made for: what `micro_batches` checks, for drop-ins that
+        apply plans themselves."""
+        _require_plan(plan)
+        self.planned_batches.check(plan, lengths)
 
     def restore_outputs(self, plan: Plan, local_outputs: Mapping[int, Any]) -> list[Any]:
         """Per-sample outputs of this rank's led samples -> every sample's output, in sample order."""
+        _require_plan(plan)
         num_samples = sum(len(g.sample_ids) for mb in plan.micro_batches for g in mb.cp_groups)
         return restore_outputs(local_outputs, num_samples, self.group if is_distributed(self.group) else None)
 
@@ -215,6 +244,7 @@ class BatchPlannerClient:
 
     def record_step(self, micro_batches: Sequence[RankMicroBatch], seconds: float) -> None:
         """Counts this rank's real and padding tokens and the step time."""
+        _check_record_step(micro_batches, seconds)
         m, job = self.metrics, self.metrics.job
         real = sum(mb.real_local_tokens for mb in micro_batches)
         m.tokens.labels(job).inc(real)
@@ -252,10 +282,57 @@ class BatchPlannerClient:
         self.source.close()
 
 
-def _same_lengths(planned: tuple[int, ...], lengths: Sequence[int]) -> bool:
-    """Cheap for the usual list or tuple of ints; other sequences (tensors, arrays) are rebuilt."""
-    if isinstance(lengths, tuple):
-        return lengths == planned
-    if isinstance(lengths, list):
-        return tuple(lengths) == planned
-    return False
+def checked_lengths(lengths: Any) -> tuple[int, ...]:
+    """A batch's lengths as ints by the server's own rule (`batch_planner.validation.
+    sequence_lengths_of`), or the PlanRejectedError (INVALID_ARGUMENT) the server would answer."""
+    try:
+        return sequence_lengths_of(lengths)
+    except InvalidRequestError as error:
+        raise PlanRejectedError(error.code.value, str(error)) from None
+
+
+def _group_layout(group: Any, dp_cp_size: Any, rank: Any) -> tuple[int, int]:
+    """(DPxCP size, this rank) from the process group, or from the arguments without one."""
+    if dist.is_available() and dist.is_initialized():
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        if me < 0:
+            raise ValueError("group: this process is not a member of the DPxCP group it was given")
+        for name, given, actual in (("dp_cp_size", dp_cp_size, size), ("rank", rank, me)):
+            if given is not None and given != actual:
+                raise ValueError(f"{name}: {given!r} is not this process's: the process group says {actual}; leave it unset")
+        return size, me
+    if dp_cp_size is None:
+        raise ValueError("dp_cp_size: torch.distributed is not initialised: pass dp_cp_size (and rank) explicitly")
+    _require_int("dp_cp_size", dp_cp_size, 1, what="the ranks of the DPxCP group")
+    if rank is not None:
+        _require_int("rank", rank, 0, dp_cp_size - 1, what=f"a rank of the dp_cp_size={dp_cp_size} group")
+    return dp_cp_size, rank or 0
+
+
+def _require_int(name: str, value: Any, low: int, high: int | None = None, *, what: str) -> None:
+    """TypeError unless `value` is an int (a bool is not), ValueError unless it is in low..high."""
+    allowed = f"an int >= {low}" if high is None else f"an int in {low}..{high}"
+    if type(value) is not int:
+        raise TypeError(f"{name}: got {value!r:.60} ({type(value).__name__}); expected {allowed} ({what})")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name}: {value} is not allowed; expected {allowed} ({what})")
+
+
+def _check_step(step: Any) -> None:
+    _require_int("step", step, 0, what="the training step")
+
+
+def _require_plan(plan: Any) -> None:
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan: got a {type(plan).__name__}; expected the Plan plan_step returned")
+
+
+def _check_record_step(micro_batches: Any, seconds: Any) -> None:
+    if isinstance(micro_batches, (str, bytes)) or not isinstance(micro_batches, Sequence) or not all(
+        isinstance(mb, RankMicroBatch) for mb in micro_batches
+    ):
+        raise TypeError(f"micro_batches: got {micro_batches!r:.80}; expected the RankMicroBatches micro_batches() returned")
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise TypeError(f"seconds: got {seconds!r:.60} ({type(seconds).__name__}); expected a number of seconds >= 0")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"seconds: {seconds!r} is not allowed; expected a finite number of seconds >= 0")

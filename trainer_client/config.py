@@ -171,18 +171,35 @@ class PlannerClientConfig(PlanningOptions):
     def from_dict(cls, values: dict[str, Any]) -> PlannerClientConfig:
         if not isinstance(values, dict):
             raise ConfigError(f"batch planner client config must be a mapping, got {type(values).__name__}")
+        odd = [key for key in values if not isinstance(key, str)]
+        if odd:
+            raise ConfigError(f"key(s) {odd[:5]!r} are not names; allowed keys: {sorted(PlannerClientConfig.__pydantic_fields__)}")
         return cls(**values)
 
     @classmethod
     def from_yaml(cls, path: str | Path, section: str | None = None) -> PlannerClientConfig:
-        """Loads the file, or one top-level `section` of it (e.g. "batch_planner")."""
+        """Loads the file, or one top-level `section` of it (e.g. "batch_planner"); ConfigError
+        naming the file when it is not YAML, not a mapping, or lacks the section."""
         import yaml
 
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(path, (str, Path)):
+            raise TypeError(f"path: got a {type(path).__name__}; expected the path of a YAML file (str or Path)")
+        if section is not None and not isinstance(section, str):
+            raise TypeError(f"section: got a {type(section).__name__}; expected None or the name of a top-level section")
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as error:
+            raise ConfigError(f"{path}: not a YAML file ({str(error).splitlines()[0]})") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the config must be a mapping, got {type(data).__name__}; expected settings or sections")
         if section is not None:
-            if not isinstance(data, dict) or section not in data:
-                raise ConfigError(f"{path}: no top-level section {section!r}")
+            if section not in data:
+                raise ConfigError(f"{path}: no top-level section {section!r}; sections: {sorted(map(str, data))}")
             data = data[section] or {}
+            if not isinstance(data, dict):
+                raise ConfigError(f"{path}: section {section!r} must be a mapping, got {type(data).__name__}; expected settings")
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:

@@ -3,12 +3,16 @@
 Each rank passes {sample_id: output} for the samples it leads (RankMicroBatch.is_cp_leader); an
 output is any picklable object (a tensor of any shape, a scalar, a dict). Every sample must come
 back exactly once; a missing or duplicated id raises OutputRestoreError naming it, on every rank.
+Arguments of the wrong type raise TypeError, on every rank too: a rank's problem travels in the
+gather, so no rank raises alone while the others wait in it (`raise_gathered_problem`).
 """
 
 from __future__ import annotations
 
+import numbers
 from collections import Counter
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,14 +28,37 @@ def restore_outputs(
     local_outputs: Mapping[int, Any], num_samples: int, group: dist.ProcessGroup | None = None
 ) -> list[Any]:
     """All ranks call this; all get the outputs of samples 0..num_samples-1 in order."""
-    items = [(int(sample_id), _to_cpu(output)) for sample_id, output in local_outputs.items()]
+    problem = _outputs_problem(local_outputs)
+    items = [] if problem else [(int(sample_id), _to_cpu(output)) for sample_id, output in local_outputs.items()]
     if is_distributed(group):
         gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, items, group=group)
-        items = [(sample_id, output, rank) for rank, part in enumerate(gathered) for sample_id, output in part]
+        dist.all_gather_object(gathered, (problem, items), group=group)
+        raise_gathered_problem([p for p, _ in gathered])
+        items = [(sample_id, output, rank) for rank, (_, part) in enumerate(gathered) for sample_id, output in part]
     else:
+        raise_gathered_problem([problem])
         items = [(sample_id, output, 0) for sample_id, output in items]
     return order_outputs(items, num_samples)
+
+
+def _outputs_problem(local_outputs: Any) -> TypeError | None:
+    if not isinstance(local_outputs, Mapping):
+        return TypeError(f"local_outputs: got a {type(local_outputs).__name__}; expected a mapping of sample id (int) -> output")
+    for bad in local_outputs:
+        if isinstance(bad, bool) or not isinstance(bad, numbers.Integral):
+            return TypeError(
+                f"local_outputs: key {bad!r:.60} is a {type(bad).__name__}; expected int sample ids (RankMicroBatch.sample_ids)"
+            )
+    return None
+
+
+def raise_gathered_problem(problems: list[Exception | None]) -> None:
+    """Raises the first rank's problem, if any rank had one: every rank calls it with the same
+    gathered list, so every rank raises the same error."""
+    found = [(rank, problem) for rank, problem in enumerate(problems) if problem is not None]
+    if found:
+        rank, problem = found[0]
+        raise problem if len(problems) == 1 else type(problem)(f"{problem} (on rank {rank} of the group)")
 
 
 def order_outputs(items: list[tuple[int, Any, int]], num_samples: int) -> list[Any]:

@@ -4,20 +4,24 @@ Under CP every member of a sample's group holds a shard of its tokens (zigzag or
 padding), so a per-token output of a sample is spread over several ranks. Each rank cuts its
 micro-batch outputs `[local_tokens, ...]` into per-sample pieces with the positions they hold
 (`token_pieces`), and `restore_token_outputs` gathers the pieces and puts every sample back as
-`[L, ...]` in sample order, checking that every real token arrives exactly once.
+`[L, ...]` in sample order, checking that every real token arrives exactly once. Arguments of the
+wrong type raise TypeError (bad lengths ValueError) on every rank, as in trainer_client/outputs.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from batch_planner.errors import InvalidRequestError
+from batch_planner.validation import sequence_lengths_of
 from trainer_client.distributed import is_distributed
 from trainer_client.micro_batch import RankMicroBatch
-from trainer_client.outputs import OutputRestoreError
+from trainer_client.outputs import OutputRestoreError, raise_gathered_problem
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,10 @@ def token_pieces(micro_batch: RankMicroBatch, values: torch.Tensor) -> list[Toke
 
     Padding tokens are dropped; every rank of a CP group reports its own pieces (not only the leader).
     """
+    if not isinstance(micro_batch, RankMicroBatch):
+        raise TypeError(f"micro_batch: got a {type(micro_batch).__name__}; expected a RankMicroBatch of micro_batches()")
+    if not isinstance(values, torch.Tensor) or values.dim() == 0:
+        raise TypeError(f"values: got {type(values).__name__}; expected a tensor [local_tokens, ...] of this rank's shard")
     if values.shape[0] != micro_batch.local_tokens:
         raise ValueError(
             f"per-token output has {values.shape[0]} rows; the micro-batch shard has {micro_batch.local_tokens} tokens"
@@ -58,11 +66,55 @@ def restore_token_outputs(
     pieces: Iterable[TokenPiece], lengths: Sequence[int], group: dist.ProcessGroup | None = None
 ) -> list[torch.Tensor]:
     """All ranks call this with their pieces; all get `[L_i, ...]` per sample, in sample order."""
-    local = list(pieces)
+    checked = _checked_lengths(lengths)
+    local, problem = _listed_pieces(pieces)
+    if isinstance(checked, ValueError):
+        problem, local = checked, []
     if is_distributed(group):
         gathered: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, local, group=group)
-        local = [piece for part in gathered for piece in part]
+        dist.all_gather_object(gathered, (problem, local), group=group)
+        raise_gathered_problem([p for p, _ in gathered])
+        local = [piece for _, part in gathered for piece in part]
+    else:
+        raise_gathered_problem([problem])
+    assert not isinstance(checked, ValueError)  # raised above
+    return _restored(local, checked)
+
+
+def _checked_lengths(lengths: Any) -> tuple[int, ...] | ValueError:
+    """The lengths by the planner's own rule, or what is wrong with them (named `lengths`)."""
+    try:
+        return sequence_lengths_of(lengths)
+    except InvalidRequestError as error:
+        return ValueError("lengths" + str(error).removeprefix("sequence_lengths"))
+
+
+def _listed_pieces(pieces: Any) -> tuple[list[TokenPiece], TypeError | None]:
+    """The pieces as a list, or what is wrong with them."""
+    if not isinstance(pieces, Iterable) or isinstance(pieces, (str, bytes, torch.Tensor)):
+        return [], TypeError(f"pieces: got a {type(pieces).__name__}; expected the TokenPieces of token_pieces()")
+    listed = list(pieces)
+    for index, piece in enumerate(listed):
+        if not isinstance(piece, TokenPiece):
+            return [], TypeError(f"pieces: item {index} is a {type(piece).__name__}; expected the TokenPieces of token_pieces()")
+        if not _well_formed(piece):
+            return [], TypeError(
+                f"pieces: item {index} (sample_id {piece.sample_id!r:.40}) is not a piece of token_pieces(): it needs an "
+                "int sample_id, 1-D integer positions and values with one row per position"
+            )
+    return listed, None
+
+
+def _well_formed(piece: TokenPiece) -> bool:
+    positions, values = piece.positions, piece.values
+    return (
+        type(piece.sample_id) is int and isinstance(positions, torch.Tensor) and isinstance(values, torch.Tensor)
+        and positions.dim() == 1 and not positions.dtype.is_floating_point and not positions.dtype.is_complex
+        and positions.dtype is not torch.bool and values.dim() >= 1 and values.shape[0] == positions.shape[0]
+    )
+
+
+def _restored(local: list[TokenPiece], lengths: tuple[int, ...]) -> list[torch.Tensor]:
     by_sample: dict[int, list[TokenPiece]] = {}
     for piece in local:
         if not 0 <= piece.sample_id < len(lengths):
@@ -74,8 +126,18 @@ def restore_token_outputs(
     restored: list[torch.Tensor] = []
     for sample_id, length in enumerate(lengths):
         parts = by_sample[sample_id]
-        positions = torch.cat([p.positions for p in parts])
+        if len({(p.values.shape[1:], p.values.dtype) for p in parts}) > 1:
+            raise OutputRestoreError(
+                f"per-token outputs of sample {sample_id} come in pieces of different shapes or dtypes "
+                f"{sorted({(tuple(p.values.shape[1:]), str(p.values.dtype)) for p in parts})}; every rank must report the same"
+            )
+        positions = torch.cat([p.positions for p in parts]).to(torch.long)
         values = torch.cat([p.values for p in parts])
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= length):
+            raise OutputRestoreError(
+                f"per-token outputs of sample {sample_id} hold positions outside 0..{length - 1} "
+                f"({int(positions.min())}..{int(positions.max())}); positions are the tokens' places in the sample"
+            )
         counts = torch.bincount(positions, minlength=length)
         if positions.numel() != length or counts.numel() != length or not bool((counts == 1).all()):
             raise OutputRestoreError(

@@ -34,7 +34,8 @@ class PlannedStep:
 
 @dataclass
 class StepPlanner:
-    """Reads step k+1 while step k is handed out, plans it ahead, and routes step k's samples."""
+    """Reads step k+1 while step k is handed out, plans it ahead, and routes step k's samples,
+    after checking that the plan is the one made for them (trainer_client/batch_check.py)."""
 
     read_local: Callable[[], LocalBatch]  # raises StopIteration at the end of the data
     groups: mcore.DataGroups
@@ -71,6 +72,7 @@ class StepPlanner:
     def _plan_and_route(self, current: ReadStep) -> PlannedStep:
         assert current.layout is not None and current.local is not None
         plan = self.client.plan_step(current.step, list(current.layout.padded))
+        self.client.check_planned_batch(plan, current.layout.padded)  # the batch routed is the one planned
         check_dynamic_cp_support(planner_config=self.client.config, transformer_config=self.transformer_config, plan=plan)
         id_groups = sample_id_groups(plan)
         traffic = Traffic()

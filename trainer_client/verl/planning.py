@@ -83,6 +83,7 @@ class CachedPlanner:
             if not isinstance(own, Plan):
                 self._forget(request)  # a failure is not cached: the next call asks again
         plan = agree_on_plan(own, request, self.group, WhoAsks.LEADER)
+        self.client.planned_batches.record(plan, request.sequence_lengths)
         m = self.metrics
         m.plan_wait.labels(m.job).observe(time.perf_counter() - started)
         m.micro_batches.labels(m.job).set(len(plan.micro_batches))

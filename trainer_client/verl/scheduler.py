@@ -53,6 +53,7 @@ class DynamicCPScheduler:
         lengths = self._lengths(batch, dcp_group)
         planner = self.planner(dcp_group, tp_size=tp_size, cp_layout=cp_layout)
         plan = planner.plan(lengths)
+        planner.client.check_planned_batch(plan, lengths)  # the batch split is the one planned
         return rank_micro_batches(
             batch, sample_id_groups(plan), lengths, dcp_group.rank(),
             tp_size=tp_size, cp_layout=layout, min_local_rows=min_local_rows,
