@@ -327,11 +327,20 @@ def _require_plan(plan: Any) -> None:
         raise TypeError(f"plan: got a {type(plan).__name__}; expected the Plan plan_step returned")
 
 
+def _kind_of(value: Any) -> str:
+    """A one-line name of what was given: its type, and for a sequence the first item's that is not a unit."""
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        odd = next((item for item in value if not isinstance(item, RankMicroBatch)), None)
+        if odd is not None:
+            return f"a {type(value).__name__} holding a {type(odd).__name__}"
+    return f"a {type(value).__name__}"
+
+
 def _check_record_step(micro_batches: Any, seconds: Any) -> None:
     if isinstance(micro_batches, (str, bytes)) or not isinstance(micro_batches, Sequence) or not all(
         isinstance(mb, RankMicroBatch) for mb in micro_batches
     ):
-        raise TypeError(f"micro_batches: got {micro_batches!r:.80}; expected the RankMicroBatches micro_batches() returned")
+        raise TypeError(f"micro_batches: got {_kind_of(micro_batches)}; expected the RankMicroBatches micro_batches() returned")
     if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
         raise TypeError(f"seconds: got {seconds!r:.60} ({type(seconds).__name__}); expected a number of seconds >= 0")
     if not math.isfinite(seconds) or seconds < 0:
