@@ -12,7 +12,6 @@ have sent, and every sample is trained exactly once."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -72,13 +71,14 @@ def _train_and_evaluate(rank: int, store_path: str, out_dir: str, tp: int, cp: i
         client = planned.planner.client
         records.append({
             "loss": float(losses["lm loss"]), "reference": reference, "plan_id": plan.plan_id,
-            "in_process_plan_id": plan_batch(client.request_for([int(s["tokens"].shape[0]) for s in samples], step)).plan_id,
+            "in_process_plan_id": plan_batch(client.request_for([int(s["tokens"].shape[0]) for s in samples], step)).plan_id
+            if ranks._has_dynamic_cp() else None,
             "source": planned.last_step.source, "num_samples": len(samples), "micro_batches": len(plan.micro_batches),
             "units": [ranks.unit_record(u) for u in planned.last_units],
             "expected": [dict(ranks.unit_record(u), cp_group=None) for u in expected],
             "group_positions": [[list(g.ranks) for g in mb.cp_groups] for mb in plan.micro_batches],
         })
-        if step == STOP_PLANNER_AFTER:
+        if step == STOP_PLANNER_AFTER and ranks._has_dynamic_cp():  # 0.19 cannot plan dynamic CP in process
             if rank == 0:
                 ranks.stop_planner(planner_pid, port)
             dist.barrier()
@@ -120,7 +120,8 @@ def test_dynamic_cp_through_bridge_train_step(layout, tmp_path):
                 assert {k: v for k, v in got.items() if k != "cp_group"} == {k: v for k, v in want.items() if k != "cp_group"}, where
             _check_cp_groups(record, result["dp_cp_ranks"], where)
             assert record["loss"] == pytest.approx(record["reference"], rel=1e-5), where
-            assert record["plan_id"] == record["in_process_plan_id"], where
+            if _trainer_has_dynamic_cp():
+                assert record["plan_id"] == record["in_process_plan_id"], where
         # Steps were re-run (the injector fails a validation once per rank and step, at random); each
         # rerun got its step again and nothing was read twice, the read-ahead included.
         assert 0 < result["reruns"] <= STEPS and result["handed_out"] == STEPS, (rank, result["reruns"], result["handed_out"])
@@ -129,11 +130,16 @@ def test_dynamic_cp_through_bridge_train_step(layout, tmp_path):
         assert result["eval"]["loss"] == pytest.approx(result["eval"]["reference"], rel=1e-5), result["eval"]
     assert len({r["reruns"] for r in results}) == 1, [r["reruns"] for r in results]  # the state machine reruns all
     sources = [r["source"] for r in results[0]["steps"]]
-    assert sources[0] == "service" and sources[-1] == "fallback", sources
+    assert sources[0] == "service" and sources[-1] == ("fallback" if _trainer_has_dynamic_cp() else "service"), sources
     _check_every_sample_once(results)
     for result in results:  # replicas of one DPxCP group hold the same weights after the updates
         peers = [results[r]["checksum"] for r in result["dp_cp_ranks"]]
         assert max(peers) - min(peers) < 1e-9 * max(1.0, abs(peers[0])), peers
+
+
+def _trainer_has_dynamic_cp() -> bool:
+    """The dev build plans dynamic CP in process (the fallback); a release (0.19) trainer cannot."""
+    return ranks._has_dynamic_cp()
 
 
 def _check_cp_groups(record: dict, dp_cp_ranks: list[int], where: str) -> None:

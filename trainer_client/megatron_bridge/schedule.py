@@ -13,8 +13,9 @@ gets the same units again: no step is read twice, and the rerun sees the same mi
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from batch_planner.request import SchedulerKind
 from trainer_client import megatron as mcore
@@ -99,4 +100,24 @@ class PlannedForwardBackward:
         rerun = not kwargs.get("forward_only", False) and in_rerun()
         units = planned.units_for(kwargs["num_microbatches"], rerun)
         kwargs.update(data_iterator=PlannedMicroBatches(units), num_microbatches=len(units))
-        return self.inner(**kwargs)
+        with _packed_schedule(kwargs["model"]):
+            return self.inner(**kwargs)
+
+
+@contextlib.contextmanager
+def _packed_schedule(model: Any) -> Iterator[None]:
+    """On a Megatron-Core release (0.19) `model.hybrid_context_parallel=True` builds the per-size
+    DPxCP groups and also sends the schedule to 0.19's own hybrid-CP loop, which reads its wrapper's
+    (samples, groups) pairs; the planned units are packed micro-batches that carry their CP group,
+    so the schedule runs them as any micro-batches, with the flag off for the call."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model[0] if isinstance(model, list) else model)
+    release_flag = getattr(config, "hybrid_context_parallel", False) and not hasattr(config, "dynamic_context_parallel")
+    if release_flag:
+        config.hybrid_context_parallel = False
+    try:
+        yield
+    finally:
+        if release_flag:
+            config.hybrid_context_parallel = True
