@@ -2,17 +2,25 @@
 state machine, `train_step`, `evaluate`, GPT forward step and loss, on a tiny Megatron-Core
 GPTModel, with the drop-in enabled and the planner on loopback.
 
+Real: Bridge's ConfigContainer (real sub-configs), `_initialize_distributed`, `init_rerun_state`,
+`GlobalState` and timers, `optim.setup_optimizer` (Megatron-Core's `get_megatron_optimizer` and
+Bridge's scheduler), `train_step`, `evaluate`, `gpt_step.forward_step`, `masked_next_token_loss`;
+Megatron-Core's GPTModel, DistributedDataParallel, `finalize_model_grads`, parallel_state and
+`forward_backward_no_pipelining`.
+
 CPU stand-ins, each named as such, for what needs CUDA here:
-- `tests.megatron_init`'s stand-ins for `torch.cuda.current_device` / `synchronize` (the dev
-  build's group creation calls them even on gloo);
-- `DataParallelStandIn` for Megatron-Core's `DistributedDataParallel` (its gradient buffers and
-  streams are CUDA): the contract `train_step` and Megatron-Core's real `finalize_model_grads` use
-  (`zero_grad_buffer`, `finish_grad_sync` = all-reduce over DPxCP, `scale_gradients`);
-- `OptimizerStandIn` for `get_megatron_optimizer` (which needs those buffers): plain SGD with
-  MegatronOptimizer's `zero_grad` / `step` contract;
-- `torch.cuda.get_rng_state` / `set_rng_state`, which the rerun state machine calls around a rerun;
-- `CudaOnCpuStandIn`: a tensor the loop's own code asks for on CUDA (Megatron-Core's schedule, its
-  token count; Bridge's `evaluate`, its loss sums) is made on the CPU;
+- `tests.megatron_init`'s stand-ins for `torch.cuda.current_device` / `synchronize` (group
+  creation on the dev build; Megatron-Core's timers synchronize on every start and stop);
+- `torch.cuda.current_stream` -> `CpuStandInStream`: the dev build's DDP grad sync asks the current
+  stream to wait for CUDA-graph events;
+- `torch.cuda.get_rng_state` / `set_rng_state` (empty state, no-op): the rerun state machine saves
+  and restores CUDA's RNG state around a rerun;
+- the CUDA RNG tracker: Megatron-Core's own inference tracker, whose fork() does nothing (dropout
+  is 0, nothing random runs under it);
+- `CudaDeviceRequestsOnCpu`: a tensor asked for on CUDA is made on the CPU (Bridge's
+  `get_batch_from_iterator` and `evaluate`, DDP's grad buffer, the optimizer's loss scale and grad
+  norm, the schedule's token count, the rerun state machine's reductions);
+- `clip_grad=0`: Megatron-Core's gradient clipping asserts CUDA tensors (the norm is still computed);
 - the model's layer has no self-attention (`IdentityOp`): Megatron-Core's local attention takes no
   packed THD input with a CP group, only Transformer Engine's does (docs/megatron-bridge.md says
   what only GPUs show). Each token's loss then depends on its token and position only, so a
@@ -37,7 +45,7 @@ HIDDEN = 16
 MAX_POSITION = 512
 MAX_SEQLEN_PER_RANK = 64
 MICRO_BATCHES = 2  # Bridge's num_microbatches: packed micro-batches each DP rank reads per step
-LR = 0.5
+LR = 0.5  # SGD
 
 
 def sequence_lengths(step: int, dp_rank: int, micro_batch: int) -> list[int]:
@@ -98,48 +106,49 @@ class CountingIterator:
         return micro_batch(*item)
 
 
-class DataParallelStandIn(torch.nn.Module):
-    """CPU stand-in for Megatron-Core's DistributedDataParallel (see the module docstring)."""
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)  # an int device is a CUDA ordinal
 
-    def __init__(self, module: torch.nn.Module, dp_cp_group, ddp_config):
-        super().__init__()
-        self.module, self.config, self.group, self.ddp_config = module, module.config, dp_cp_group, ddp_config
 
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+class CudaDeviceRequestsOnCpu(TorchFunctionMode):
+    """CPU stand-in (see the module docstring): a tensor asked for on a CUDA device is made, or
+    kept, on the CPU. Only the device of such requests changes; every function runs as called."""
 
-    def zero_grad_buffer(self) -> None:
-        for p in self.module.parameters():
-            p.grad = None
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)) and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
 
-    def start_grad_sync(self, *args, **kwargs) -> None:
+
+class CpuStandInStream:
+    """CPU stand-in for `torch.cuda.current_stream()`: no streams, no CUDA-graph events to wait for."""
+
+    def wait_event(self, event) -> None:
         pass
 
-    def finish_grad_sync(self, *args, **kwargs) -> None:
-        for p in self.module.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.group)
-
-    def scale_gradients(self, scaling_factor: float) -> None:
-        for p in self.module.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scaling_factor)
+    def wait_stream(self, stream) -> None:
+        pass
 
 
-class OptimizerStandIn:
-    """CPU stand-in for Megatron-Core's MegatronOptimizer (see the module docstring)."""
+def stand_in_for_cuda_calls_on_cpu() -> None:
+    """The CUDA calls of the module docstring, stood in where CUDA is not available."""
+    if torch.cuda.is_available():
+        return
+    from tests import megatron_init
 
-    def __init__(self, params):
-        self.sgd = torch.optim.SGD(params, lr=LR)
-        self.param_groups = self.sgd.param_groups
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.sgd.zero_grad(set_to_none=set_to_none)
-
-    def step(self):
-        self.sgd.step()
-        return True, None, None
+    megatron_init._stand_in_for_cuda_calls_on_cpu()
+    torch.cuda.current_stream = lambda *args, **kwargs: CpuStandInStream()
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    torch.cuda.set_rng_state = lambda *args, **kwargs: None
 
 
 def bridge_config(tp: int, cp: int, world: int, **overrides):
@@ -163,8 +172,10 @@ def bridge_config(tp: int, cp: int, world: int, **overrides):
     cfg = ConfigContainer(
         model=GPTModelProvider(**model_fields),
         train=TrainingConfig(micro_batch_size=1, global_batch_size=MICRO_BATCHES * dp, train_iters=10, **overrides.pop("train", {})),
-        optimizer=OptimizerConfig(optimizer="sgd", lr=LR, use_distributed_optimizer=False, **overrides.pop("optimizer", {})),
-        scheduler=SchedulerConfig(lr_decay_style="constant"),
+        optimizer=OptimizerConfig(optimizer="sgd", lr=LR, min_lr=LR, clip_grad=0.0, use_distributed_optimizer=False,
+                                  **overrides.pop("optimizer", {})),
+        scheduler=SchedulerConfig(lr_decay_style="constant", lr_warmup_iters=0, start_weight_decay=0.0, end_weight_decay=0.0,
+                                  weight_decay_incr_style="constant"),
         dataset=MockGPTDatasetConfig(random_seed=0, seq_length=MAX_POSITION, **overrides.pop("dataset", {})),
         logger=LoggerConfig(), tokenizer=TokenizerConfig(), checkpoint=CheckpointConfig(),
         ddp=DistributedDataParallelConfig(**overrides.pop("ddp", {})),
@@ -173,7 +184,9 @@ def bridge_config(tp: int, cp: int, world: int, **overrides):
         validation=ValidationConfig(eval_iters=1, eval_global_batch_size=MICRO_BATCHES * dp, eval_micro_batch_size=1),
     )
     assert not overrides, overrides
-    cfg.model.finalize()  # Bridge's deferred Megatron-Core post-init, as its config validation runs it
+    for part in (cfg.model, cfg.optimizer, cfg.ddp):
+        part.finalize()  # Bridge's deferred Megatron-Core post-init, as its cfg.validate() runs it
+    cfg._calculate_scheduler_steps()  # the scheduler's step counts, as Bridge's cfg.validate() derives them
     # Set after it: with a packing scheduler, Megatron-Core's config check asks for Transformer
     # Engine >= 2.9, which GPU trainers install and this machine cannot.
     setattr(cfg.model, "dynamic_context_parallel" if _has_dynamic_cp() else "hybrid_context_parallel", True)
@@ -216,60 +229,38 @@ def reference_loss(model: torch.nn.Module, samples: list[dict[str, torch.Tensor]
 
 
 def start_rank(rank: int, world: int, store_path: str, tp: int, cp: int, **overrides):
-    """gloo, then Bridge's own distributed initialisation and rerun state machine; returns what
-    train_step needs: (cfg, state, model list, optimizer, scheduler, pg_collection, p2p)."""
+    """gloo, then Bridge's own distributed initialisation, rerun state machine and optimizer setup;
+    returns what train_step needs: (cfg, state, model list, optimizer, scheduler, pg_collection, p2p).
+    Call it, and run the steps, inside `CudaDeviceRequestsOnCpu()`."""
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    from tests.megatron_init import _stand_in_for_cuda_calls_on_cpu
-
-    _stand_in_for_cuda_calls_on_cpu()
-    _stand_in_for_cuda_rng_state()
+    stand_in_for_cuda_calls_on_cpu()
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     from megatron.bridge.training.initialize import _initialize_distributed, init_rerun_state
+    from megatron.bridge.training.optim import setup_optimizer
     from megatron.bridge.training.state import GlobalState
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
     cfg = bridge_config(tp, cp, world, **overrides)
     pg_collection = _initialize_distributed(cfg.model, cfg.dist, 1, None, None)
     init_rerun_state(cfg.rerun_state_machine)
     init_num_microbatches_calculator(rank, None, cfg.train.global_batch_size, 1, cfg.data_parallel_size)
-    module = tiny_model(cfg)
-    module.config.finalize_model_grads_func = finalize_model_grads
-    model = [DataParallelStandIn(module, pg_collection.dp_cp, cfg.ddp)]
-    optimizer = OptimizerStandIn(module.parameters())
-    scheduler = OptimizerParamScheduler(optimizer, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0, lr_decay_steps=100,
-                                        lr_decay_style="constant", start_wd=0.0, end_wd=0.0, wd_incr_steps=100,
-                                        wd_incr_style="constant")
+    tensor_parallel.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True, force_reset_rng=True)
     state = GlobalState()
     state.cfg = cfg
-    return cfg, state, model, optimizer, scheduler, pg_collection, P2PCommunicator(pp_group=pg_collection.pp, config=module.config)
-
-
-class CudaOnCpuStandIn(TorchFunctionMode):
-    """CPU stand-in for the few CUDA allocations in the loop's own code (Megatron-Core's schedule
-    allocates its token count with `device="cuda"`, Bridge's `evaluate` its loss sums with
-    `.cuda()`): inside this mode a tensor asked for on CUDA is made on the CPU. Nothing else changes."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func in (torch.Tensor.cuda,):
-            return args[0]
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
-            kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
-
-
-def _stand_in_for_cuda_rng_state() -> None:
-    """CPU stand-in: the rerun state machine saves and restores CUDA's RNG state around a rerun;
-    without a GPU there is none (the CPU generator's state stands in, and is left alone)."""
-    if torch.cuda.is_available():
-        return
-    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda *args, **kwargs: None
+    module = tiny_model(cfg)
+    model = [DistributedDataParallel(config=cfg.model, ddp_config=cfg.ddp, module=module, pg_collection=pg_collection)]
+    cfg.optimizer.timers = state.timers
+    optimizer, scheduler = setup_optimizer(cfg.optimizer, cfg.scheduler, model, use_gloo_process_groups=False,
+                                           pg_collection=pg_collection,
+                                           optimizer_config_override_provider=cfg.optimizer_config_override_provider)
+    # As Bridge's setup does: the schedule finalises (all-reduces and scales) the grads over DP x CP.
+    cfg.model.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=pg_collection)
+    cfg.model.grad_scale_func = optimizer.scale_loss
+    return cfg, state, model, optimizer, scheduler, pg_collection, P2PCommunicator(pp_group=pg_collection.pp, config=cfg.model)
 
 
 def forward_step(state):

@@ -27,7 +27,7 @@ LAYOUTS = {"dp2_cp2": (1, 2), "tp2_cp2": (2, 2)}
 
 
 def _rank(rank: int, *args) -> None:
-    with ranks.CudaOnCpuStandIn():
+    with ranks.CudaDeviceRequestsOnCpu():
         _train_and_evaluate(rank, *args)
 
 
@@ -58,7 +58,7 @@ def _train_and_evaluate(rank: int, store_path: str, out_dir: str, tp: int, cp: i
     data = RerunDataIterator(source)
     step_func = ranks.forward_step(state)
     fbf = bridge_train.get_forward_backward_func(pp_size=1, vp_size=None)
-    module = model[0].module
+    module = model[0].module  # the GPTModel inside DDP
     records = []
     for step in range(STEPS):
         samples = ranks.global_samples(step, dp)
