@@ -89,7 +89,9 @@ def _group_lookup() -> tuple[Callable[[int], Any], bool]:
         try:
             dynamic(group_size=1)
             return (lambda size: dynamic(group_size=size)), True
-        except (KeyError, AssertionError):
+        except KeyError:  # initialised with min_dynamic_context_parallel_size >= 2: no size-1 group
+            return (lambda size: dynamic(group_size=size)), False
+        except AssertionError:
             pass  # this build has dynamic CP, but parallel_state was initialised without it
     hybrid = getattr(parallel_state, "get_hybrid_data_context_parallel_groups", None)
     if hybrid is not None:

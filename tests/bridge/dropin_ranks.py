@@ -276,7 +276,18 @@ def unit_record(unit) -> dict:
         "sample_ids": list(unit.sample_ids), "tokens": unit.token_fields["tokens"].tolist(),
         "positions": unit.token_fields["position_ids"].tolist(), "cp_size": unit.local_cp_size,
         "cp_group": dist.get_process_group_ranks(unit.cp_group) if unit.cp_group is not None else [dist.get_rank()],
-        "cp_rank": unit.cp_rank,
+        "cp_rank": unit.cp_rank, "cu_seqlens": unit.cu_seqlens.tolist(), "cu_seqlens_padded": unit.cu_seqlens_padded.tolist(),
+    }
+
+
+def params_record(params) -> dict | None:
+    """What a test compares of the PackedSeqParams a forward pass was given."""
+    if params is None:
+        return None
+    return {
+        "cp_group": dist.get_process_group_ranks(params.cp_group) if params.cp_group is not None else [dist.get_rank()],
+        "local_cp_size": params.local_cp_size, "cu_seqlens_q": params.cu_seqlens_q.tolist(),
+        "cu_seqlens_q_padded": params.cu_seqlens_q_padded.tolist(),
     }
 
 

@@ -21,9 +21,13 @@ REFUSED = {
     "model.virtual_pipeline_model_parallel_size": 2,
     "model.pipeline_model_parallel_size": 2,
     "dataset.dataloader_type": "batch",
+    "dataset.skip_getting_attention_mask_from_dataset": False,
+    "train.iterations_to_skip": [3],
+    "dist.use_megatron_fsdp": True,
+    "model.overlap_moe_expert_parallel_comm": True,
+    "model.position_embedding_type": "rope",
     "train.rampup_batch_size": [1, 1, 100],
     "ddp.use_megatron_fsdp": True,
-    "optimizer.optimizer_cuda_graph": True,
     "model.mtp_num_layers": 1,
     "model.is_hybrid_model": True,
     "model.moe_expert_rank_capacity_factor": 1.5,
@@ -46,9 +50,11 @@ def _set(cfg, path: str, value) -> None:
 
 
 def _applies(path: str) -> bool:
-    """The two group rows apply to the build that has their field (dynamic: dev, hybrid: 0.19)."""
+    """The group rows apply to the build that has their field (dynamic: dev, hybrid: 0.19); the RoPE
+    row to 0.19 only."""
     dev = ranks._has_dynamic_cp()
-    return {"model.dynamic_context_parallel": dev, "model.hybrid_context_parallel": not dev}.get(path, True)
+    release_only = ("model.hybrid_context_parallel", "model.position_embedding_type")
+    return {"model.dynamic_context_parallel": dev, **{p: not dev for p in release_only}}.get(path, True)
 
 
 def test_every_bridge_rule_has_a_refused_value():
@@ -74,6 +80,16 @@ def test_enable_refuses_each_unsupported_combination(path):
     assert refused.value.option == path and rule.fix in str(refused.value), str(refused.value)
     assert repr(REFUSED[path]) in str(refused.value)
     assert active() is None  # nothing was changed
+
+
+def test_the_release_refuses_the_contiguous_layout():
+    from trainer_client import UnsupportedCombinationError
+    from trainer_client.megatron_bridge import enable
+
+    if ranks._has_dynamic_cp():
+        pytest.skip("the dev build's PackedSeqParams carries the layout (cp_partition_mode)")
+    with pytest.raises(UnsupportedCombinationError, match="cp_layout='contiguous'.*zigzag"):
+        enable(_config(), planner={"cp_layout": "contiguous"})
 
 
 def test_enable_refuses_what_every_dynamic_cp_trainer_refuses():

@@ -24,6 +24,9 @@ STEPS = 3
 STOP_PLANNER_AFTER = 0  # step after which rank 0 kills the planner (the next one is planned already)
 DEADLINE_SECONDS = 600
 LAYOUTS = {"dp2_cp2": (1, 2), "tp2_cp2": (2, 2)}
+# The TP layout also plans with min_dynamic_context_parallel_size 2 where the build has it: then
+# parallel_state builds no CP group of size 1.
+MIN_CP = {"dp2_cp2": None, "tp2_cp2": 2}
 
 
 def _rank(rank: int, *args) -> None:
@@ -31,12 +34,13 @@ def _rank(rank: int, *args) -> None:
         _train_and_evaluate(rank, *args)
 
 
-def _train_and_evaluate(rank: int, store_path: str, out_dir: str, tp: int, cp: int, endpoint: str, planner_pid: int,
-                        port: int) -> None:
+def _train_and_evaluate(rank: int, store_path: str, out_dir: str, tp: int, cp: int, min_cp: int | None, endpoint: str,
+                        planner_pid: int, port: int) -> None:
     import torch.distributed as dist
 
+    model_overrides = {"min_dynamic_context_parallel_size": min_cp} if min_cp and ranks._has_dynamic_cp() else {}
     cfg, state, model, optimizer, scheduler, pgs, p2p = ranks.start_rank(
-        rank, WORLD, store_path, tp, cp,
+        rank, WORLD, store_path, tp, cp, model=model_overrides,
         # Every step's (non-fatal) spiky-loss check is failed on purpose, so the state machine re-runs
         # the step in place and then continues.
         rerun_state_machine={"rerun_mode": "validate_results", "error_injection_rate": 1,
@@ -54,15 +58,18 @@ def _train_and_evaluate(rank: int, store_path: str, out_dir: str, tp: int, cp: i
     planner = {"planner_endpoint": endpoint, "deadline_seconds": 20.0, "fallback_cooldown_seconds": 0.0}
     assert enable(cfg, planner=planner)
     dp_rank, dp = pgs.dp.rank(), pgs.dp.size()
-    source = ranks.CountingIterator(dp_rank, STEPS)
+    source = ranks.CountingIterator(dp_rank, STEPS + 2)  # more data than the steps run
     data = RerunDataIterator(source)
     step_func = ranks.forward_step(state)
     fbf = bridge_train.get_forward_backward_func(pp_size=1, vp_size=None)
     module = model[0].module  # the GPTModel inside DDP
+    handed = []  # the PackedSeqParams each forward pass gave the model
+    module.register_forward_pre_hook(lambda _, args, kwargs: handed.append(kwargs.get("packed_seq_params")), with_kwargs=True)
     records = []
     for step in range(STEPS):
         samples = ranks.global_samples(step, dp)
         reference = ranks.reference_loss(module, samples)
+        handed.clear()
         losses, *rest = bridge_train.train_step(step_func, data, model, optimizer, scheduler, state, pgs, fbf, p2p)
         assert "lm loss" in losses, (losses, rest)
         planned = active().planned_iterator(data, ranks.MICRO_BATCHES, pgs)
@@ -75,6 +82,7 @@ def _train_and_evaluate(rank: int, store_path: str, out_dir: str, tp: int, cp: i
             if ranks._has_dynamic_cp() else None,
             "source": planned.last_step.source, "num_samples": len(samples), "micro_batches": len(plan.micro_batches),
             "units": [ranks.unit_record(u) for u in planned.last_units],
+            "handed": [ranks.params_record(p) for p in handed],
             "expected": [dict(ranks.unit_record(u), cp_group=None) for u in expected],
             "group_positions": [[list(g.ranks) for g in mb.cp_groups] for mb in plan.micro_batches],
         })
@@ -86,6 +94,7 @@ def _train_and_evaluate(rank: int, store_path: str, out_dir: str, tp: int, cp: i
     eval_source = ranks.CountingIterator(dp_rank, 1, first_step=100)
     eval_data = RerunDataIterator(eval_source)
     eval_reference = ranks.reference_loss(module, ranks.global_samples(100, dp))
+    handed.clear()
     totals, _, _ = bridge_eval.evaluate(state, ranks.forward_step(state), eval_data, model, None, cfg, verbose=False,
                                         p2p_communicator=p2p, pg_collection=pgs)
     evaluated = active().planned_iterator(eval_data, ranks.MICRO_BATCHES, pgs)
@@ -93,7 +102,9 @@ def _train_and_evaluate(rank: int, store_path: str, out_dir: str, tp: int, cp: i
     ranks.write(out_dir, rank, {
         "steps": records, "reads": source.reads, "reruns": planned.reruns, "handed_out": planned.steps,
         "eval": {"loss": float(totals["lm loss"]), "reference": eval_reference, "steps": evaluated.steps,
-                 "units": len(evaluated.last_units), "reads": eval_source.reads},
+                 "units": len(evaluated.last_units), "reads": eval_source.reads,
+                 "handed": [ranks.params_record(p) for p in handed],
+                 "expected": [ranks.params_record(u.packed_seq_params) for u in evaluated.last_units]},
         "checksum": checksum, "dp_cp_ranks": dist.get_process_group_ranks(pgs.dp_cp), "dp_rank": dp_rank,
     })
     from trainer_client.megatron_bridge import disable
@@ -107,7 +118,8 @@ def test_dynamic_cp_through_bridge_train_step(layout, tmp_path):
     tp, cp = LAYOUTS[layout]
     planner = start_planner(workers=1, without_release_overlay=True)
     try:
-        run_ranks(_rank, (str(tmp_path / "store"), str(tmp_path), tp, cp, planner.address, planner.proc.pid, planner.port),
+        run_ranks(_rank, (str(tmp_path / "store"), str(tmp_path), tp, cp, MIN_CP[layout], planner.address,
+                          planner.proc.pid, planner.port),
                   WORLD, DEADLINE_SECONDS)
     finally:
         planner.stop()
@@ -119,14 +131,16 @@ def test_dynamic_cp_through_bridge_train_step(layout, tmp_path):
             for got, want in zip(record["units"], record["expected"]):
                 assert {k: v for k, v in got.items() if k != "cp_group"} == {k: v for k, v in want.items() if k != "cp_group"}, where
             _check_cp_groups(record, result["dp_cp_ranks"], where)
+            _check_handed(record, where)
             assert record["loss"] == pytest.approx(record["reference"], rel=1e-5), where
             if _trainer_has_dynamic_cp():
                 assert record["plan_id"] == record["in_process_plan_id"], where
         # Steps were re-run (the injector fails a validation once per rank and step, at random); each
         # rerun got its step again and nothing was read twice, the read-ahead included.
         assert 0 < result["reruns"] <= STEPS and result["handed_out"] == STEPS, (rank, result["reruns"], result["handed_out"])
-        assert len(result["reads"]) == len(set(map(tuple, result["reads"]))) == STEPS * ranks.MICRO_BATCHES, rank
+        assert result["reads"] == [[s, result["dp_rank"], m] for s in range(STEPS + 1) for m in range(ranks.MICRO_BATCHES)], rank
         assert result["eval"]["steps"] == 1 and result["eval"]["units"] > 0, result["eval"]
+        assert result["eval"]["handed"] == result["eval"]["expected"], rank  # eval's forward got the planned units
         assert result["eval"]["loss"] == pytest.approx(result["eval"]["reference"], rel=1e-5), result["eval"]
     assert len({r["reruns"] for r in results}) == 1, [r["reruns"] for r in results]  # the state machine reruns all
     sources = [r["source"] for r in results[0]["steps"]]
@@ -140,6 +154,17 @@ def test_dynamic_cp_through_bridge_train_step(layout, tmp_path):
 def _trainer_has_dynamic_cp() -> bool:
     """The dev build plans dynamic CP in process (the fallback); a release (0.19) trainer cannot."""
     return ranks._has_dynamic_cp()
+
+
+def _check_handed(record: dict, where: str) -> None:
+    """What Bridge's forward step gave the model: each planned unit's own PackedSeqParams (its CP
+    group, size and cu_seqlens), in order, once per run of the step (the first run and its reruns)."""
+    handed, units = record["handed"], record["units"]
+    assert handed and len(handed) % len(units) == 0, (where, len(handed), len(units))
+    for k, got in enumerate(handed):
+        unit = units[k % len(units)]
+        assert got["cp_group"] == unit["cp_group"] and got["local_cp_size"] == unit["cp_size"], (where, k, got, unit)
+        assert got["cu_seqlens_q"] == unit["cu_seqlens"] and got["cu_seqlens_q_padded"] == unit["cu_seqlens_padded"], where
 
 
 def _check_cp_groups(record: dict, dp_cp_ranks: list[int], where: str) -> None:

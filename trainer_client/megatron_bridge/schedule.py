@@ -17,8 +17,11 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+import torch.distributed as dist
+
 from batch_planner.request import SchedulerKind
 from trainer_client import megatron as mcore
+from trainer_client.broadcast import PlanMismatchError
 from trainer_client.config import ConfigError
 from trainer_client.megatron_lm.read_ahead import PlannedStep, StepPlanner
 from trainer_client.megatron_lm.settings import checked_transformer_config, client_for
@@ -48,20 +51,45 @@ class PlannedIterator:
     def _read_local(self):
         return read_local_batch([next(self.data_iterator) for _ in range(self.num_microbatches)])
 
-    def units_for(self, num_microbatches: int, rerun: bool) -> list[RankMicroBatch]:
+    def units_for(self, rerun: bool) -> list[RankMicroBatch]:
         if rerun and self.last_step is not None:
             self.reruns += 1
             return self.last_units
-        if num_microbatches != self.num_microbatches:
-            raise ConfigError(
-                f"num_microbatches changed from {self.num_microbatches} to {num_microbatches} (batch-size ramp-up): "
-                "the drop-in reads one global batch ahead with the count in force; unset train.rampup_batch_size"
-            )
-        step = self.last_step = self.planner.next_step()
+        step = self.last_step = self._agreed_over_tp()
         resolver = self._cp_group_resolver(step)
         self.last_units = rank_micro_batches(step.plan, step.samples, step.layout, self.groups.dp_cp.rank(), resolver)
         self.steps += 1
         return self.last_units
+
+    def _agreed_over_tp(self) -> PlannedStep:
+        """The next step, the same on every TP rank. Bridge loads the data on every TP rank, so each
+        TP rank's DPxCP group plans the step; one all-gather over the TP group (entered whether or not
+        planning failed) makes every TP rank raise the same error, or refuse plans that differ, before
+        any of them enters the model's TP collectives."""
+        step, problem = None, None
+        try:
+            step = self.planner.next_step()
+        except StopIteration:
+            raise  # every TP rank reads the same data, so every one ends here
+        except Exception as error:  # noqa: BLE001 - travels to the other TP ranks, then raised
+            problem = error
+        tp = self.groups.tp
+        if dist.get_world_size(tp) == 1:
+            if problem is not None:
+                raise problem
+            return step
+        mine = (step.plan.plan_id if step is not None else None, f"{type(problem).__name__}: {problem}" if problem else None)
+        everyone: list[Any] = [None] * dist.get_world_size(tp)
+        dist.all_gather_object(everyone, mine, group=tp)
+        if problem is not None:
+            raise problem
+        failed = [(rank, error) for rank, (_, error) in enumerate(everyone) if error]
+        if failed:
+            raise PlanMismatchError(f"TP rank {failed[0][0]} could not plan this step ({failed[0][1]}); no TP rank runs it")
+        if len({plan_id for plan_id, _ in everyone}) > 1:
+            raise PlanMismatchError(f"the TP ranks hold different plans for this step: {[p for p, _ in everyone]}")
+        assert step is not None
+        return step
 
     def _cp_group_resolver(self, step: PlannedStep) -> Callable[[int], Any]:
         if self.settings.scheduler is SchedulerKind.STATIC_PACKING:
@@ -94,11 +122,17 @@ class PlannedForwardBackward:
 
     def __call__(self, **kwargs: Any) -> Any:
         data_iterator = kwargs.get("data_iterator")
-        if data_iterator is None or isinstance(data_iterator, list):
-            return self.inner(**kwargs)  # nothing to plan (checks refuse VPP's list of iterators up front)
+        if data_iterator is None or kwargs.get("collect_non_loss_data"):
+            # Nothing to plan; or Bridge's non-loss evaluation, which runs on the last rank alone.
+            return self.inner(**kwargs)
+        if isinstance(data_iterator, list):
+            raise ConfigError(
+                "a list of data iterators (virtual pipeline, or dataloader_type='external'): the drop-in plans "
+                "one data iterator per step; use dataloader_type='single' without virtual pipeline parallelism"
+            )
         planned = self.dropin.planned_iterator(data_iterator, kwargs["num_microbatches"], kwargs.get("pg_collection"))
         rerun = not kwargs.get("forward_only", False) and in_rerun()
-        units = planned.units_for(kwargs["num_microbatches"], rerun)
+        units = planned.units_for(rerun)
         kwargs.update(data_iterator=PlannedMicroBatches(units), num_microbatches=len(units))
         with _packed_schedule(kwargs["model"]):
             return self.inner(**kwargs)
