@@ -55,9 +55,6 @@ class Admission:
     def in_flight(self) -> int:
         return self._used
 
-    def held_by(self, job: str) -> int:
-        return self._by_job.get(job, 0)
-
     def reserve(self, slots: int = 1, job: str = "") -> None:
         with self._lock:
             need = f"; this request needs {slots} (one per auto candidate)" if slots > 1 else ""

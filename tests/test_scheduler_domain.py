@@ -26,7 +26,7 @@ import pytest
 
 from batch_planner.convert import plan_to_proto, request_to_proto
 from batch_planner.distributions import sample_lengths
-from batch_planner.domain import BATCH_LIMITS, domain_table, plans_layout
+from batch_planner.domain import BATCH_LIMITS, DOMAINS, domain_table
 from batch_planner.errors import ErrorCode, PlanningError
 from batch_planner.exact.verified import SchedulerImplementation, select_implementation
 from batch_planner.planner import plan_batch
@@ -166,6 +166,13 @@ def test_the_trainer_client_raises_the_same_clear_error_at_once(planner, name, r
 # --- the domain against the sweep's measurements, and the table in the design doc ---------------
 
 DOMAIN_FILES = sorted((ROOT / "docs" / "domain").glob("*.json"))
+
+
+def plans_layout(scheduler: SchedulerKind, dp_cp_size: int, option_class: str) -> bool:
+    """Whether the domain accepts `scheduler` on `dp_cp_size` ranks in the sweep's option class
+    ("no_vpp", or "vpp": micro_batch_group_size > 1)."""
+    domain = DOMAINS[scheduler]
+    return domain.plans(dp_cp_size) and (option_class == "no_vpp" or domain.vpp)
 
 
 @pytest.mark.parametrize("path", DOMAIN_FILES, ids=[p.stem for p in DOMAIN_FILES])
