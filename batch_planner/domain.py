@@ -1,7 +1,7 @@
 """Which layouts each Megatron-Core scheduler plans: the one home of that rule, as measured.
 
 Megatron-Core's schedulers loop for ever, crash or return plans no process group can run on some
-layouts (issue 24): dynamic CP on a DPxCP that is not a power of two raises IndexError in
+layouts: dynamic CP on a DPxCP that is not a power of two raises IndexError in
 `fill_empty_gpus_once`, places a CP group parallel_state does not build (16 on 24 ranks) and, with
 VPP grouping, loops for ever in `align_sample_id_groups`; hybrid CP does the same on those sizes.
 `scripts/characterize_domain.py` plans a few hundred seeded batches per DPxCP size (every even size

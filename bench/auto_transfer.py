@@ -1,9 +1,8 @@
-"""What assembling `auto` in the core costs the server (issue 27; docs/design.md, "The auto policy").
+"""What assembling `auto` in the core costs the server (docs/design.md, "The auto policy").
 
-The server now runs the core's `plan_batch` for an auto request in its handler thread, its
+The server runs the core's `plan_batch` for an auto request in its handler thread, its
 candidates planned on the workers and sent back as `Outcome`s (their plans without micro-batches,
-which stay pickled until the served plan gets its own). Until issue 27 the workers sent serialized
-responses and the handler appended a protobuf patch to the winner's bytes. Two measurements:
+which stay pickled until the served plan gets its own). Two measurements:
 
 - `handler`: in this process, the handler's own work for one auto request (parse, validate, skip
   bounds, loading the candidates' outcomes, serving, serializing), from outcomes pickled as the

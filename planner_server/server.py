@@ -260,7 +260,7 @@ class PlannerServer:
     def wait(self) -> None:
         # In slices: the kernel may hand SIGTERM/SIGINT to any thread (gRPC's, the pool's), and
         # Python runs its handler only when the main thread next runs bytecode; a main thread
-        # blocked on a lock for good would never drain (seen: 1 Ctrl-C + SIGTERM in 3 hung).
+        # blocked on a lock for good would never see a Ctrl-C or SIGTERM, and never drain.
         while not self._stopped.wait(_SIGNAL_CHECK_SECONDS):
             pass
 
