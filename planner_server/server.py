@@ -250,6 +250,8 @@ class PlannerServer:
         # CANCELLED a stopping gRPC server gives calls that arrive during its grace period.
         while self.pool is not None and self.pool.in_flight > 0 and time.monotonic() < deadline:
             time.sleep(0.05)
+        if self.pool is not None and self.pool.in_flight > 0:
+            log.warning("the drain's %.1f s are over with %d slots in flight; stopping their work", grace, self.pool.in_flight)
         if self.grpc_server is not None:
             self.grpc_server.stop(max(0.5, deadline - time.monotonic())).wait()
         if self.pool is not None:
