@@ -61,7 +61,7 @@ def _pickled_outcomes(message: bytes) -> tuple[dict[str, bytes], dict[str, tuple
             apart[o.candidate.name] = (pickle.dumps(light, protocol=5), pickle.dumps(o.plan.micro_batches if o.plan else (), protocol=5))
         return outcomes
 
-    plan_parsed(*parse(message, time.time() + 3600), LIMITS, CostModel(), record)
+    plan_parsed(parse(message, time.time() + 3600), LIMITS, CostModel(), record)
     return whole, apart
 
 
@@ -91,9 +91,9 @@ def _handler_row(size: BatchSize, runs: int) -> Row:
             started = time.perf_counter()
             parsed = parse(message, time.time() + 3600)
             if arm == "every":
-                answers[arm] = plan_parsed(*parsed, LIMITS, CostModel(), every_plan)
+                answers[arm] = plan_parsed(parsed, LIMITS, CostModel(), every_plan)
             else:
-                answers[arm] = plan_parsed(*parsed, LIMITS, CostModel(), served_only, finish=finish)
+                answers[arm] = plan_parsed(parsed, LIMITS, CostModel(), served_only, finish=finish)
             times[arm].append(time.perf_counter() - started)
         assert answers["every"].response == answers["served"].response, "the two arms answered differently"
     return Row("handler", size, Spread.of(times["every"]), Spread.of(times["served"]))

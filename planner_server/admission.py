@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from batch_planner.convert import dp_cp_ranks
 from batch_planner.v1 import planner_pb2 as pb
 
 # Bytes a PlanRequest holds besides its sample lengths, at most: layout, limits, enums, a job name
@@ -95,5 +96,4 @@ class InlineBound:
             message = pb.PlanRequest.FromString(request_bytes)
         except (DecodeError, ValueError, RuntimeError):
             return True  # small and malformed: plan_request_bytes answers INVALID_ARGUMENT at once
-        ranks = message.layout.data_parallel_size * max(1, message.layout.context_parallel_size)
-        return len(message.sequence_lengths) <= self.max_samples and ranks <= self.max_ranks
+        return len(message.sequence_lengths) <= self.max_samples and dp_cp_ranks(message.layout) <= self.max_ranks

@@ -22,7 +22,7 @@ from batch_planner.request import SchedulerKind
 from batch_planner.exact.verified import exact_path_status
 from batch_planner.schedulers import discover_schedulers, megatron_core_version
 from batch_planner.v1 import planner_pb2 as pb
-from batch_planner.validation import JOB_NAME_PATTERN
+from batch_planner.validation import job_name_refusal
 from planner_server import __version__
 from planner_server.config import ServerConfig
 from planner_server.metrics import PlannerMetrics
@@ -68,9 +68,9 @@ class PlannerServicer:
         for key, value in context.invocation_metadata() or ():
             if key == JOB_METADATA_KEY:
                 job = value  # the last one wins, as a repeated field in protobuf
-        if job and not JOB_NAME_PATTERN.match(job):
-            return WorkerResult(ErrorCode.INVALID_ARGUMENT, message=f"metadata {JOB_METADATA_KEY}: {job[:80]!r} is not a job "
-                                "name: use 1-63 characters of [A-Za-z0-9_.-], or leave it out (the shared bucket)")
+        refusal = job_name_refusal(job)
+        if refusal is not None:
+            return WorkerResult(ErrorCode.INVALID_ARGUMENT, message=f"metadata {JOB_METADATA_KEY}: {refusal}, or leave it out (the shared bucket)")
         try:
             # add_callback fires when the RPC ends for any reason - a cancelled or disconnected
             # caller included - and the pool then stops the work nobody waits for.

@@ -22,7 +22,7 @@ from batch_planner.validation import RequestLimits
 from planner_server import planning_worker
 from planner_server.admission import Admission, InlineBound, JobShareExceeded, PoolOverloaded, request_bytes_bound
 from planner_server.planning_worker import (
-    WorkerResult, parse, plan_candidate_in_worker, plan_in_worker, plan_parsed, plan_request_bytes, worker_initializer,
+    Parsed, WorkerResult, parse, plan_candidate_in_worker, plan_in_worker, plan_parsed, plan_request_bytes, worker_initializer,
 )
 from planner_server.process_pool import ProcessPool, Task, TaskCancelled, WorkersLost
 
@@ -170,8 +170,8 @@ class PlanningPool:
             parsed = parse(request_bytes, deadline, job)
             if isinstance(parsed, WorkerResult):
                 return parsed  # not a PlanRequest, its deadline has passed, or its job disagrees: no worker needed
-            job = job or parsed[1]["job"]  # a client that sends no metadata: the message's job
-            if parsed[0].scheduler == pb.SCHEDULER_AUTO:
+            job = job or parsed.about.job  # a client that sends no metadata: the message's job
+            if parsed.message.scheduler == pb.SCHEDULER_AUTO:
                 return self._plan_auto(parsed, end, on_abandon, job)
         work = self.admit(1, job)
         try:
@@ -181,12 +181,12 @@ class PlanningPool:
         finally:
             work.close()
 
-    def _plan_auto(self, parsed, end: float, on_abandon, job: str) -> WorkerResult:
+    def _plan_auto(self, parsed: Parsed, end: float, on_abandon, job: str) -> WorkerResult:
         """auto, assembled by the core (batch_planner/auto.py) in this thread, its candidates
         planned side by side on the workers (`_WorkerCandidates`)."""
         run = _WorkerCandidates(self, end, on_abandon, job)
         try:
-            result = plan_parsed(*parsed, self.limits, self.cost_model, run, passes=(PoolOverloaded, TimeoutError, WorkersLost), finish=run.finish)
+            result = plan_parsed(parsed, self.limits, self.cost_model, run, passes=(PoolOverloaded, TimeoutError, WorkersLost), finish=run.finish)
         finally:
             run.close()
         # The worker time of every candidate: what one auto request costs the replica, so the plan

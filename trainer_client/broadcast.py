@@ -1,10 +1,11 @@
 """One rank asks, all ranks agree: share a step's plan over the DPxCP process group.
 
 By default rank 0 of the group has the plan (from the service or its fallback) and broadcasts it
-as serialized PlanResponse bytes. With `who_asks=all_ranks` every rank planned for itself. Either
-way every rank then all-gathers (plan id, digest of its own request) and raises PlanMismatchError
-unless all ranks hold the same plan for the same batch: a rank that trains a different plan than
-its peers would hang the job in its first CP collective.
+as serialized PlanResponse bytes: the service's own, as the RPC returned them, or the fallback's.
+With `who_asks=all_ranks` every rank planned for itself. Either way every rank then all-gathers
+(plan id, digest of its own request) and raises PlanMismatchError unless all ranks hold the same
+plan for the same batch: a rank that trains a different plan than its peers would hang the job in
+its first CP collective.
 
 A planning error on the asking rank is broadcast too, so every rank raises it instead of the
 others waiting forever in the broadcast: a refusal (PlanRejectedError) as a refusal with its code,
@@ -52,16 +53,18 @@ def agree_on_plan(
     request: PlanRequest | None,
     group: dist.ProcessGroup | None,
     who_asks: WhoAsks,
+    response: bytes = b"",
 ) -> Plan:
     """Every rank calls this with its own result (`None` on ranks that did not ask) and the request
     for its own batch, and gets the group's plan back, or raises the asking rank's RankError.
     A rank whose batch was refused before planning passes its error and no request: every rank
     then raises, a refusal as a PlanRejectedError with the refusing rank's code. Without a process
-    group of several ranks there is no one to agree with: no digest, no collective."""
+    group of several ranks there is no one to agree with: no digest, no collective. `response`:
+    the serialized PlanResponse `own` was read from, when the service sent it (broadcast as is)."""
     if not is_distributed(group):
         return _unwrap(own)
     if who_asks is WhoAsks.LEADER:
-        holder: list[Any] = [_encode(own) if dist.get_rank(group) == 0 else None]
+        holder: list[Any] = [_encode(own, response) if dist.get_rank(group) == 0 else None]
         dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         if request is not None or dist.get_rank(group) == 0:  # a refused batch keeps its own error
             own = _decode(holder[0])
@@ -89,9 +92,9 @@ def agree_on_plan(
     return _unwrap(own)
 
 
-def _encode(own: Plan | RankError | None) -> tuple:
+def _encode(own: Plan | RankError | None, response: bytes = b"") -> tuple:
     if isinstance(own, Plan):
-        return ("plan", plan_to_proto(own).SerializeToString())
+        return ("plan", response or plan_to_proto(own).SerializeToString())
     if isinstance(own, PlanRejectedError):
         return ("rejected", own.code, own.server_message)
     if isinstance(own, PlannerUnavailableError):

@@ -158,6 +158,7 @@ class BatchPlannerClient:
         started = time.perf_counter()
         _check_step(step)
         own: Plan | RankError | None = None
+        response = b""  # the serialized PlanResponse, when the service sent `own`
         try:
             request: PlanRequest | None = self._request_for_step(step, lengths)
         except PlanRejectedError as error:  # still enters the collectives, so every rank raises
@@ -166,10 +167,10 @@ class BatchPlannerClient:
             try:
                 fetched = self.ahead.get(step, request)
                 self._record_lead(fetched)
-                own, self.last_source = fetched.sourced.plan, fetched.sourced.source
+                own, self.last_source, response = fetched.sourced.plan, fetched.sourced.source, fetched.sourced.response
             except (PlanRejectedError, PlannerUnavailableError) as error:
                 own = error
-        plan = agree_on_plan(own, request, self.group, self.config.who_asks)
+        plan = agree_on_plan(own, request, self.group, self.config.who_asks, response)
         if request is not None:  # (else agree_on_plan raised this rank's error)
             self.planned_batches.record(plan, request.sequence_lengths, step)
         self.metrics.plan_wait.labels(self.metrics.job).observe(time.perf_counter() - started)

@@ -71,16 +71,17 @@ class CachedPlanner:
         started = time.perf_counter()
         request = self.request(lengths)
         own: Plan | RankError | None = None
+        response = b""  # the serialized PlanResponse, when the service sent `own`
         if self.client.asks:
             future = self._future(request, count=True)
             try:
                 sourced = future.result()
-                own, self.client.last_source = sourced.plan, sourced.source
+                own, self.client.last_source, response = sourced.plan, sourced.source, sourced.response
             except (PlanRejectedError, PlannerUnavailableError) as error:
                 own = error
             if not isinstance(own, Plan):
                 self._forget(request)  # a failure is not cached: the next call asks again
-        plan = agree_on_plan(own, request, self.group, WhoAsks.LEADER)
+        plan = agree_on_plan(own, request, self.group, WhoAsks.LEADER, response)
         self.client.planned_batches.record(plan, request.sequence_lengths)
         m = self.metrics
         m.plan_wait.labels(m.job).observe(time.perf_counter() - started)
