@@ -29,7 +29,7 @@ def test_a_job_past_its_share_is_refused_while_others_are_admitted():
     assert admission.in_flight == 8
     with pytest.raises(PoolOverloaded) as full:
         admission.reserve(1, "third")
-    assert not isinstance(full.value, JobShareExceeded)  # the total bound, as before
+    assert not isinstance(full.value, JobShareExceeded)  # the total bound
     admission.release(1, "burst")
     admission.reserve(1, "third")
     assert (held_by(admission, "burst"), held_by(admission, "third"), admission.in_flight) == (3, 1, 8)
