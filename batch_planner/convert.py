@@ -52,6 +52,11 @@ def _scheduler_of(value: int, field: str) -> SchedulerKind:
     return SCHEDULER_FROM_PROTO[value]
 
 
+def dp_cp_ranks(layout: pb.ParallelLayout) -> int:
+    """The DPxCP ranks a request's layout asks for, before validation (an unset CP counts as 1)."""
+    return layout.data_parallel_size * max(1, layout.context_parallel_size)
+
+
 def request_from_proto(message: pb.PlanRequest) -> PlanRequest:
     _scheduler_of(message.scheduler, "scheduler")
     if message.cp_layout not in LAYOUT_FROM_PROTO:

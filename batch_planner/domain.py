@@ -1,7 +1,7 @@
 """Which layouts each Megatron-Core scheduler plans: the one home of that rule, as measured.
 
 Megatron-Core's schedulers loop for ever, crash or return plans no process group can run on some
-layouts (issue 24): dynamic CP on a DPxCP that is not a power of two raises IndexError in
+layouts: dynamic CP on a DPxCP that is not a power of two raises IndexError in
 `fill_empty_gpus_once`, places a CP group parallel_state does not build (16 on 24 ranks) and, with
 VPP grouping, loops for ever in `align_sample_id_groups`; hybrid CP does the same on those sizes.
 `scripts/characterize_domain.py` plans a few hundred seeded batches per DPxCP size (every even size
@@ -26,15 +26,6 @@ from batch_planner.request import SchedulerKind
 
 # The largest DPxCP the sweep covered (the server's default --max-dp-cp-size).
 MEASURED_UP_TO = 1024
-
-# Option classes. VPP grouping (micro_batch_group_size > 1) runs another upstream function
-# (dynamic CP: align_sample_id_groups; static packing: its move of samples to a multiple).
-NO_VPP, VPP = "no_vpp", "vpp"
-
-
-def option_class(micro_batch_group_size: int | None) -> str:
-    return VPP if micro_batch_group_size is not None and micro_batch_group_size > 1 else NO_VPP
-
 
 @dataclass(frozen=True)
 class BatchLimit:
@@ -80,7 +71,9 @@ class SchedulerDomain:
     builds: str  # the builds measured (the scheduler's class is in these)
     rule: str  # the sizes, in words, for messages and the table
     instead: str  # what serves the sizes outside it
-    vpp: bool  # whether micro_batch_group_size > 1 is planned at all
+    # Whether micro_batch_group_size > 1 (VPP grouping, which runs another upstream function:
+    # dynamic CP's align_sample_id_groups, static packing's move of samples to a multiple) is planned.
+    vpp: bool
 
     def plans(self, dp_cp_size: int) -> bool:
         if self.scheduler is SchedulerKind.STATIC_PACKING:
@@ -105,12 +98,6 @@ DOMAINS: dict[SchedulerKind, SchedulerDomain] = {
         "", vpp=True,
     ),
 }
-
-
-def plans_layout(scheduler: SchedulerKind, dp_cp_size: int, options: str = NO_VPP) -> bool:
-    """Whether `scheduler` is accepted on `dp_cp_size` ranks with the option class `options`."""
-    domain = DOMAINS[scheduler]
-    return domain.plans(dp_cp_size) and (options == NO_VPP or domain.vpp)
 
 
 def layout_refusal(scheduler: SchedulerKind, data_parallel_size: int, context_parallel_size: int) -> str | None:

@@ -1,8 +1,10 @@
 """Discovery of, and a thin adapter over, Megatron-Core's schedulers.
 
-We never re-implement the scheduling algorithm: this module imports Megatron-Core's classes,
-calls them, and turns their output `sample_id_groups[micro_batch][dp_cp_rank] -> [sample ids]`
-into CP groups. Everything a scheduler cannot take is rejected earlier, in validation.py.
+The algorithm is Megatron-Core's: this module imports its classes and runs them, either through
+upstream's own code or (the default, `exact/verified.py` decides where) through the exact
+re-execution in batch_planner/exact, byte-identical to upstream's by the differential corpus. It
+turns their output `sample_id_groups[micro_batch][dp_cp_rank] -> [sample ids]` into CP groups.
+Everything a scheduler cannot take is rejected earlier, in validation.py.
 """
 
 from __future__ import annotations

@@ -48,6 +48,14 @@ def _reject(field: str, message: str) -> NoReturn:
     raise InvalidRequestError(f"{field}: {message}", field=field)
 
 
+def job_name_refusal(job: str) -> str | None:
+    """Why `job` is not a job name (the one rule: the request's field, its metadata, its metric
+    label), or None; "" is no job name, and is accepted."""
+    if not job or JOB_NAME_PATTERN.match(job):
+        return None
+    return f"{job[:80]!r} is not a job name: use 1-63 characters of [A-Za-z0-9_.-]"
+
+
 def sequence_lengths_of(values: Any) -> tuple[int, ...]:
     """A batch's lengths as a tuple of ints, or InvalidRequestError naming `sequence_lengths`, the
     sample and its value: the rule the server, the in-process planner and the trainer client share.
@@ -122,8 +130,9 @@ def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
             f"sample {longest_id} has length {lengths[longest_id]}; this server allows at most "
             f"{limits.max_sequence_length} tokens per sample",
         )
-    if request.job and not JOB_NAME_PATTERN.match(request.job):
-        _reject("job", f"{request.job[:80]!r} is not a job name: use 1-63 characters of [A-Za-z0-9_.-]")
+    refusal = job_name_refusal(request.job)
+    if refusal is not None:
+        _reject("job", refusal)
 
     kind = request.scheduler
     if not isinstance(kind, SchedulerKind):

@@ -1,9 +1,8 @@
-"""What assembling `auto` in the core costs the server (issue 27; docs/design.md, "The auto policy").
+"""What assembling `auto` in the core costs the server (docs/design.md, "The auto policy").
 
-The server now runs the core's `plan_batch` for an auto request in its handler thread, its
+The server runs the core's `plan_batch` for an auto request in its handler thread, its
 candidates planned on the workers and sent back as `Outcome`s (their plans without micro-batches,
-which stay pickled until the served plan gets its own). Until issue 27 the workers sent serialized
-responses and the handler appended a protobuf patch to the winner's bytes. Two measurements:
+which stay pickled until the served plan gets its own). Two measurements:
 
 - `handler`: in this process, the handler's own work for one auto request (parse, validate, skip
   bounds, loading the candidates' outcomes, serving, serializing), from outcomes pickled as the
@@ -62,7 +61,7 @@ def _pickled_outcomes(message: bytes) -> tuple[dict[str, bytes], dict[str, tuple
             apart[o.candidate.name] = (pickle.dumps(light, protocol=5), pickle.dumps(o.plan.micro_batches if o.plan else (), protocol=5))
         return outcomes
 
-    plan_parsed(*parse(message, time.time() + 3600), LIMITS, CostModel(), record)
+    plan_parsed(parse(message, time.time() + 3600), LIMITS, CostModel(), record)
     return whole, apart
 
 
@@ -92,9 +91,9 @@ def _handler_row(size: BatchSize, runs: int) -> Row:
             started = time.perf_counter()
             parsed = parse(message, time.time() + 3600)
             if arm == "every":
-                answers[arm] = plan_parsed(*parsed, LIMITS, CostModel(), every_plan)
+                answers[arm] = plan_parsed(parsed, LIMITS, CostModel(), every_plan)
             else:
-                answers[arm] = plan_parsed(*parsed, LIMITS, CostModel(), served_only, finish=finish)
+                answers[arm] = plan_parsed(parsed, LIMITS, CostModel(), served_only, finish=finish)
             times[arm].append(time.perf_counter() - started)
         assert answers["every"].response == answers["served"].response, "the two arms answered differently"
     return Row("handler", size, Spread.of(times["every"]), Spread.of(times["served"]))

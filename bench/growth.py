@@ -50,7 +50,7 @@ RANKS = (8, 32, 128, 256, 1024)
 SMOKE_SAMPLES, SMOKE_RANKS = (64, 128), (8, 16)
 CAP_S, MIN_S, MAX_RUNS = 120.0, 3.0, 5
 IMPLEMENTATIONS = ("upstream", "exact")  # the order of the runs on each batch
-# The bars (issue 23), on dynamic CP in the same run: upstream / exact at 4,096 on 256, and the exact
+# The bars, on dynamic CP in the same run: upstream / exact at 4,096 on 256, and the exact
 # path's time at 16,384 on 1,024 on one core.
 RATIO_BAR, RATIO_SIZE = 30.0, BatchSize(4096, 256)
 TIME_BAR_S, TIME_SIZE = 10.0, BatchSize(16384, 1024)

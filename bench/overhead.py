@@ -17,7 +17,7 @@ With `--baseline PATH` (a checkout of another commit of this repository) that ch
 runs too, started the same way, and every run also sends the request to it (the arms in a rotating
 order): the report adds its rpc and added time and new / baseline of p50 and p99 for each size,
 over more runs (SIDE_BY_SIDE_RUNS: at least 100, so that p99 is not just the slowest run).
-Bars (issue 17, tightened from 1.10 and 1 ms): rpc/scheduler p50 <= 1.03 from 1,024 samples up;
+Bars: rpc/scheduler p50 <= 1.03 from 1,024 samples up;
 at 64 samples the added time (rpc - scheduler) <= 0.5 ms p50 and <= 3 ms p99.
 """
 

@@ -15,7 +15,7 @@ and 16,384 on 1,024 (`lognormal_32k`, job CP 2, 8,192 tokens per rank), interlea
 (each seed: every case in turn), after one unreported plan per case on another seed (the first
 plan of a size warms the workers). After the runs the server's GetCapabilities plan rates (median
 seconds per plan over its latest plans, and plans per second over its workers) are read back.
-Bars (issue 23): `auto` served in at most 3 s at 4,096 on 256 and at most 60 s at 16,384 on 1,024,
+Bars: `auto` served in at most 3 s at 4,096 on 256 and at most 60 s at 16,384 on 1,024,
 on every run (the max).
 """
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from batch_planner.convert import dp_cp_ranks
 from batch_planner.v1 import planner_pb2 as pb
 
 # Bytes a PlanRequest holds besides its sample lengths, at most: layout, limits, enums, a job name
@@ -55,9 +56,6 @@ class Admission:
     def in_flight(self) -> int:
         return self._used
 
-    def held_by(self, job: str) -> int:
-        return self._by_job.get(job, 0)
-
     def reserve(self, slots: int = 1, job: str = "") -> None:
         with self._lock:
             need = f"; this request needs {slots} (one per auto candidate)" if slots > 1 else ""
@@ -98,5 +96,4 @@ class InlineBound:
             message = pb.PlanRequest.FromString(request_bytes)
         except (DecodeError, ValueError, RuntimeError):
             return True  # small and malformed: plan_request_bytes answers INVALID_ARGUMENT at once
-        ranks = message.layout.data_parallel_size * max(1, message.layout.context_parallel_size)
-        return len(message.sequence_lengths) <= self.max_samples and ranks <= self.max_ranks
+        return len(message.sequence_lengths) <= self.max_samples and dp_cp_ranks(message.layout) <= self.max_ranks

@@ -91,13 +91,9 @@ class ServerConfig:
     tls_cert_file: str = _setting("", "PEM server certificate chain; with --tls-key-file enables TLS")
     tls_key_file: str = _setting("", "PEM server private key")
     tls_client_ca_file: str = _setting("", "PEM CA bundle; when set, clients must present a certificate it signed (mTLS)")
-    # The default cost model's preset (batch_planner/cost_spec.py, e.g. llama3-8b-h200); empty:
-    # the coefficient flags. Requests that carry their own cost model use theirs.
     cost_model_preset: Annotated[str, _one_of(preset_names, or_empty=True)] = _setting(
         "", "default cost model for requests that name none: a preset (GetCapabilities lists them; e.g. llama3-8b-h200); empty: the "
         "coefficient flags")
-    # Which code plans: "exact" (batch_planner/exact, byte-identical to Megatron-Core's, where the
-    # installed build is a verified one) or "upstream" (always Megatron-Core's own code).
     scheduler_implementation: Annotated[str, _one_of(lambda: (v.value for v in SchedulerImplementation))] = _setting(
         "exact", "exact: Megatron-Core's algorithms through the planner's exact, faster execution (the same plans byte for byte) where the "
         "installed Megatron-Core is a build it was verified against, else Megatron-Core's own code; upstream: always Megatron-Core's own code")

@@ -65,7 +65,7 @@ def render_plan(plan: Plan, request: PlanRequest, max_rows: int = 12) -> str:
             elif c.skipped_lower_bound is not None:
                 note = f"  (skipped: its lower bound {c.skipped_lower_bound * 1e3:.2f} is above the served cost)"
             else:
-                note = f"  ({c.not_planned_reason[:70]})" if c.not_planned_reason else ""
+                note = f"  ({c.not_planned_reason})" if c.not_planned_reason else ""
             lines.append(f"  {c.name:<36} {cost}{note}")
     return "\n".join(lines)
 

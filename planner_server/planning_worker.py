@@ -11,13 +11,13 @@ import hashlib
 import logging
 import pickle
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
 
 from google.protobuf.message import DecodeError
 
 from batch_planner.auto import Candidate, Outcome, PlanOne, RunCandidates, plan_candidate, plan_serially
-from batch_planner.convert import JOB_METADATA_KEY, plan_to_proto, request_from_proto, scheduler_label
+from batch_planner.convert import JOB_METADATA_KEY, dp_cp_ranks, plan_to_proto, request_from_proto, scheduler_label
 from batch_planner.cost_spec import CostModel
 from batch_planner.errors import ErrorCode, InvalidRequestError, InvariantViolationError, PlanningError
 from batch_planner.plan import CandidateSummary, Plan
@@ -25,7 +25,7 @@ from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
 from batch_planner.exact.verified import select_implementation
 from batch_planner.v1 import planner_pb2 as pb
-from batch_planner.validation import JOB_NAME_PATTERN, RequestLimits
+from batch_planner.validation import RequestLimits, job_name_refusal
 from planner_server.logging_setup import configure_logging
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,25 @@ def request_digest(request_bytes: bytes) -> str:
     return hashlib.sha256(request_bytes).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class About:
+    """What the logs and metrics say about a parsed request, refused or planned."""
+
+    scheduler: str
+    job: str  # "" unless the message's job is a name validation accepts: it becomes a metric label
+    request_digest: str
+    samples: int
+    ranks: int
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A request parsed once in this process: its message and what is said about it."""
+
+    message: pb.PlanRequest
+    about: About
+
+
 def plan_request_bytes(
     request_bytes: bytes, deadline: float, limits: RequestLimits, cost_model: CostModel, admitted_job: str = "",
     run_candidates: RunCandidates = plan_serially,
@@ -69,12 +88,12 @@ def plan_request_bytes(
     parsed = parse(request_bytes, deadline, admitted_job)
     if isinstance(parsed, WorkerResult):
         return parsed
-    result = plan_parsed(*parsed, limits, cost_model, run_candidates)
+    result = plan_parsed(parsed, limits, cost_model, run_candidates)
     return replace(result, planning_seconds=time.perf_counter() - received)
 
 
 def plan_parsed(
-    message: pb.PlanRequest, about: dict, limits: RequestLimits, cost_model: CostModel,
+    parsed: Parsed, limits: RequestLimits, cost_model: CostModel,
     run_candidates: RunCandidates = plan_serially, passes: tuple[type[BaseException], ...] = (),
     finish: Callable[[Plan], Plan] = lambda plan: plan,
 ) -> WorkerResult:
@@ -83,18 +102,18 @@ def plan_parsed(
     (the pool's overload, timeout and lost workers), raised on to the caller. `finish`: gives the
     served plan back what `run_candidates` held apart (`plan_candidate_in_worker`)."""
     try:
-        request = request_from_proto(message)
+        request = request_from_proto(parsed.message)
         started = time.perf_counter()
         plan = finish(plan_batch(request, limits, cost_model, run_candidates))
         elapsed = time.perf_counter() - started
     except passes:
         raise
     except Exception as exc:  # noqa: BLE001 - translated, never raised out of the worker
-        return _failure(exc, about)
-    return _success(plan, elapsed, about)
+        return _failure(exc, parsed.about)
+    return _success(plan, elapsed, parsed.about)
 
 
-def parse(request_bytes: bytes, deadline: float, admitted_job: str = "") -> tuple[pb.PlanRequest, dict] | WorkerResult:
+def parse(request_bytes: bytes, deadline: float, admitted_job: str = "") -> Parsed | WorkerResult:
     """The message and what the logs and metrics say about it, or the refusal. `admitted_job`: the
     job name the request was admitted under (its metadata); the message's own must agree."""
     digest = request_digest(request_bytes)
@@ -109,33 +128,33 @@ def parse(request_bytes: bytes, deadline: float, admitted_job: str = "") -> tupl
                             request_digest=digest)
     # The job name becomes a metric label even when the request is refused; a name validation
     # would refuse (100 kB, label syntax) must not reach the registry or every scrape.
-    about = dict(
+    about = About(
         scheduler=scheduler_label(message.scheduler),
-        job=message.job if JOB_NAME_PATTERN.match(message.job) else "",
+        job=message.job if job_name_refusal(message.job) is None else "",
         request_digest=digest,
         samples=len(message.sequence_lengths),
-        ranks=message.layout.data_parallel_size * max(1, message.layout.context_parallel_size),
+        ranks=dp_cp_ranks(message.layout),
     )
     if admitted_job and message.job and message.job != admitted_job:
         return WorkerResult(
-            ErrorCode.INVALID_ARGUMENT, **about,
+            ErrorCode.INVALID_ARGUMENT, **asdict(about),
             message=f"job: {message.job[:80]!r} differs from the request metadata's {JOB_METADATA_KEY} {admitted_job!r}, under which "
                     "it was admitted; send the same job name in both, or leave one of them empty",
         )
-    return message, about
+    return Parsed(message, about)
 
 
-def _failure(exc: Exception, about: dict) -> WorkerResult:
+def _failure(exc: Exception, about: About) -> WorkerResult:
     if isinstance(exc, InvariantViolationError):
-        log.error("withheld a plan of request %s: %s", about["request_digest"], exc)
-        return WorkerResult(exc.code, message=str(exc), invariant=exc.invariant, **about)
+        log.error("withheld a plan of request %s: %s", about.request_digest, exc)
+        return WorkerResult(exc.code, message=str(exc), invariant=exc.invariant, **asdict(about))
     if isinstance(exc, PlanningError):
-        return WorkerResult(exc.code, message=str(exc), **about)
+        return WorkerResult(exc.code, message=str(exc), **asdict(about))
     log.exception("unexpected planning failure", exc_info=exc)  # a bug of ours must not take the worker down
-    return WorkerResult(ErrorCode.INTERNAL, message=f"planner bug: {type(exc).__name__}: {exc}", **about)
+    return WorkerResult(ErrorCode.INTERNAL, message=f"planner bug: {type(exc).__name__}: {exc}", **asdict(about))
 
 
-def _success(plan: Plan, elapsed: float, about: dict) -> WorkerResult:
+def _success(plan: Plan, elapsed: float, about: About) -> WorkerResult:
     stats = plan.statistics
     samples: dict[int, int] = {}
     for size, count, _ in stats.cp_size_mix:
@@ -153,7 +172,7 @@ def _success(plan: Plan, elapsed: float, about: dict) -> WorkerResult:
         micro_batches=stats.micro_batch_count,
         cp_size_samples=tuple(sorted(samples.items())),
         **_auto_fields(plan.candidates),
-        **about,
+        **asdict(about),
     )
 
 

@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 from collections import deque
+from enum import Enum
 from multiprocessing.connection import wait as wait_for
 
 log = logging.getLogger(__name__)
@@ -40,19 +41,30 @@ class WorkersLost(Exception):
     """Workers died under this task `ATTEMPTS` times (or the pool shut down): transient, ours."""
 
 
+class TaskState(Enum):
+    """Where a task is: QUEUED -> RUNNING -> SETTLED, or CANCELLING (cancel() was called, the task
+    has not stopped yet) -> SETTLED. A task lost with a worker that died on its own goes from
+    RUNNING back to QUEUED."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    CANCELLING = "cancelling"
+    SETTLED = "settled"
+
+
 class Task:
-    """One function call on a worker. States: queued -> running -> settled (result, error or
-    cancelled). `on_settled` runs once, when the task costs nothing any more."""
+    """One function call on a worker, in one `TaskState`. `on_settled` runs once, when the task
+    costs nothing any more."""
 
     def __init__(self, pool: ProcessPool, fn, args: tuple, on_settled=None):
         self.fn, self.args = fn, args
         self._pool = pool
         self.attempts = 0
         self._lock = threading.Lock()
+        self.state = TaskState.QUEUED
         self._settled = threading.Event()
         self._on_settled = on_settled
         self._worker: _Worker | None = None
-        self.cancelled = False
         self._value = None
         self._error: BaseException | None = None
 
@@ -67,9 +79,9 @@ class Task:
     def cancel(self) -> None:
         """Queued: it never runs. Running: its worker is killed (and replaced by the pool)."""
         with self._lock:
-            if self._settled.is_set() or self.cancelled:
+            if self.state in (TaskState.SETTLED, TaskState.CANCELLING):
                 return
-            self.cancelled = True
+            self.state = TaskState.CANCELLING
             worker = self._worker
         if worker is not None:
             worker.kill()  # its slot thread sees the death and settles the task
@@ -80,16 +92,26 @@ class Task:
 
     def _start(self, worker: _Worker) -> bool:
         with self._lock:
-            if self.cancelled:
+            if self.state is not TaskState.QUEUED:
                 return False
+            self.state = TaskState.RUNNING
             self._worker = worker
             self.attempts += 1
             return True
 
+    def _requeue(self) -> bool:
+        """RUNNING -> QUEUED, to run again after its worker died; False if it was cancelled meanwhile."""
+        with self._lock:
+            if self.state is not TaskState.RUNNING:
+                return False
+            self.state, self._worker = TaskState.QUEUED, None
+            return True
+
     def _settle(self, value=None, error: BaseException | None = None) -> None:
         with self._lock:
-            if self._settled.is_set():
+            if self.state is TaskState.SETTLED:
                 return
+            self.state = TaskState.SETTLED
             self._worker = None
             self._value, self._error = value, error
             self._settled.set()
@@ -258,7 +280,7 @@ class ProcessPool:
                 if self._stopping:
                     return None
                 task = self._queue.popleft()
-                if task.cancelled:
+                if task.state is TaskState.CANCELLING:
                     task._settle(error=TaskCancelled())
                     continue
                 return task
@@ -316,14 +338,17 @@ class ProcessPool:
 
     def _lost(self, task: Task) -> str:
         """The worker died under `task`: settle or re-run the task; say why the worker died."""
-        if task.cancelled:
+        if task.state is TaskState.CANCELLING:
             task._settle(error=TaskCancelled())
             return ABANDONED
         if self._stopping:
             task._settle(error=WorkersLost("the planner is shutting down"))
         elif task.attempts >= ATTEMPTS:
             task._settle(error=WorkersLost(f"planning workers died under this request {task.attempts} times"))
-        else:
+        elif task._requeue():
             log.warning("a worker died under a task; running it again (attempt %d)", task.attempts + 1)
             self._enqueue(task, front=True)
+        else:
+            task._settle(error=TaskCancelled())  # cancelled as its worker died
+            return ABANDONED
         return DIED

@@ -250,6 +250,8 @@ class PlannerServer:
         # CANCELLED a stopping gRPC server gives calls that arrive during its grace period.
         while self.pool is not None and self.pool.in_flight > 0 and time.monotonic() < deadline:
             time.sleep(0.05)
+        if self.pool is not None and self.pool.in_flight > 0:
+            log.warning("the drain's %.1f s are over with %d slots in flight; stopping their work", grace, self.pool.in_flight)
         if self.grpc_server is not None:
             self.grpc_server.stop(max(0.5, deadline - time.monotonic())).wait()
         if self.pool is not None:
@@ -260,7 +262,7 @@ class PlannerServer:
     def wait(self) -> None:
         # In slices: the kernel may hand SIGTERM/SIGINT to any thread (gRPC's, the pool's), and
         # Python runs its handler only when the main thread next runs bytecode; a main thread
-        # blocked on a lock for good would never drain (seen: 1 Ctrl-C + SIGTERM in 3 hung).
+        # blocked on a lock for good would never see a Ctrl-C or SIGTERM, and never drain.
         while not self._stopped.wait(_SIGNAL_CHECK_SECONDS):
             pass
 

@@ -17,12 +17,12 @@ from google.protobuf.message import DecodeError
 
 from batch_planner.convert import JOB_METADATA_KEY, SCHEDULER_TO_PROTO, cost_model_to_proto
 from batch_planner.cost_spec import preset_names
-from batch_planner.errors import ErrorCode
+from batch_planner.errors import ErrorCode, PlanningError
 from batch_planner.request import SchedulerKind
 from batch_planner.exact.verified import exact_path_status
 from batch_planner.schedulers import discover_schedulers, megatron_core_version
 from batch_planner.v1 import planner_pb2 as pb
-from batch_planner.validation import JOB_NAME_PATTERN
+from batch_planner.validation import job_name_refusal
 from planner_server import __version__
 from planner_server.config import ServerConfig
 from planner_server.metrics import PlannerMetrics
@@ -34,6 +34,34 @@ from planner_server.worker_pool import JobShareExceeded, PlanningPool, PoolOverl
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BatchPlanner"].full_name
+
+
+class Refused(Exception):
+    """A call the servicer itself refuses (draining, metadata, a deadline), with its status code."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+# What the pool's exceptions answer: the status and the words around the exception's own. With
+# the codes Refused and the core's PlanningError carry, `status_of` is the one mapping of a call's
+# failure to its status (rpc_limit.py answers its own refusals, before any handler runs).
+POOL_STATUS: tuple[tuple[type[Exception], ErrorCode, str], ...] = (
+    (JobShareExceeded, ErrorCode.RESOURCE_EXHAUSTED, "planner overloaded by this job: {}; retry with backoff"),
+    (PoolOverloaded, ErrorCode.RESOURCE_EXHAUSTED, "planner overloaded: {}; retry with backoff"),
+    (WorkersLost, ErrorCode.UNAVAILABLE, "planning workers unavailable: {}; retry"),
+)
+
+
+def status_of(exc: Exception) -> tuple[ErrorCode, str]:
+    """The status code a failed call answers with, and the message its caller reads."""
+    if isinstance(exc, (Refused, PlanningError)):
+        return exc.code, str(exc)
+    for kind, code, words in POOL_STATUS:
+        if isinstance(exc, kind):
+            return code, words.format(exc)
+    return ErrorCode.INTERNAL, f"planner failure: {type(exc).__name__}: {exc}"
 
 
 class PlannerServicer:
@@ -49,10 +77,14 @@ class PlannerServicer:
 
     def plan(self, request_bytes: bytes, context: grpc.ServicerContext) -> bytes:
         started = time.perf_counter()
-        if self.draining.is_set():
-            result = WorkerResult(ErrorCode.UNAVAILABLE, message="planner is shutting down; retry on another replica")
-        else:
+        try:
+            if self.draining.is_set():
+                raise Refused(ErrorCode.UNAVAILABLE, "planner is shutting down; retry on another replica")
             result = self._plan(request_bytes, context)
+        except Exception as exc:  # noqa: BLE001 - every failure is answered with its status, never a crash
+            code, message = status_of(exc)
+            result = WorkerResult(code, message=message)
+            self._count_refusal(exc)
         self._record(result, time.perf_counter() - started)
         if result.invariant:
             self.violations.write(request_bytes, result)
@@ -68,29 +100,25 @@ class PlannerServicer:
         for key, value in context.invocation_metadata() or ():
             if key == JOB_METADATA_KEY:
                 job = value  # the last one wins, as a repeated field in protobuf
-        if job and not JOB_NAME_PATTERN.match(job):
-            return WorkerResult(ErrorCode.INVALID_ARGUMENT, message=f"metadata {JOB_METADATA_KEY}: {job[:80]!r} is not a job "
-                                "name: use 1-63 characters of [A-Za-z0-9_.-], or leave it out (the shared bucket)")
+        refusal = job_name_refusal(job)
+        if refusal is not None:
+            raise Refused(ErrorCode.INVALID_ARGUMENT, f"metadata {JOB_METADATA_KEY}: {refusal}, or leave it out (the shared bucket)")
         try:
             # add_callback fires when the RPC ends for any reason - a cancelled or disconnected
             # caller included - and the pool then stops the work nobody waits for.
             return self.pool.plan(request_bytes, time.time() + remaining, remaining, on_abandon=context.add_callback, job=job)
-        except JobShareExceeded as exc:
-            self.metrics.job_share_rejections.labels(self.metrics.job_label(exc.job)).inc()
-            return WorkerResult(ErrorCode.RESOURCE_EXHAUSTED,
-                                message=f"planner overloaded by this job: {exc}; retry with backoff")
-        except PoolOverloaded as exc:
-            self.metrics.queue_rejections.inc()
-            return WorkerResult(ErrorCode.RESOURCE_EXHAUSTED, message=f"planner overloaded: {exc}; retry with backoff")
         except TimeoutError:
             if not context.is_active():
-                return WorkerResult(ErrorCode.CANCELLED, message="the caller cancelled the request")
-            return WorkerResult(ErrorCode.DEADLINE_EXCEEDED, message=f"planning took longer than the deadline ({remaining:.3f} s)")
-        except WorkersLost as exc:
-            return WorkerResult(ErrorCode.UNAVAILABLE, message=f"planning workers unavailable: {exc}; retry")
-        except Exception as exc:  # noqa: BLE001 - never crash the handler thread
-            log.exception("planning pool failure")
-            return WorkerResult(ErrorCode.INTERNAL, message=f"planner failure: {type(exc).__name__}: {exc}")
+                raise Refused(ErrorCode.CANCELLED, "the caller cancelled the request") from None
+            raise Refused(ErrorCode.DEADLINE_EXCEEDED, f"planning took longer than the deadline ({remaining:.3f} s)") from None
+
+    def _count_refusal(self, exc: Exception) -> None:
+        if isinstance(exc, JobShareExceeded):
+            self.metrics.job_share_rejections.labels(self.metrics.job_label(exc.job)).inc()
+        elif isinstance(exc, PoolOverloaded):
+            self.metrics.queue_rejections.inc()
+        elif status_of(exc)[0] is ErrorCode.INTERNAL:
+            log.exception("planning pool failure", exc_info=exc)
 
     def _record(self, result: WorkerResult, seconds: float) -> None:
         m = self.metrics

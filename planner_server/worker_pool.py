@@ -22,7 +22,7 @@ from batch_planner.validation import RequestLimits
 from planner_server import planning_worker
 from planner_server.admission import Admission, InlineBound, JobShareExceeded, PoolOverloaded, request_bytes_bound
 from planner_server.planning_worker import (
-    WorkerResult, parse, plan_candidate_in_worker, plan_in_worker, plan_parsed, plan_request_bytes, worker_initializer,
+    Parsed, WorkerResult, parse, plan_candidate_in_worker, plan_in_worker, plan_parsed, plan_request_bytes, worker_initializer,
 )
 from planner_server.process_pool import ProcessPool, Task, TaskCancelled, WorkersLost
 
@@ -35,8 +35,8 @@ _NO_INLINE = InlineBound()
 class Work:
     """What one request runs on the pool: the slots it reserved and the tasks it submitted."""
 
-    def __init__(self, pool: PlanningPool, slots: int, job: str = ""):
-        self._pool = pool
+    def __init__(self, processes: ProcessPool, admission: Admission, slots: int, job: str = ""):
+        self._processes, self._admission = processes, admission
         self._slots = slots
         self._job = job
         self._tasks: list[Task] = []
@@ -46,7 +46,7 @@ class Work:
         with self._lock:
             if len(self._tasks) >= self._slots:
                 raise RuntimeError(f"this request reserved {self._slots} slot(s) and used them all")
-            task = self._pool._processes.submit(fn, *args, on_settled=self._task_settled)
+            task = self._processes.submit(fn, *args, on_settled=self._task_settled)
             self._tasks.append(task)
         return task
 
@@ -54,6 +54,18 @@ class Work:
         """Stops every task of the request; safe to call from any thread, any number of times."""
         for task in list(self._tasks):
             task.cancel()
+
+    def results(self, tasks: list[Task], end: float) -> list:
+        """The tasks' results, in order; TimeoutError past `end` or when the caller is gone."""
+        try:
+            return [task.result(max(0.0, end - time.monotonic())) for task in tasks]
+        except TaskCancelled:
+            raise TimeoutError from None  # the caller is gone; whatever we answer is unseen
+
+    def cancel_on(self, on_abandon) -> None:
+        """Cancels this work when the caller goes away (`on_abandon`: grpc's context.add_callback)."""
+        if on_abandon is not None and on_abandon(self.cancel) is False:
+            self.cancel()  # the RPC has already ended
 
     def close(self) -> None:
         """The request is answered: abandoned tasks are cancelled, unused slots given back now and
@@ -63,10 +75,10 @@ class Work:
             unused = self._slots - len(self._tasks)
             self._slots -= unused
         if unused:
-            self._pool.admission.release(unused, self._job)
+            self._admission.release(unused, self._job)
 
     def _task_settled(self) -> None:
-        self._pool.admission.release(1, self._job)
+        self._admission.release(1, self._job)
 
 
 class PlanningPool:
@@ -136,7 +148,7 @@ class PlanningPool:
         """Reserves `slots` for one request of `job`; raises PoolOverloaded when the bound is
         reached, JobShareExceeded (a PoolOverloaded) when the job holds its share."""
         self.admission.reserve(slots, job)
-        return Work(self, slots, job)
+        return Work(self._processes, self.admission, slots, job)
 
     def plan(self, request_bytes: bytes, deadline: float, timeout: float, on_abandon=None, job: str = "") -> WorkerResult:
         """Plans one request of `job` (the request metadata's job name; "" is the shared bucket)
@@ -158,37 +170,28 @@ class PlanningPool:
             parsed = parse(request_bytes, deadline, job)
             if isinstance(parsed, WorkerResult):
                 return parsed  # not a PlanRequest, its deadline has passed, or its job disagrees: no worker needed
-            job = job or parsed[1]["job"]  # a client that sends no metadata: the message's job
-            if parsed[0].scheduler == pb.SCHEDULER_AUTO:
+            job = job or parsed.about.job  # a client that sends no metadata: the message's job
+            if parsed.message.scheduler == pb.SCHEDULER_AUTO:
                 return self._plan_auto(parsed, end, on_abandon, job)
         work = self.admit(1, job)
         try:
             task = work.submit(plan_in_worker, request_bytes, deadline, job)
-            return self._run_all(work, [task], end, on_abandon)[0]
+            work.cancel_on(on_abandon)
+            return work.results([task], end)[0]
         finally:
             work.close()
 
-    def _plan_auto(self, parsed, end: float, on_abandon, job: str) -> WorkerResult:
+    def _plan_auto(self, parsed: Parsed, end: float, on_abandon, job: str) -> WorkerResult:
         """auto, assembled by the core (batch_planner/auto.py) in this thread, its candidates
         planned side by side on the workers (`_WorkerCandidates`)."""
         run = _WorkerCandidates(self, end, on_abandon, job)
         try:
-            result = plan_parsed(*parsed, self.limits, self.cost_model, run, passes=(PoolOverloaded, TimeoutError, WorkersLost), finish=run.finish)
+            result = plan_parsed(parsed, self.limits, self.cost_model, run, passes=(PoolOverloaded, TimeoutError, WorkersLost), finish=run.finish)
         finally:
             run.close()
         # The worker time of every candidate: what one auto request costs the replica, so the plan
         # rates GetCapabilities reports for auto say how many a replica plans per second.
         return replace(result, scheduler_seconds=run.seconds, planning_seconds=run.seconds)
-
-    @staticmethod
-    def _run_all(work: Work, tasks: list[Task], end: float, on_abandon) -> list:
-        """The tasks' results, in order; TimeoutError past `end` or when the caller is gone."""
-        if on_abandon is not None and on_abandon(work.cancel) is False:
-            work.cancel()  # the RPC has already ended
-        try:
-            return [task.result(max(0.0, end - time.monotonic())) for task in tasks]
-        except TaskCancelled:
-            raise TimeoutError from None  # the caller is gone; whatever we answer is unseen
 
     def _plan_inline(self, request_bytes: bytes, deadline: float, timeout: float, job: str) -> WorkerResult:
         started = time.monotonic()
@@ -213,15 +216,14 @@ class _WorkerCandidates:
 
     def expect(self, count: int) -> None:
         self._work = self._pool.admit(count, self._job)
-        if self._on_abandon is not None and self._on_abandon(self._work.cancel) is False:
-            self._work.cancel()  # the RPC has already ended
+        self._work.cancel_on(self._on_abandon)
 
     def __call__(self, found: list[Candidate], plan_one: PlanOne) -> list[Outcome]:
         assert self._work is not None, "the core tells expect() the candidate count first"
         if time.monotonic() >= self._end:
             raise TimeoutError  # the deadline passed between rounds: start no worker on it
         tasks = [self._work.submit(plan_candidate_in_worker, candidate, plan_one) for candidate in found]
-        results = self._pool._run_all(self._work, tasks, self._end, on_abandon=None)
+        results = self._work.results(tasks, self._end)
         for outcome, micro_batches in results:
             self._micro_batches[outcome.candidate.name] = micro_batches
             self.seconds += outcome.seconds

@@ -12,8 +12,12 @@ upstream's own code, which is the slow side, answers each in milliseconds.
 from __future__ import annotations
 
 import random
+import signal
 import sys
+import threading
+import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -86,13 +90,53 @@ class _CallBudgetExceeded(Exception):
     pass
 
 
-def outcome(call: Callable[[], Any], budget: tuple[str, int] | None = None) -> tuple:
+# The longest one scheduler call of the corpus may run: each answers in milliseconds, so a call
+# still running after this never ends (a bug of the exact path, or of the corpus's budget).
+CALL_BOUND_S = 60.0
+
+
+class CallOverran(AssertionError):
+    """A scheduler call ran past CALL_BOUND_S; the message names its input."""
+
+
+@contextmanager
+def bounded(named: str, seconds: float = CALL_BOUND_S):
+    """Fails the call inside with CallOverran naming `named` once it has run `seconds`, instead
+    of letting it hang the test run. In the main thread only (SIGALRM); pytest-timeout's own
+    alarm, if one is set, is restored with the time it had left."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def overran(signum, frame):
+        raise CallOverran(f"{named}: still running after {seconds:g} s, a call that does not end")
+
+    started = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, overran)
+    left, interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if left > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(0.001, left - (time.monotonic() - started)), interval)
+
+
+def outcome(call: Callable[[], Any], budget: tuple[str, int] | None = None, named: str = "a scheduler call") -> tuple:
     """("ok", result) or ("raised", type name, message). With `budget` (a function name, a count),
     the calls of that function are counted and the call is stopped past the count: ("no end",
-    calls)."""
+    calls). Every call is bounded (`bounded`): one that never ends fails with `named` in the error."""
+    with bounded(named):
+        return _outcome(call, budget)
+
+
+def _outcome(call: Callable[[], Any], budget: tuple[str, int] | None) -> tuple:
     if budget is None:
         try:
             return ("ok", call())
+        except CallOverran:
+            raise
         except Exception as exc:  # noqa: BLE001 - the exception is the outcome
             return ("raised", type(exc).__name__, str(exc))
     calls = 0
@@ -111,6 +155,8 @@ def outcome(call: Callable[[], Any], budget: tuple[str, int] | None = None) -> t
         return ("ok", call())
     except _CallBudgetExceeded:
         return ("no end", calls)
+    except CallOverran:
+        raise
     except Exception as exc:  # noqa: BLE001
         return ("raised", type(exc).__name__, str(exc))
     finally:

@@ -21,7 +21,7 @@ from batch_planner.planner import plan_batch
 from batch_planner.request import CpLayout, PlanRequest, SchedulerKind
 from trainer_client.apply import micro_batches_for_rank
 from trainer_client.batch import unbind_batch
-from trainer_client.calibration import Calibrator, features_of, fit_cost_model, price
+from trainer_client.calibration import Calibrator, features_of, fit_cost_model, price_vector
 from trainer_client.metrics import TrainerMetrics
 
 HIDDEN = CostModel(
@@ -47,7 +47,7 @@ def _synthetic(n, model=HIDDEN, noise=0.03, seed=0, cp_sizes=(1, 2, 4)):
         lengths = [rng.randint(64, 4000) for _ in range(rng.choice((1, 1, 2, 3)))]
         features = features_of(_unit(lengths, cp))
         rows.append(features)
-        seconds.append(price(model, features) * math.exp(rng.gauss(0.0, noise)))
+        seconds.append(price_vector(model, features) * math.exp(rng.gauss(0.0, noise)))
     return np.array(rows), np.array(seconds)
 
 
@@ -67,7 +67,7 @@ def test_planner_and_calibration_share_the_unit_features():
 
             padded = sum(padded_length(n, cp, 1, layout) for n in lengths)
             passes = 1 if packed else len(lengths)
-            assert price(model, tuple(unit_features(padded, sum(n * n for n in lengths), cp, passes).values())) == pytest.approx(direct, rel=1e-12)
+            assert price_vector(model, tuple(unit_features(padded, sum(n * n for n in lengths), cp, passes).values())) == pytest.approx(direct, rel=1e-12)
     assert tuple(unit_features(1, 1, 1, 1)) == COEFFICIENT_NAMES == tuple(CostModel.__dataclass_fields__)
     import torch
     from tensordict import TensorDict
@@ -84,7 +84,7 @@ def test_planner_and_calibration_share_the_unit_features():
         for rank in range(4):
             mine: dict[int, float] = {}
             for unit in micro_batches_for_rank(plan, batch, rank):
-                mine[unit.micro_batch_index] = mine.get(unit.micro_batch_index, 0.0) + price(model, features_of(unit))
+                mine[unit.micro_batch_index] = mine.get(unit.micro_batch_index, 0.0) + price_vector(model, features_of(unit))
             for index, seconds in mine.items():
                 per_mb[index] = max(per_mb.get(index, 0.0), seconds)
         assert sum(per_mb.values()) == pytest.approx(plan.statistics.predicted_step_cost, rel=1e-9), scheduler
@@ -171,7 +171,7 @@ def _run_steps(calibrator, steps, first=0, model=HIDDEN, corrupt=None):
         calibrator.begin_step(step)
         for index in range(12):
             unit = _unit([rng.randint(64, 4000)], rng.choice((1, 2, 4)), index)
-            seconds = price(model, features_of(unit)) * math.exp(rng.gauss(0, 0.02))
+            seconds = price_vector(model, features_of(unit)) * math.exp(rng.gauss(0, 0.02))
             calibrator.record(unit, corrupt(step, index, seconds) if corrupt else seconds)
         reports.append(calibrator.end_step())
     return reports
@@ -268,7 +268,7 @@ def test_client_requests_carry_the_fit_from_the_effective_step_and_prefetches_st
             client.prefetch(step + 1, batch(step + 1)[0])  # built before this step's end_step
             for rank in range(2):
                 for unit in micro_batches_for_rank(plan, unbind_batch(b), rank):
-                    client.record_unit(unit, price(HIDDEN, features_of(unit)) * math.exp(rng.gauss(0, 0.02)))
+                    client.record_unit(unit, price_vector(HIDDEN, features_of(unit)) * math.exp(rng.gauss(0, 0.02)))
             report = client.end_step()
             if report and report.effective_step:
                 effective = report.effective_step

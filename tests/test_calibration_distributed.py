@@ -55,9 +55,9 @@ def batch_lengths(step: int) -> list[int]:
 def stand_in_kernel(hidden: CostModel, unit, rng: random.Random) -> None:
     """CPU stand-in for a GPU kernel whose duration is known: sleeps the hidden cost of the unit's
     features times log-normal noise (2%); one unit in 100 stalls (x4), as a straggler would."""
-    from trainer_client.calibration import features_of, price
+    from trainer_client.calibration import features_of, price_vector
 
-    seconds = price(hidden, features_of(unit)) * math.exp(rng.gauss(0.0, 0.02))
+    seconds = price_vector(hidden, features_of(unit)) * math.exp(rng.gauss(0.0, 0.02))
     if rng.random() < 1 / 100:
         seconds *= 4.0
     deadline = time.perf_counter() + seconds

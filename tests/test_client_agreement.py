@@ -14,7 +14,7 @@ from batch_planner.identity import canonical_request
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanningOptions, PlanRequest, SchedulerKind
 from tests.megatron_init import FORK_OR_SPAWN
-from trainer_client.broadcast import request_digest
+from trainer_client.broadcast import canonical_digest
 
 LENGTHS = (4096, 2048, 1024, 512, 512, 256, 128, 64)
 
@@ -26,9 +26,9 @@ def _request(group_size: int | None) -> PlanRequest:
 def test_the_digest_covers_every_option_of_the_canonical_request():
     base = _request(None)
     assert set(canonical_request(base)) == {"lengths", "dp", *PlanningOptions.names()}
-    assert request_digest(base) == request_digest(_request(None))
-    assert request_digest(base) != request_digest(_request(2))
-    assert request_digest(base) != request_digest(base.replace(max_seqs_per_micro_batch=3))
+    assert canonical_digest(base) == canonical_digest(_request(None))
+    assert canonical_digest(base) != canonical_digest(_request(2))
+    assert canonical_digest(base) != canonical_digest(base.replace(max_seqs_per_micro_batch=3))
 
 
 def _run_rank(rank: int, store_path: str, out_dir: str) -> None:

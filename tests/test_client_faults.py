@@ -10,6 +10,7 @@ import time
 
 from batch_planner.distributions import sample_lengths
 from tests.planner_process import start_planner
+from tests.reliability_support import wait_until
 from tests.megatron_builds import best_local_scheduler
 from trainer_client import BatchPlannerClient, PlannerClientConfig
 from trainer_client.apply import micro_batches_for_rank
@@ -57,8 +58,15 @@ def steps_until(client: BatchPlannerClient, first_step: int, source: str, limit_
     while run_step(client, step) != source:
         assert time.monotonic() < deadline, f"no plan from the {source} within {limit_s} s"
         step += 1
-        time.sleep(COOLDOWN / 2)
+        if source == SERVICE:  # the next step asks the service only once the fallback cooldown is over
+            wait_until(lambda: service_asked_again(client), limit_s, "the fallback cooldown to end")
     return step + 1
+
+
+def service_asked_again(client: BatchPlannerClient) -> bool:
+    """Whether the client's next plan asks the service (it plans in-process during the cooldown)."""
+    source = client.source
+    return source._outage_reason is None or time.monotonic() >= source._retry_service_at
 
 
 def test_training_survives_a_slow_a_dead_and_a_restarted_planner():
@@ -66,7 +74,7 @@ def test_training_survives_a_slow_a_dead_and_a_restarted_planner():
     config = PlannerClientConfig(
         planner_endpoint=server.address, tls=False, max_seqlen_per_dp_cp_rank=8192, job="faults",
         scheduler=best_local_scheduler(),  # in-process fallback plans with this process's build
-        # 2 s: the deadline covers both of gRPC's attempts, as 1 s per attempt did before.
+        # 2 s: the deadline covers both of gRPC's attempts.
         deadline_seconds=2.0, max_attempts=2, initial_backoff_seconds=0.05,
         fallback_cooldown_seconds=COOLDOWN, max_reconnect_backoff_seconds=0.5,
     )
@@ -85,7 +93,8 @@ def test_training_survives_a_slow_a_dead_and_a_restarted_planner():
         # Frozen planner: accepts connections, never answers -> deadline, fallback, then back.
         server.proc.send_signal(signal.SIGSTOP)
         try:
-            time.sleep(COOLDOWN)
+            # The next step asks the frozen service, not the circuit the oversized request opened.
+            wait_until(lambda: service_asked_again(client), 30, "the fallback cooldown to end")
             step = steps_until(client, step, FALLBACK, limit_s=30)
             for _ in range(2):  # the loop keeps stepping during the outage
                 run_step(client, step)
@@ -98,7 +107,7 @@ def test_training_survives_a_slow_a_dead_and_a_restarted_planner():
         # Planner killed mid-run: UNAVAILABLE, fallback, the loop keeps stepping.
         port = server.port
         server.stop(signal.SIGKILL)
-        time.sleep(COOLDOWN)
+        wait_until(lambda: service_asked_again(client), 30, "the fallback cooldown to end")
         step = steps_until(client, step, FALLBACK, limit_s=30)
         run_step(client, step)
         step += 1

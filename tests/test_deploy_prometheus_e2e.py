@@ -9,7 +9,6 @@ import math
 import socket
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -24,6 +23,7 @@ from batch_planner.request import CpLayout, PlanRequest, SchedulerKind
 from batch_planner.v1 import planner_pb2_grpc
 from tests.deploy_tools import ALERTS, DASHBOARD, ROOT, find_tool
 from tests.planner_process import PlannerProcess, planner_env
+from tests.reliability_support import wait_until
 
 JOB = "deploy-e2e"
 SCRAPE_JOB = "batch-planner"  # what the alerts select; the chart's ServiceMonitor names it so
@@ -59,17 +59,16 @@ class Prometheus:
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError("prometheus exited:\n" + (self.workdir / "prometheus.log").read_text()[-3000:])
             try:
                 with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as response:
-                    if response.status == 200:
-                        return
+                    return response.status == 200
             except OSError:
-                time.sleep(0.2)
-        raise RuntimeError("prometheus not ready in time")
+                return False
+
+        wait_until(ready, timeout, "prometheus to be ready", poll=0.2)
 
     def api(self, path: str, **params) -> dict:
         url = f"{self.url}/api/v1/{path}" + ("?" + urllib.parse.urlencode(params) if params else "")
@@ -83,16 +82,20 @@ class Prometheus:
 
     def wait_for_value(self, expr: str, expected: float, timeout: float = 20.0, rel: float = 1e-9) -> float:
         """Polls until the expression's single value equals `expected`; returns it."""
-        deadline = time.monotonic() + timeout
-        last = None
-        while time.monotonic() < deadline:
+        seen: list[float] = []
+
+        def equal() -> bool:
             result = self.query(expr)
             if len(result) == 1:
-                last = float(result[0]["value"][1])
-                if math.isclose(last, expected, rel_tol=rel):
-                    return last
-            time.sleep(0.25)
-        raise AssertionError(f"{expr} = {last}, expected {expected}")
+                seen.append(float(result[0]["value"][1]))
+                return math.isclose(seen[-1], expected, rel_tol=rel)
+            return False
+
+        try:
+            wait_until(equal, timeout, f"{expr} = {expected}", poll=0.25)
+        except AssertionError as error:
+            raise AssertionError(f"{error}; last seen: {seen[-1:]}") from None
+        return seen[-1]
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -173,13 +176,11 @@ def test_prometheus_scrapes_planner_padding_and_throughput(planner: PlannerProce
     assert float(waste[0]["value"][1]) == pytest.approx(expected_waste, rel=0.1)
 
     # The alert rules load and evaluate against this data without errors; none fires.
-    deadline = time.monotonic() + 10
-    while True:
-        groups = prom.api("rules")["groups"]
-        rules = [rule for group in groups for rule in group["rules"]]
-        if rules and all(rule.get("lastEvaluation", "").startswith("20") for rule in rules) or time.monotonic() > deadline:
-            break
-        time.sleep(0.25)
+    def evaluated() -> list[dict]:
+        rules = [rule for group in prom.api("rules")["groups"] for rule in group["rules"]]
+        return rules if rules and all(rule.get("lastEvaluation", "").startswith("20") for rule in rules) else []
+
+    rules = wait_until(evaluated, 30, "every alert rule evaluated once", poll=0.25)
     assert len(rules) == len([r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]])
     assert all(rule["health"] == "ok" for rule in rules), [(r["name"], r.get("lastError")) for r in rules]
     assert prom.api("alerts")["alerts"] == []
@@ -217,14 +218,12 @@ def test_prometheus_scrapes_the_example_trainer(planner: PlannerProcess, prometh
     try:
         prom = prometheus_for({SCRAPE_JOB: f"127.0.0.1:{planner.metrics_port}", "trainers": f"127.0.0.1:{metrics_port}"})
         sel = 'job="trainers"'
-        deadline = time.monotonic() + 90
-        while True:
+        def planned() -> bool:
             plans = prom.query(f"sum(batch_planner_client_plans_total{{{sel}}})")
-            if plans and float(plans[0]["value"][1]) >= steps:
-                break
             assert trainer.poll() in (None, 0), log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "trainer plans never reached Prometheus:\n" + log_path.read_text()[-3000:]
-            time.sleep(0.5)
+            return bool(plans) and float(plans[0]["value"][1]) >= steps
+
+        wait_until(planned, 90, "the trainer's plans to reach Prometheus", poll=0.5)
         expected_tokens = sum(sum(sample_lengths(distribution, batch_size, seed=step)) for step in range(steps))
         # The last plan arrives before the last step has trained: on a loaded CI machine a CPU step
         # can take tens of seconds, so wait for the tokens themselves, not a fixed few seconds.
@@ -241,10 +240,7 @@ def test_prometheus_scrapes_the_example_trainer(planner: PlannerProcess, prometh
         # The dashboard's trainer padding-waste query answers for this data, once Prometheus holds two
         # scrapes of the counters (rate() needs two samples): wait for that, do not guess it.
         waste = dashboard_expr("Trainer padding waste").replace(f'training_job=~"{JOB}"', 'training_job=~".*"')
-        waste_deadline = time.monotonic() + 120
-        while not prom.query(waste):
-            assert time.monotonic() < waste_deadline, "the dashboard's padding-waste query stayed empty"
-            time.sleep(0.5)
+        wait_until(lambda: prom.query(waste), 120, "the dashboard's padding-waste query to answer", poll=0.5)
     finally:
         trainer.terminate()
         try:

@@ -164,7 +164,7 @@ def test_capacity_invariant_matches_execution():
 
 def test_capacity_invariant_is_the_contracts_budget_in_real_tokens():
     """max_seqlen_per_dp_cp_rank bounds real tokens (the proto's contract); padding of
-    less than a unit on top is fine, one real token past the budget is not (it used to pass)."""
+    less than a unit on top is fine, one real token past the budget is not."""
     sizes = valid_cp_sizes(SchedulerKind.HYBRID_CP, 2, 2, None)
     # CP2 zigzag pads to multiples of 4: 101 -> 104, 52 per rank, over a budget of 51 by padding only.
     within = PlanRequest.of((101,), 1, 2, 51)

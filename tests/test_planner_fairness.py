@@ -1,6 +1,6 @@
-"""Fair admission per job: Admission's per-job share, the job read from the request metadata (a
-name that is not one refused), and a real server where one job's flood is refused while another
-job's request is planned (docs/reliability.md "Fair admission per job")."""
+"""Fair admission per job through a real server: the job read from the request metadata (a name
+that is not one refused), and one job's flood refused while another job's request is planned
+(docs/reliability.md "Fair admission per job"). Admission's own rules: tests/test_admission.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from batch_planner.convert import JOB_METADATA_KEY
 from batch_planner.distributions import sample_lengths
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
-from planner_server.admission import Admission, JobShareExceeded, PoolOverloaded
 from tests.planner_process import start_planner
 from tests.reliability_support import wait_until
 
@@ -33,48 +32,6 @@ def request(job: str = "", samples: int = 16, dp: int = 4, cp: int = 1) -> pb.Pl
         scheduler=pb.SCHEDULER_HYBRID_CP,
         job=job,
     )
-
-
-# --- Admission's per-job share ---
-
-
-def test_a_job_past_its_share_is_refused_while_others_are_admitted():
-    admission = Admission(8, job_share=0.5)
-    assert admission.job_bound == 4
-    for _ in range(4):
-        admission.reserve(1, "burst")
-    with pytest.raises(JobShareExceeded, match=r"job 'burst' holds 4 slots in flight.*its share is 4 \(0.5 of the server's bound of 8\)") as refused:
-        admission.reserve(1, "burst")
-    assert refused.value.job == "burst"
-    admission.reserve(1, "quiet")
-    admission.reserve(3, "")  # the shared bucket of requests without a job name
-    assert admission.in_flight == 8
-    with pytest.raises(PoolOverloaded) as full:
-        admission.reserve(1, "third")
-    assert not isinstance(full.value, JobShareExceeded)  # the total bound, as before
-    admission.release(1, "burst")
-    admission.reserve(1, "third")
-    assert (admission.held_by("burst"), admission.held_by("third"), admission.in_flight) == (3, 1, 8)
-
-
-def test_auto_candidates_count_against_the_share():
-    admission = Admission(8, job_share=0.5)
-    admission.reserve(3, "auto-job")
-    with pytest.raises(JobShareExceeded, match="needs 2 \\(one per auto candidate\\)"):
-        admission.reserve(2, "auto-job")
-    admission.reserve(1, "auto-job")
-
-
-def test_share_one_turns_fairness_off_and_released_jobs_are_forgotten():
-    admission = Admission(4, job_share=1.0)
-    for _ in range(4):
-        admission.reserve(1, "only")
-    with pytest.raises(PoolOverloaded) as full:
-        admission.reserve(1, "only")
-    assert not isinstance(full.value, JobShareExceeded)
-    admission.release(4, "only")
-    assert admission.held_by("only") == 0 and admission._by_job == {}
-    assert Admission(3, job_share=0.1).job_bound == 1  # at least one slot
 
 
 # --- a real server ---

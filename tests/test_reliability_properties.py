@@ -178,7 +178,7 @@ def test_random_requests_through_the_server_match_the_in_process_answer(planner,
 # Megatron-Core 0.19.2 BalancedCPScheduler puts micro-batch 3 of this batch as CP2 on ranks 0-1,
 # CP4 on ranks 2-5 and CP2 on ranks 6-7: the CP4 group is not aligned, so no Megatron-Core process
 # group matches it. Found by the property test (about 1-2% of random plannable batches); the
-# planner used to withhold the plan with INTERNAL "plan invariant 3 violated".
+# adapter aligns it (schedulers.align_cp_groups) instead of withholding the plan with INTERNAL.
 MISALIGNED_HYBRID_CP_BATCH = PlanRequest.of(
     sequence_lengths=(4, 3, 2, 3, 1, 5, 3, 8, 2, 2, 5, 2, 6, 5, 5, 5, 8, 2, 5),
     data_parallel_size=8,

@@ -98,22 +98,6 @@ class PlanAhead:
             pending = self._pending.get(step)
         return pending.source if pending is not None else None
 
-    def arrived(self, step: int, timeout: float | None = None) -> bool:
-        """Waits up to `timeout` for `step`'s prefetched plan; True once it has arrived."""
-        with self._lock:
-            pending = self._pending.get(step)
-        if pending is None:
-            return False
-        try:
-            pending.future.exception(timeout=timeout)
-        except TimeoutError:
-            return False
-        return True
-
-    def in_flight(self) -> int:
-        with self._lock:
-            return sum(1 for p in self._pending.values() if not p.future.done())
-
     def get(self, step: int, request: PlanRequest) -> Fetched:
         """The plan for `step`, how long this call waited for it and the plan's lead."""
         started = time.perf_counter()

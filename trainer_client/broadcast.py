@@ -1,13 +1,15 @@
 """One rank asks, all ranks agree: share a step's plan over the DPxCP process group.
 
 By default rank 0 of the group has the plan (from the service or its fallback) and broadcasts it
-as serialized PlanResponse bytes. With `who_asks=all_ranks` every rank planned for itself. Either
-way every rank then all-gathers (plan id, digest of its own request) and raises PlanMismatchError
-unless all ranks hold the same plan for the same batch: a rank that trains a different plan than
-its peers would hang the job in its first CP collective.
+as serialized PlanResponse bytes: the service's own, as the RPC returned them, or the fallback's.
+With `who_asks=all_ranks` every rank planned for itself. Either way every rank then all-gathers
+(plan id, digest of its own request) and raises PlanMismatchError unless all ranks hold the same
+plan for the same batch: a rank that trains a different plan than its peers would hang the job in
+its first CP collective.
 
 A planning error on the asking rank is broadcast too, so every rank raises it instead of the
-others waiting forever in the broadcast.
+others waiting forever in the broadcast: a refusal (PlanRejectedError) as a refusal with its code,
+a service that failed with fallback off (PlannerUnavailableError) as that.
 """
 
 from __future__ import annotations
@@ -26,14 +28,18 @@ from batch_planner.request import PlanRequest
 from batch_planner.v1 import planner_pb2 as pb
 from trainer_client.config import WhoAsks
 from trainer_client.distributed import is_distributed
+from trainer_client.plan_source import PlannerUnavailableError
 from trainer_client.rpc_client import PlanRejectedError
+
+# What a rank may hold instead of a plan; every rank of the group raises it.
+RankError = PlanRejectedError | PlannerUnavailableError
 
 
 class PlanMismatchError(RuntimeError):
     """Ranks of one DPxCP group hold different plans or different batches."""
 
 
-def request_digest(request: PlanRequest) -> str:
+def canonical_digest(request: PlanRequest) -> str:
     """A short fingerprint of everything the plan id covers of a request (`canonical_request`),
     cheap for thousands of samples: the lengths are hashed as an int64 array's bytes, not as text."""
     canonical = canonical_request(request)
@@ -43,63 +49,69 @@ def request_digest(request: PlanRequest) -> str:
 
 
 def agree_on_plan(
-    own: Plan | PlanRejectedError | None,
+    own: Plan | RankError | None,
     request: PlanRequest | None,
     group: dist.ProcessGroup | None,
     who_asks: WhoAsks,
+    response: bytes = b"",
 ) -> Plan:
     """Every rank calls this with its own result (`None` on ranks that did not ask) and the request
-    for its own batch, and gets the group's plan back, or the asking rank's PlanRejectedError.
+    for its own batch, and gets the group's plan back, or raises the asking rank's RankError.
     A rank whose batch was refused before planning passes its error and no request: every rank
-    then raises. Without a process group of several ranks there is no one to agree with: no
-    digest, no collective."""
+    then raises, a refusal as a PlanRejectedError with the refusing rank's code. Without a process
+    group of several ranks there is no one to agree with: no digest, no collective. `response`:
+    the serialized PlanResponse `own` was read from, when the service sent it (broadcast as is)."""
     if not is_distributed(group):
         return _unwrap(own)
     if who_asks is WhoAsks.LEADER:
-        holder: list[Any] = [_encode(own) if dist.get_rank(group) == 0 else None]
+        holder: list[Any] = [_encode(own, response) if dist.get_rank(group) == 0 else None]
         dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         if request is not None or dist.get_rank(group) == 0:  # a refused batch keeps its own error
             own = _decode(holder[0])
-    digest = request_digest(request) if request is not None else "refused"
-    mine = (own.plan_id if isinstance(own, Plan) else f"error: {own}", digest)
+    digest = canonical_digest(request) if request is not None else "refused"
+    mine = (own.plan_id if isinstance(own, Plan) else None, digest, None if isinstance(own, Plan) else _encode(own))
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
-    errors = [(rank, entry[0]) for rank, entry in enumerate(everyone) if entry[0].startswith("error: ")]
+    errors = [(rank, entry[2]) for rank, entry in enumerate(everyone) if entry[2] is not None]
     if errors:
-        if isinstance(own, PlanRejectedError):
-            raise own
-        rank, message = errors[0]
-        raise PlanRejectedError("REMOTE", f"rank {rank} of the DPxCP group could not plan: {message[7:]}")
-    batches = {digest for _, digest in everyone}
+        if not isinstance(own, Plan):
+            return _unwrap(own)
+        rank, payload = errors[0]
+        raise _decode(payload, f"rank {rank} of the DPxCP group could not plan: ")  # type: ignore[misc]
+    batches = {digest for _, digest, _ in everyone}
     if len(batches) > 1:
         raise PlanMismatchError(
             "ranks of the DPxCP group hold different batches (request digests by rank: "
-            f"{[digest for _, digest in everyone]}); every rank must hold the same global batch"
+            f"{[digest for _, digest, _ in everyone]}); every rank must hold the same global batch"
         )
-    plan_ids = {plan_id for plan_id, _ in everyone}
+    plan_ids = {plan_id for plan_id, _, _ in everyone}
     if len(plan_ids) > 1:
         raise PlanMismatchError(
-            f"ranks of the DPxCP group received different plans (plan ids by rank: {[p for p, _ in everyone]})"
+            f"ranks of the DPxCP group received different plans (plan ids by rank: {[p for p, _, _ in everyone]})"
         )
     return _unwrap(own)
 
 
-def _encode(own: Plan | PlanRejectedError | None) -> tuple:
+def _encode(own: Plan | RankError | None, response: bytes = b"") -> tuple:
     if isinstance(own, Plan):
-        return ("plan", plan_to_proto(own).SerializeToString())
+        return ("plan", response or plan_to_proto(own).SerializeToString())
     if isinstance(own, PlanRejectedError):
-        return ("error", own.code, own.server_message)
+        return ("rejected", own.code, own.server_message)
+    if isinstance(own, PlannerUnavailableError):
+        return ("unavailable", str(own))
     raise RuntimeError("rank 0 of the DPxCP group must plan when who_asks=leader")
 
 
-def _decode(payload: tuple) -> Plan | PlanRejectedError:
+def _decode(payload: tuple, prefix: str = "") -> Plan | RankError:
     if payload[0] == "plan":
         return plan_from_proto(pb.PlanResponse.FromString(payload[1]))
-    return PlanRejectedError(payload[1], payload[2])
+    if payload[0] == "rejected":
+        return PlanRejectedError(payload[1], prefix + payload[2])
+    return PlannerUnavailableError(prefix + payload[1])
 
 
-def _unwrap(own: Plan | PlanRejectedError | None) -> Plan:
-    if isinstance(own, PlanRejectedError):
+def _unwrap(own: Plan | RankError | None) -> Plan:
+    if isinstance(own, (PlanRejectedError, PlannerUnavailableError)):
         raise own
     if own is None:
         raise RuntimeError("no plan: this rank did not plan and there is no group to receive one from")

@@ -40,7 +40,7 @@ import torch
 from scipy.optimize import least_squares, nnls
 import torch.distributed as dist
 
-from batch_planner.cost import price as price_features, unit_features
+from batch_planner.cost import price, unit_features
 from batch_planner.cost_derivation import resolve_cost_model
 from batch_planner.cost_spec import COEFFICIENT_BOUNDS, COEFFICIENT_NAMES, CostModel, CostModelSpec, validate_coefficients
 from batch_planner.errors import InvalidRequestError
@@ -79,8 +79,9 @@ def features_of(unit: Any) -> tuple[float, ...]:
     return tuple(values[name] for name in COEFFICIENT_NAMES)
 
 
-def price(model: CostModel, features: Sequence[float]) -> float:
-    return price_features(model, dict(zip(COEFFICIENT_NAMES, features)))
+def price_vector(model: CostModel, features: Sequence[float]) -> float:
+    """`batch_planner.cost.price` of features given in COEFFICIENT_NAMES order (`features_of`)."""
+    return price(model, dict(zip(COEFFICIENT_NAMES, features)))
 
 
 def model_digest(model: CostModel) -> str:
@@ -445,7 +446,7 @@ class Calibrator:
             per_mb_p: dict[int, float] = {}
             for index, features, seconds in rows:
                 per_mb_m[index] = per_mb_m.get(index, 0.0) + seconds
-                per_mb_p[index] = per_mb_p.get(index, 0.0) + price(model, features)
+                per_mb_p[index] = per_mb_p.get(index, 0.0) + price_vector(model, features)
             for index in per_mb_m:
                 measured.setdefault(index, []).append(per_mb_m[index])
                 predicted.setdefault(index, []).append(per_mb_p[index])

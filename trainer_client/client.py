@@ -39,7 +39,7 @@ from trainer_client.megatron import (
     parallel_state_initialized,
 )
 from trainer_client.micro_batch import RankMicroBatch
-from trainer_client.broadcast import agree_on_plan
+from trainer_client.broadcast import RankError, agree_on_plan
 from trainer_client.calibration import CalibrationReport, Calibrator
 from trainer_client.compatibility import check_dynamic_cp_support, schedulers_the_trainer_runs
 from trainer_client.config import PlannerClientConfig, WhoAsks
@@ -157,7 +157,8 @@ class BatchPlannerClient:
         """The plan for `step`, the same on every rank of the group (a collective: all ranks call it)."""
         started = time.perf_counter()
         _check_step(step)
-        own: Plan | PlanRejectedError | None = None
+        own: Plan | RankError | None = None
+        response = b""  # the serialized PlanResponse, when the service sent `own`
         try:
             request: PlanRequest | None = self._request_for_step(step, lengths)
         except PlanRejectedError as error:  # still enters the collectives, so every rank raises
@@ -166,12 +167,10 @@ class BatchPlannerClient:
             try:
                 fetched = self.ahead.get(step, request)
                 self._record_lead(fetched)
-                own, self.last_source = fetched.sourced.plan, fetched.sourced.source
-            except PlanRejectedError as error:
+                own, self.last_source, response = fetched.sourced.plan, fetched.sourced.source, fetched.sourced.response
+            except (PlanRejectedError, PlannerUnavailableError) as error:
                 own = error
-            except PlannerUnavailableError as error:
-                own = PlanRejectedError("UNAVAILABLE", str(error))
-        plan = agree_on_plan(own, request, self.group, self.config.who_asks)
+        plan = agree_on_plan(own, request, self.group, self.config.who_asks, response)
         if request is not None:  # (else agree_on_plan raised this rank's error)
             self.planned_batches.record(plan, request.sequence_lengths, step)
         self.metrics.plan_wait.labels(self.metrics.job).observe(time.perf_counter() - started)

@@ -24,6 +24,7 @@ from batch_planner.plan import Plan
 from batch_planner.exact.verified import select_implementation
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
+from batch_planner.v1 import planner_pb2 as pb
 from trainer_client.config import PlannerClientConfig
 from trainer_client.metrics import TrainerMetrics
 from trainer_client.rpc_client import PlannerRpcClient, PlanRejectedError, ServiceFailedError
@@ -46,6 +47,7 @@ class PlannerUnavailableError(RuntimeError):
 class SourcedPlan:
     plan: Plan
     source: str  # SERVICE or FALLBACK
+    response: bytes = b""  # from the service: the serialized PlanResponse it sent
 
 
 class PlanSource:
@@ -69,13 +71,13 @@ class PlanSource:
             if self._outage_reason is not None and time.monotonic() < self._retry_service_at:
                 return self._fallback(request, CIRCUIT_OPEN)
         try:
-            response = self.rpc.plan(request_to_proto(request))
+            response = self.rpc.plan_bytes(request_to_proto(request))
         except ServiceFailedError as failure:
             self._enter_outage(failure)
             return self._fallback(request, failure.reason)
         self._leave_outage()
         self._count(SERVICE)
-        return SourcedPlan(plan_from_proto(response), SERVICE)
+        return SourcedPlan(plan_from_proto(pb.PlanResponse.FromString(response)), SERVICE, response)
 
     def _enter_outage(self, failure: ServiceFailedError) -> None:
         if not self.config.fallback:

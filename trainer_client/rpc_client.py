@@ -21,7 +21,6 @@ import grpc
 from batch_planner.convert import JOB_METADATA_KEY
 from batch_planner.errors import CLIENT_ACTION, ClientAction, ErrorCode
 from batch_planner.v1 import planner_pb2 as pb
-from batch_planner.v1 import planner_pb2_grpc
 from trainer_client.config import ConfigError, PlannerClientConfig
 from trainer_client.metrics import TrainerMetrics
 
@@ -54,19 +53,25 @@ class PlannerRpcClient:
         self.config = config
         self.metrics = metrics
         self._channel = make_channel(config)
-        self._stub = planner_pb2_grpc.BatchPlannerStub(self._channel)
+        # Plan's answer as the bytes the server sent: rank 0 broadcasts them to its group as they are.
+        self._plan = self._channel.unary_unary(
+            f"/{pb.DESCRIPTOR.services_by_name['BatchPlanner'].full_name}/Plan", request_serializer=pb.PlanRequest.SerializeToString,
+        )
 
     def close(self) -> None:
         self._channel.close()
 
     def plan(self, request: pb.PlanRequest) -> pb.PlanResponse:
-        """Calls Plan (gRPC retries what may succeed on a second try, within `deadline_seconds`);
-        raises PlanRejectedError or ServiceFailedError. The job name travels as metadata too, so
-        that the server admits the call without parsing it."""
+        return pb.PlanResponse.FromString(self.plan_bytes(request))
+
+    def plan_bytes(self, request: pb.PlanRequest) -> bytes:
+        """Calls Plan (gRPC retries what may succeed on a second try, within `deadline_seconds`)
+        and returns the serialized PlanResponse; raises PlanRejectedError or ServiceFailedError.
+        The job name travels as metadata too, so that the server admits the call without parsing it."""
         metadata = ((JOB_METADATA_KEY, request.job),) if request.job else None
         started = time.perf_counter()
         try:
-            return self._stub.Plan(request, timeout=self.config.deadline_seconds, metadata=metadata)
+            return self._plan(request, timeout=self.config.deadline_seconds, metadata=metadata)
         except grpc.RpcError as error:
             _raise_on_tls_mismatch(self.config, error)
             if client_action(error.code()) is ClientAction.REJECT:

@@ -63,7 +63,7 @@ def run_shape(name: str, layers: int, gc_mode: str, args, rng: random.Random) ->
     import torch
 
     from bench.gpu.layer_timing import build_stack, rotary
-    from trainer_client.calibration import Calibrator, features_of, price
+    from trainer_client.calibration import Calibrator, features_of, price_vector
 
     profile = MODEL_PROFILES[name]
     stack = build_stack(profile, layers)
@@ -129,7 +129,7 @@ def run_shape(name: str, layers: int, gc_mode: str, args, rng: random.Random) ->
             measured = [row[2] for row in timings]
             rows = held_out
         for unit, seconds, (host_s, device_allocs) in zip(units, measured, host):
-            predicted = price(model, features_of(unit))
+            predicted = price_vector(model, features_of(unit))
             rows.append({"step": step, "lengths": list(unit.sequence_lengths), "tokens": sum(unit.sequence_lengths),
                          "measured_s": seconds, "predicted_s": predicted, "host_s": host_s,
                          "device_allocs": device_allocs,  # cudaMalloc calls the caching allocator made in it

@@ -3,7 +3,7 @@ distinct mini-batch is planned once.
 
 verl schedules the same data several times per rollout batch: the old log-probs, the reference
 log-probs, then `ppo_epochs` updates over the same mini-batches. Plan ids are deterministic, so
-plans are cached by the request's digest (`trainer_client.broadcast.request_digest`, over
+plans are cached by the request's digest (`trainer_client.broadcast.canonical_digest`, over
 `batch_planner.identity.canonical_request`): a mini-batch seen again reuses its plan and asks the
 service nothing. The cache is bounded (least recently used out). `prefetch` starts planning
 several mini-batches at once in background threads, so their planning overlaps the log-prob
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from batch_planner.plan import Plan
 from batch_planner.request import PlanRequest
-from trainer_client.broadcast import agree_on_plan, request_digest
+from trainer_client.broadcast import RankError, agree_on_plan, canonical_digest
 from trainer_client.client import BatchPlannerClient
 from trainer_client.config import PlannerClientConfig, WhoAsks
 from trainer_client.plan_source import PlannerUnavailableError, SourcedPlan
@@ -70,19 +70,18 @@ class CachedPlanner:
         """The group's plan for a batch: a collective, every rank of the group calls it."""
         started = time.perf_counter()
         request = self.request(lengths)
-        own: Plan | PlanRejectedError | None = None
+        own: Plan | RankError | None = None
+        response = b""  # the serialized PlanResponse, when the service sent `own`
         if self.client.asks:
             future = self._future(request, count=True)
             try:
                 sourced = future.result()
-                own, self.client.last_source = sourced.plan, sourced.source
-            except PlanRejectedError as error:
+                own, self.client.last_source, response = sourced.plan, sourced.source, sourced.response
+            except (PlanRejectedError, PlannerUnavailableError) as error:
                 own = error
-            except PlannerUnavailableError as error:
-                own = PlanRejectedError("UNAVAILABLE", str(error))
             if not isinstance(own, Plan):
                 self._forget(request)  # a failure is not cached: the next call asks again
-        plan = agree_on_plan(own, request, self.group, WhoAsks.LEADER)
+        plan = agree_on_plan(own, request, self.group, WhoAsks.LEADER, response)
         self.client.planned_batches.record(plan, request.sequence_lengths)
         m = self.metrics
         m.plan_wait.labels(m.job).observe(time.perf_counter() - started)
@@ -90,7 +89,7 @@ class CachedPlanner:
         return plan
 
     def _future(self, request: PlanRequest, count: bool = False) -> Future[SourcedPlan]:
-        digest = request_digest(request)
+        digest = canonical_digest(request)
         with self._lock:
             found = self._plans.get(digest)
             if found is not None:
@@ -108,7 +107,7 @@ class CachedPlanner:
 
     def _forget(self, request: PlanRequest) -> None:
         with self._lock:
-            self._plans.pop(request_digest(request), None)
+            self._plans.pop(canonical_digest(request), None)
 
     def cached(self) -> int:
         with self._lock:
