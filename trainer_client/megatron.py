@@ -2,9 +2,10 @@
 
 Everything the client needs from the installed Megatron-Core comes through here: `PackedSeqParams`,
 the process groups of `parallel_state` (or a `ProcessGroupCollection`), the per-size DPxCP groups,
-the data-iterator helpers the drop-in (`trainer_client.megatron_lm`) calls instead of re-writing
-them, and what the installed build and its Transformer Engine can do. Megatron-Core is imported
-lazily: the planner-only parts of the client work without it.
+the data-iterator helpers the drop-ins (`trainer_client.megatron_lm`, `.megatron_bridge`) call
+instead of re-writing them, the rerun state machine's state, and what the installed build and its
+Transformer Engine can do. Megatron-Core is imported lazily: the planner-only parts of the client
+work without it.
 
 Two builds are in use (docs/design.md, "What each Megatron-Core build offers"):
 - the Megatron-LM dev branch: `initialize_model_parallel(dynamic_context_parallel=True)` builds
@@ -101,6 +102,27 @@ def _group_lookup() -> tuple[Callable[[int], Any], bool]:
         "initialize_model_parallel(dynamic_context_parallel=True) (Megatron-LM dev) or "
         "hybrid_context_parallel=True (0.19 releases)"
     )
+
+
+def static_cp_group() -> Any:
+    """parallel_state's (static) context-parallel group of this rank."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_group()
+
+
+def in_rerun() -> bool:
+    """Whether Megatron-Core's rerun state machine is re-running the current step's forward-backward."""
+    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+
+    return get_rerun_state_machine().state not in (RerunState.NOT_RUNNING_YET, RerunState.INITIAL_RUN)
+
+
+def model_config_of(model: Any) -> Any:
+    """The TransformerConfig of a (possibly wrapped) model chunk."""
+    from megatron.core.utils import get_model_config
+
+    return get_model_config(model)
 
 
 def megatron_cp_group_resolver(plan: Plan, group: Any = None) -> CpGroupResolver:

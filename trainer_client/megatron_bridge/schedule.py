@@ -93,24 +93,11 @@ class PlannedIterator:
 
     def _cp_group_resolver(self, step: PlannedStep) -> Callable[[int], Any]:
         if self.settings.scheduler is SchedulerKind.STATIC_PACKING:
-            return lambda size: _static_cp_group()  # static packing plans groups of the static CP size only
+            return lambda size: mcore.static_cp_group()  # static packing plans groups of the static CP size only
         return mcore.megatron_cp_group_resolver(step.plan, self.groups.dp_cp)
 
     def close(self) -> None:
         self.planner.close()
-
-
-def _static_cp_group() -> Any:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_context_parallel_group()
-
-
-def in_rerun() -> bool:
-    """Whether Megatron-Core's rerun state machine is re-running the current step's forward-backward."""
-    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
-
-    return get_rerun_state_machine().state not in (RerunState.NOT_RUNNING_YET, RerunState.INITIAL_RUN)
 
 
 class PlannedForwardBackward:
@@ -131,7 +118,7 @@ class PlannedForwardBackward:
                 "one data iterator per step; use dataloader_type='single' without virtual pipeline parallelism"
             )
         planned = self.dropin.planned_iterator(data_iterator, kwargs["num_microbatches"], kwargs.get("pg_collection"))
-        rerun = not kwargs.get("forward_only", False) and in_rerun()
+        rerun = not kwargs.get("forward_only", False) and mcore.in_rerun()
         units = planned.units_for(rerun)
         kwargs.update(data_iterator=PlannedMicroBatches(units), num_microbatches=len(units))
         with _packed_schedule(kwargs["model"]):
@@ -144,9 +131,7 @@ def _packed_schedule(model: Any) -> Iterator[None]:
     DPxCP groups and also sends the schedule to 0.19's own hybrid-CP loop, which reads its wrapper's
     (samples, groups) pairs; the planned units are packed micro-batches that carry their CP group,
     so the schedule runs them as any micro-batches, with the flag off for the call."""
-    from megatron.core.utils import get_model_config
-
-    config = get_model_config(model[0] if isinstance(model, list) else model)
+    config = mcore.model_config_of(model[0] if isinstance(model, list) else model)
     release_flag = getattr(config, "hybrid_context_parallel", False) and not hasattr(config, "dynamic_context_parallel")
     if release_flag:
         config.hybrid_context_parallel = False
