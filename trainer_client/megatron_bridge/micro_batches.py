@@ -133,8 +133,9 @@ def bridge_batch(unit: RankMicroBatch, device: torch.device) -> tuple[torch.Tens
     loss_mask 0, so the loss stays normalised over real tokens."""
     fields = {name: unit.token_fields[name].to(device).unsqueeze(0) for name in TOKEN_FIELDS}
     params = unit.packed_seq_params
+    copies: dict[int, torch.Tensor] = {}  # q and kv share their tensors: one copy each
     moved = {
-        name: getattr(params, name).to(device)
+        name: copies.setdefault(id(getattr(params, name)), getattr(params, name).to(device))
         for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
     }
     metadata = PlannedPackedSeq(cu_seqlens_q=moved["cu_seqlens_q"], cu_seqlens_q_padded=moved["cu_seqlens_q_padded"],

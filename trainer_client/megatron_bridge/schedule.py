@@ -73,14 +73,11 @@ class PlannedIterator:
             raise  # every TP rank reads the same data, so every one ends here
         except Exception as error:  # noqa: BLE001 - travels to the other TP ranks, then raised
             problem = error
-        tp = self.groups.tp
-        if dist.get_world_size(tp) == 1:
-            if problem is not None:
-                raise problem
-            return step
         mine = (step.plan.plan_id if step is not None else None, f"{type(problem).__name__}: {problem}" if problem else None)
-        everyone: list[Any] = [None] * dist.get_world_size(tp)
-        dist.all_gather_object(everyone, mine, group=tp)
+        everyone: list[Any] = [mine]
+        if dist.get_world_size(self.groups.tp) > 1:
+            everyone = [None] * dist.get_world_size(self.groups.tp)
+            dist.all_gather_object(everyone, mine, group=self.groups.tp)
         if problem is not None:
             raise problem
         failed = [(rank, error) for rank, (_, error) in enumerate(everyone) if error]
