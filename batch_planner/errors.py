@@ -69,7 +69,8 @@ CLIENT_ACTION: dict[ErrorCode, ClientAction] = {
 
 
 class PlanningError(Exception):
-    """A request that cannot be planned, with a message a person can act on."""
+    """A call that ends with a status other than OK (`code`), with a message a person can act on:
+    every refusal, of the core and of the server, is one of these, and `status_of` reads it."""
 
     code: ErrorCode = ErrorCode.INTERNAL
 
@@ -117,6 +118,38 @@ class InvariantViolationError(PlanningError):
     def __init__(self, invariant: str, message: str):
         super().__init__(f"plan invariant {invariant} violated: {message}")
         self.invariant = invariant
+
+
+class Overloaded(PlanningError):
+    """Too much is in flight on this replica now: retry with backoff."""
+
+    code = ErrorCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(PlanningError):
+    """Transient and ours: the replica is draining, or its planning workers are lost."""
+
+    code = ErrorCode.UNAVAILABLE
+
+
+class DeadlinePassed(PlanningError):
+    """The request's deadline passed before its plan was ready."""
+
+    code = ErrorCode.DEADLINE_EXCEEDED
+
+
+class CallerCancelled(PlanningError):
+    """The caller went away before its plan was ready."""
+
+    code = ErrorCode.CANCELLED
+
+
+def status_of(exc: BaseException) -> tuple[ErrorCode, str]:
+    """The status a failed call answers with, and the message its caller reads: the one mapping.
+    Anything that is not a PlanningError is our bug: INTERNAL."""
+    if isinstance(exc, PlanningError):
+        return exc.code, str(exc)
+    return ErrorCode.INTERNAL, f"planner failure: {type(exc).__name__}: {exc}"
 
 
 class SchedulerWouldNotTerminate(RuntimeError):

@@ -8,10 +8,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from google.protobuf.message import DecodeError
-
-from batch_planner.convert import dp_cp_ranks
-from batch_planner.v1 import planner_pb2 as pb
+from batch_planner.errors import Overloaded
 
 # Bytes a PlanRequest holds besides its sample lengths, at most: layout, limits, enums, a job name
 # of at most 63 characters and a cost model with its profiles. Longer messages are not parsed in
@@ -26,15 +23,18 @@ def request_bytes_bound(samples: int) -> int:
     return _REQUEST_FIXED_BYTES + _MAX_VARINT_BYTES * samples
 
 
-class PoolOverloaded(Exception):
+class PoolOverloaded(Overloaded):
     """The admission bound is reached: refuse at once rather than queue."""
+
+    def __init__(self, detail: str):
+        super().__init__(f"planner overloaded: {detail}; retry with backoff")
 
 
 class JobShareExceeded(PoolOverloaded):
     """This job holds its share of the in-flight bound: its request is refused, other jobs' are not."""
 
-    def __init__(self, message: str, job: str):
-        super().__init__(message)
+    def __init__(self, detail: str, job: str):
+        Overloaded.__init__(self, f"planner overloaded by this job: {detail}; retry with backoff")
         self.job = job
 
 
@@ -87,13 +87,5 @@ class InlineBound:
     max_samples: int = 0
     max_ranks: int = 0
 
-    def admits(self, request_bytes: bytes) -> bool:
-        if self.max_samples <= 0:
-            return False
-        if len(request_bytes) > request_bytes_bound(self.max_samples):
-            return False  # too many samples to be small; not worth parsing here
-        try:
-            message = pb.PlanRequest.FromString(request_bytes)
-        except (DecodeError, ValueError, RuntimeError):
-            return True  # small and malformed: plan_request_bytes answers INVALID_ARGUMENT at once
-        return len(message.sequence_lengths) <= self.max_samples and dp_cp_ranks(message.layout) <= self.max_ranks
+    def admits(self, samples: int, ranks: int) -> bool:
+        return 0 < self.max_samples and samples <= self.max_samples and ranks <= self.max_ranks

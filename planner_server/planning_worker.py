@@ -1,7 +1,8 @@
 """A request's bytes in, a WorkerResult (the serialized response, or the status and message) out.
 
 The schedulers hold the GIL, so a worker process parses, plans and serializes (`plan_in_worker`)
-and the gRPC process moves bytes. An auto request is assembled in the handler by the core's
+and the gRPC process moves bytes; it parses a request once (`parse`) to route it. Every failure is
+answered by `failure`, through batch_planner.errors.status_of. An auto request is assembled in the handler by the core's
 `plan_batch`, its candidates on the workers (`plan_parsed` with the pool's `run_candidates`).
 """
 
@@ -11,7 +12,7 @@ import hashlib
 import logging
 import pickle
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from google.protobuf.message import DecodeError
@@ -19,7 +20,7 @@ from google.protobuf.message import DecodeError
 from batch_planner.auto import Candidate, Outcome, PlanOne, RunCandidates, plan_candidate, plan_serially
 from batch_planner.convert import JOB_METADATA_KEY, dp_cp_ranks, plan_to_proto, request_from_proto, scheduler_label
 from batch_planner.cost_spec import CostModel
-from batch_planner.errors import ErrorCode, InvalidRequestError, InvariantViolationError, PlanningError
+from batch_planner.errors import DeadlinePassed, ErrorCode, InvalidRequestError, InvariantViolationError, PlanningError, status_of
 from batch_planner.plan import CandidateSummary, Plan
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
@@ -32,16 +33,23 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class About:
+    """What the logs and metrics say about a request, refused or planned."""
+
+    scheduler: str = "unknown"
+    job: str = ""  # "" unless the message's job is a name validation accepts: it becomes a metric label
+    request_digest: str = ""  # names the request in logs and in a withheld plan's request file
+    samples: int = 0
+    ranks: int = 0
+
+
+@dataclass(frozen=True)
 class WorkerResult:
     code: ErrorCode
     response: bytes = b""  # serialized PlanResponse when OK
     message: str = ""
-    scheduler: str = "unknown"
-    job: str = ""
-    request_digest: str = ""  # names the request in logs and in a withheld plan's request file
+    about: About = About()
     plan_id: str = ""
-    samples: int = 0
-    ranks: int = 0
     invariant: str = ""
     scheduler_seconds: float = 0.0
     real_tokens: int = 0
@@ -61,22 +69,47 @@ def request_digest(request_bytes: bytes) -> str:
 
 
 @dataclass(frozen=True)
-class About:
-    """What the logs and metrics say about a parsed request, refused or planned."""
-
-    scheduler: str
-    job: str  # "" unless the message's job is a name validation accepts: it becomes a metric label
-    request_digest: str
-    samples: int
-    ranks: int
-
-
-@dataclass(frozen=True)
 class Parsed:
     """A request parsed once in this process: its message and what is said about it."""
 
     message: pb.PlanRequest
     about: About
+
+    def check_job(self, admitted_job: str) -> None:
+        """`admitted_job`: the job name the request was admitted under (its metadata); the
+        message's own must agree."""
+        job = self.message.job
+        if admitted_job and job and job != admitted_job:
+            raise InvalidRequestError(
+                f"job: {job[:80]!r} differs from the request metadata's {JOB_METADATA_KEY} {admitted_job!r}, under which "
+                "it was admitted; send the same job name in both, or leave one of them empty", field="job",
+            )
+
+
+def parse(request_bytes: bytes, deadline: float) -> Parsed:
+    """The message and what the logs and metrics say about it; DeadlinePassed at or past
+    `deadline` (wall-clock seconds since the epoch), InvalidRequestError for bytes that are not a
+    PlanRequest."""
+    if time.time() >= deadline:
+        raise DeadlinePassed("the request's deadline passed while it waited for a worker")
+    try:
+        message = pb.PlanRequest.FromString(request_bytes)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise InvalidRequestError(f"request: not a valid PlanRequest message ({exc})", field="request") from None
+    # The job name becomes a metric label even when the request is refused; a name validation
+    # would refuse (100 kB, label syntax) must not reach the registry or every scrape.
+    return Parsed(message, About(
+        scheduler=scheduler_label(message.scheduler),
+        job=message.job if job_name_refusal(message.job) is None else "",
+        request_digest=request_digest(request_bytes),
+        samples=len(message.sequence_lengths),
+        ranks=dp_cp_ranks(message.layout),
+    ))
+
+
+def refusal(exc: PlanningError, request_bytes: bytes) -> WorkerResult:
+    """The answer to a request refused before it parsed (`parse`'s refusals)."""
+    return failure(exc, About(request_digest=request_digest(request_bytes)))
 
 
 def plan_request_bytes(
@@ -85,73 +118,44 @@ def plan_request_bytes(
 ) -> WorkerResult:
     """Plans one serialized PlanRequest in this process; `deadline` is wall-clock seconds since the epoch."""
     received = time.perf_counter()
-    parsed = parse(request_bytes, deadline, admitted_job)
-    if isinstance(parsed, WorkerResult):
-        return parsed
-    result = plan_parsed(parsed, limits, cost_model, run_candidates)
+    try:
+        parsed = parse(request_bytes, deadline)
+    except PlanningError as exc:
+        return refusal(exc, request_bytes)
+    result = plan_parsed(parsed, limits, cost_model, run_candidates, admitted_job=admitted_job)
     return replace(result, planning_seconds=time.perf_counter() - received)
 
 
 def plan_parsed(
-    parsed: Parsed, limits: RequestLimits, cost_model: CostModel,
-    run_candidates: RunCandidates = plan_serially, passes: tuple[type[BaseException], ...] = (),
-    finish: Callable[[Plan], Plan] = lambda plan: plan,
+    parsed: Parsed, limits: RequestLimits, cost_model: CostModel, run_candidates: RunCandidates = plan_serially, *,
+    admitted_job: str = "", passes: tuple[type[BaseException], ...] = (), finish: Callable[[Plan], Plan] = lambda plan: plan,
 ) -> WorkerResult:
     """Plans a parsed request (`parse`): the core's plan_batch, its answer serialized, every
-    failure translated. `passes`: what `run_candidates` may raise that is not a planning result
-    (the pool's overload, timeout and lost workers), raised on to the caller. `finish`: gives the
-    served plan back what `run_candidates` held apart (`plan_candidate_in_worker`)."""
+    failure answered by `failure`. `passes`: what `run_candidates` may raise that is not a planning
+    result (the pool's overload, timeout and lost workers), raised on to the caller. `finish`: gives
+    the served plan back what `run_candidates` held apart (`plan_candidate_in_worker`)."""
     try:
+        parsed.check_job(admitted_job)
         request = request_from_proto(parsed.message)
         started = time.perf_counter()
         plan = finish(plan_batch(request, limits, cost_model, run_candidates))
         elapsed = time.perf_counter() - started
     except passes:
         raise
-    except Exception as exc:  # noqa: BLE001 - translated, never raised out of the worker
-        return _failure(exc, parsed.about)
+    except Exception as exc:  # noqa: BLE001 - answered with its status, never raised out of the worker
+        return failure(exc, parsed.about)
     return _success(plan, elapsed, parsed.about)
 
 
-def parse(request_bytes: bytes, deadline: float, admitted_job: str = "") -> Parsed | WorkerResult:
-    """The message and what the logs and metrics say about it, or the refusal. `admitted_job`: the
-    job name the request was admitted under (its metadata); the message's own must agree."""
-    digest = request_digest(request_bytes)
-    if time.time() >= deadline:
-        return WorkerResult(ErrorCode.DEADLINE_EXCEEDED, message="the request's deadline passed while it waited for a worker",
-                            request_digest=digest)
-    message = pb.PlanRequest()
-    try:
-        message.ParseFromString(request_bytes)
-    except (DecodeError, ValueError, RuntimeError) as exc:
-        return WorkerResult(ErrorCode.INVALID_ARGUMENT, message=f"request: not a valid PlanRequest message ({exc})",
-                            request_digest=digest)
-    # The job name becomes a metric label even when the request is refused; a name validation
-    # would refuse (100 kB, label syntax) must not reach the registry or every scrape.
-    about = About(
-        scheduler=scheduler_label(message.scheduler),
-        job=message.job if job_name_refusal(message.job) is None else "",
-        request_digest=digest,
-        samples=len(message.sequence_lengths),
-        ranks=dp_cp_ranks(message.layout),
-    )
-    if admitted_job and message.job and message.job != admitted_job:
-        return WorkerResult(
-            ErrorCode.INVALID_ARGUMENT, **asdict(about),
-            message=f"job: {message.job[:80]!r} differs from the request metadata's {JOB_METADATA_KEY} {admitted_job!r}, under which "
-                    "it was admitted; send the same job name in both, or leave one of them empty",
-        )
-    return Parsed(message, about)
-
-
-def _failure(exc: Exception, about: About) -> WorkerResult:
+def failure(exc: Exception, about: About = About()) -> WorkerResult:
+    """A failed call's answer: its status and message by `status_of`, the one mapping. A withheld
+    plan and anything that is not a PlanningError (our bug) are logged here."""
+    code, message = status_of(exc)
     if isinstance(exc, InvariantViolationError):
         log.error("withheld a plan of request %s: %s", about.request_digest, exc)
-        return WorkerResult(exc.code, message=str(exc), invariant=exc.invariant, **asdict(about))
-    if isinstance(exc, PlanningError):
-        return WorkerResult(exc.code, message=str(exc), **asdict(about))
-    log.exception("unexpected planning failure", exc_info=exc)  # a bug of ours must not take the worker down
-    return WorkerResult(ErrorCode.INTERNAL, message=f"planner bug: {type(exc).__name__}: {exc}", **asdict(about))
+    elif not isinstance(exc, PlanningError):
+        log.exception("unexpected planning failure", exc_info=exc)  # a bug of ours must not take the worker down
+    return WorkerResult(code, message=message, about=about, invariant=getattr(exc, "invariant", ""))
 
 
 def _success(plan: Plan, elapsed: float, about: About) -> WorkerResult:
@@ -171,8 +175,8 @@ def _success(plan: Plan, elapsed: float, about: About) -> WorkerResult:
         speedup=stats.predicted_speedup_over_static_cp,
         micro_batches=stats.micro_batch_count,
         cp_size_samples=tuple(sorted(samples.items())),
+        about=about,
         **_auto_fields(plan.candidates),
-        **asdict(about),
     )
 
 

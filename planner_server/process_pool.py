@@ -23,6 +23,8 @@ from collections import deque
 from enum import Enum
 from multiprocessing.connection import wait as wait_for
 
+from batch_planner.errors import Unavailable
+
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 3  # runs of one task on workers that die under it before it is given up
@@ -37,8 +39,11 @@ class TaskCancelled(Exception):
     """The task was cancelled before it produced a result."""
 
 
-class WorkersLost(Exception):
+class WorkersLost(Unavailable):
     """Workers died under this task `ATTEMPTS` times (or the pool shut down): transient, ours."""
+
+    def __init__(self, detail: str):
+        super().__init__(f"planning workers unavailable: {detail}; retry")
 
 
 class TaskState(Enum):

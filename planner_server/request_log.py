@@ -21,11 +21,11 @@ _FIELDS = ("plan_id", "request_digest", "training_job", "scheduler", "samples", 
 def log_request(result: WorkerResult, seconds: float, training_job: str) -> None:
     fields = {
         "plan_id": result.plan_id,
-        "request_digest": result.request_digest,
+        "request_digest": result.about.request_digest,
         "training_job": training_job,
-        "scheduler": result.scheduler,
-        "samples": result.samples,
-        "ranks": result.ranks,
+        "scheduler": result.about.scheduler,
+        "samples": result.about.samples,
+        "ranks": result.about.ranks,
         "latency_ms": round(seconds * 1e3, 3),
         "status": result.code.value,
     }
@@ -46,12 +46,12 @@ class ViolationDump:
             return None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            path = self.directory / f"{result.request_digest}.pb"
+            path = self.directory / f"{result.about.request_digest}.pb"
             path.write_bytes(request_bytes)
-            (self.directory / f"{result.request_digest}.txt").write_text(result.message + "\n")
+            (self.directory / f"{result.about.request_digest}.txt").write_text(result.message + "\n")
             self._prune()
         except OSError as exc:
-            log.error("could not keep the request %s: %s", result.request_digest, exc)
+            log.error("could not keep the request %s: %s", result.about.request_digest, exc)
             return None
         log.error("kept the request whose plan broke invariant %s in %s", result.invariant, path)
         return path

@@ -5,7 +5,7 @@ gRPC's own `maximum_concurrent_rpcs` is a backstop past it (docs/reliability.md)
   When gRPC never runs the behaviour (the caller cancelled before its message arrived, a message
   that does not deserialize), the count comes back when gRPC drops the per-call behaviour
   (`weakref.finalize`; CPython frees it as the call's work item ends): no call leaks a slot.
-- A refusal is gRPC's own status and words, answered from a handler thread.
+- A refusal is gRPC's own words with RESOURCE_EXHAUSTED, answered from a handler thread.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ import threading
 import weakref
 
 import grpc
+
+from batch_planner.errors import ErrorCode
+from planner_server.status import abort
 
 REFUSAL = "Concurrent RPC limit exceeded!"
 
@@ -27,7 +30,7 @@ _KINDS = {
 
 
 def _refuse(_request, context):
-    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, REFUSAL)
+    abort(context, ErrorCode.RESOURCE_EXHAUSTED, REFUSAL)
 
 
 class RpcLimit(grpc.ServerInterceptor):

@@ -1,4 +1,5 @@
-"""The thin gRPC servicer: moves bytes to a planning worker and maps results to status codes.
+"""The thin gRPC servicer: moves bytes to the planning pool and ends a failed call with its status
+(every refusal is a PlanningError: batch_planner.errors.status_of, then planner_server/status.py).
 
 Plan is registered without a request deserializer and response serializer: the pool
 (planner_server/worker_pool.py) parses a request no larger than a valid one, to route it, and a
@@ -17,7 +18,7 @@ from google.protobuf.message import DecodeError
 
 from batch_planner.convert import JOB_METADATA_KEY, SCHEDULER_TO_PROTO, cost_model_to_proto
 from batch_planner.cost_spec import preset_names
-from batch_planner.errors import ErrorCode, PlanningError
+from batch_planner.errors import CallerCancelled, DeadlinePassed, ErrorCode, InvalidRequestError, Unavailable
 from batch_planner.request import SchedulerKind
 from batch_planner.exact.verified import exact_path_status
 from batch_planner.schedulers import discover_schedulers, megatron_core_version
@@ -27,41 +28,14 @@ from planner_server import __version__
 from planner_server.config import ServerConfig
 from planner_server.metrics import PlannerMetrics
 from planner_server.plan_rates import PlanRates
-from planner_server.planning_worker import WorkerResult
+from planner_server.planning_worker import WorkerResult, failure
 from planner_server.request_log import ViolationDump, log_request
-from planner_server.worker_pool import JobShareExceeded, PlanningPool, PoolOverloaded, WorkersLost
+from planner_server.status import abort
+from planner_server.worker_pool import JobShareExceeded, PlanningPool, PoolOverloaded
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BatchPlanner"].full_name
-
-
-class Refused(Exception):
-    """A call the servicer itself refuses (draining, metadata, a deadline), with its status code."""
-
-    def __init__(self, code: ErrorCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-# What the pool's exceptions answer: the status and the words around the exception's own. With
-# the codes Refused and the core's PlanningError carry, `status_of` is the one mapping of a call's
-# failure to its status (rpc_limit.py answers its own refusals, before any handler runs).
-POOL_STATUS: tuple[tuple[type[Exception], ErrorCode, str], ...] = (
-    (JobShareExceeded, ErrorCode.RESOURCE_EXHAUSTED, "planner overloaded by this job: {}; retry with backoff"),
-    (PoolOverloaded, ErrorCode.RESOURCE_EXHAUSTED, "planner overloaded: {}; retry with backoff"),
-    (WorkersLost, ErrorCode.UNAVAILABLE, "planning workers unavailable: {}; retry"),
-)
-
-
-def status_of(exc: Exception) -> tuple[ErrorCode, str]:
-    """The status code a failed call answers with, and the message its caller reads."""
-    if isinstance(exc, (Refused, PlanningError)):
-        return exc.code, str(exc)
-    for kind, code, words in POOL_STATUS:
-        if isinstance(exc, kind):
-            return code, words.format(exc)
-    return ErrorCode.INTERNAL, f"planner failure: {type(exc).__name__}: {exc}"
 
 
 class PlannerServicer:
@@ -79,17 +53,16 @@ class PlannerServicer:
         started = time.perf_counter()
         try:
             if self.draining.is_set():
-                raise Refused(ErrorCode.UNAVAILABLE, "planner is shutting down; retry on another replica")
+                raise Unavailable("planner is shutting down; retry on another replica")
             result = self._plan(request_bytes, context)
         except Exception as exc:  # noqa: BLE001 - every failure is answered with its status, never a crash
-            code, message = status_of(exc)
-            result = WorkerResult(code, message=message)
+            result = failure(exc)
             self._count_refusal(exc)
         self._record(result, time.perf_counter() - started)
         if result.invariant:
             self.violations.write(request_bytes, result)
         if result.code is not ErrorCode.OK:
-            context.abort(grpc.StatusCode[result.code.value], result.message)
+            abort(context, result.code, result.message)
         return result.response
 
     def _plan(self, request_bytes: bytes, context: grpc.ServicerContext) -> WorkerResult:
@@ -102,28 +75,26 @@ class PlannerServicer:
                 job = value  # the last one wins, as a repeated field in protobuf
         refusal = job_name_refusal(job)
         if refusal is not None:
-            raise Refused(ErrorCode.INVALID_ARGUMENT, f"metadata {JOB_METADATA_KEY}: {refusal}, or leave it out (the shared bucket)")
+            raise InvalidRequestError(f"metadata {JOB_METADATA_KEY}: {refusal}, or leave it out (the shared bucket)", field=JOB_METADATA_KEY)
         try:
             # add_callback fires when the RPC ends for any reason - a cancelled or disconnected
             # caller included - and the pool then stops the work nobody waits for.
             return self.pool.plan(request_bytes, time.time() + remaining, remaining, on_abandon=context.add_callback, job=job)
         except TimeoutError:
             if not context.is_active():
-                raise Refused(ErrorCode.CANCELLED, "the caller cancelled the request") from None
-            raise Refused(ErrorCode.DEADLINE_EXCEEDED, f"planning took longer than the deadline ({remaining:.3f} s)") from None
+                raise CallerCancelled("the caller cancelled the request") from None
+            raise DeadlinePassed(f"planning took longer than the deadline ({remaining:.3f} s)") from None
 
     def _count_refusal(self, exc: Exception) -> None:
         if isinstance(exc, JobShareExceeded):
             self.metrics.job_share_rejections.labels(self.metrics.job_label(exc.job)).inc()
         elif isinstance(exc, PoolOverloaded):
             self.metrics.queue_rejections.inc()
-        elif status_of(exc)[0] is ErrorCode.INTERNAL:
-            log.exception("planning pool failure", exc_info=exc)
 
     def _record(self, result: WorkerResult, seconds: float) -> None:
         m = self.metrics
-        job = m.job_label(result.job)
-        scheduler = result.scheduler
+        job = m.job_label(result.about.job)
+        scheduler = result.about.scheduler
         m.requests.labels(scheduler, result.code.value, job).inc()
         m.plan_latency.labels(scheduler).observe(seconds)
         log_request(result, seconds, job)
@@ -132,7 +103,7 @@ class PlannerServicer:
         if result.code is not ErrorCode.OK:
             return
         m.scheduler_latency.labels(scheduler).observe(result.scheduler_seconds)
-        self.rates.record(scheduler, result.samples, result.ranks, result.planning_seconds)
+        self.rates.record(scheduler, result.about.samples, result.about.ranks, result.planning_seconds)
         m.planned_tokens.labels(scheduler, job).inc(result.real_tokens)
         m.padding_tokens.labels(scheduler, job).inc(result.padded_tokens - result.real_tokens)
         m.micro_batches.labels(scheduler).inc(result.micro_batches)
@@ -153,7 +124,7 @@ class PlannerServicer:
         try:
             pb.GetCapabilitiesRequest.FromString(request_bytes)
         except DecodeError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid GetCapabilitiesRequest message ({exc})")
+            abort(context, ErrorCode.INVALID_ARGUMENT, f"request: not a valid GetCapabilitiesRequest message ({exc})")
         return capabilities(self.config, self.rates, self.pool.workers).SerializeToString()
 
     def generic_handler(self) -> grpc.GenericRpcHandler:

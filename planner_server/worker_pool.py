@@ -16,13 +16,14 @@ from dataclasses import replace
 
 from batch_planner.auto import Candidate, Outcome, PlanOne
 from batch_planner.cost_spec import CostModel
+from batch_planner.errors import PlanningError
 from batch_planner.plan import Plan
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.validation import RequestLimits
 from planner_server import planning_worker
 from planner_server.admission import Admission, InlineBound, JobShareExceeded, PoolOverloaded, request_bytes_bound
 from planner_server.planning_worker import (
-    Parsed, WorkerResult, parse, plan_candidate_in_worker, plan_in_worker, plan_parsed, plan_request_bytes, worker_initializer,
+    Parsed, WorkerResult, parse, plan_candidate_in_worker, plan_in_worker, plan_parsed, refusal, worker_initializer,
 )
 from planner_server.process_pool import ProcessPool, Task, TaskCancelled, WorkersLost
 
@@ -154,25 +155,23 @@ class PlanningPool:
         """Plans one request of `job` (the request metadata's job name; "" is the shared bucket)
         inline or on a worker. Raises PoolOverloaded when full, TimeoutError past `timeout`,
         WorkersLost when workers keep dying. `on_abandon(callback)` registers a callback to run
-        when the caller goes away (grpc's context.add_callback)."""
-        if self.inline.admits(request_bytes):
-            self.admission.reserve(1, job)
-            with self._inline_lock:
-                self.inline_running += 1
-            try:
-                return self._plan_inline(request_bytes, deadline, timeout, job)
-            finally:
-                with self._inline_lock:
-                    self.inline_running -= 1
-                self.admission.release(1, job)
+        when the caller goes away (grpc's context.add_callback). The request is parsed here once,
+        if it is no larger than a valid one can be; a worker parses the bytes it is sent."""
         end = time.monotonic() + timeout
-        if len(request_bytes) <= self._parse_bound:  # a larger one cannot be valid: its worker says why
-            parsed = parse(request_bytes, deadline, job)
-            if isinstance(parsed, WorkerResult):
-                return parsed  # not a PlanRequest, its deadline has passed, or its job disagrees: no worker needed
-            job = job or parsed.about.job  # a client that sends no metadata: the message's job
-            if parsed.message.scheduler == pb.SCHEDULER_AUTO:
-                return self._plan_auto(parsed, end, on_abandon, job)
+        if len(request_bytes) > self._parse_bound:  # cannot be valid: its worker says why
+            return self._plan_on_worker(request_bytes, deadline, end, on_abandon, job)
+        try:
+            parsed = parse(request_bytes, deadline)
+        except PlanningError as exc:
+            return refusal(exc, request_bytes)  # not a PlanRequest, or its deadline has passed: no worker needed
+        job = job or parsed.about.job  # a client that sends no metadata: the message's job
+        if self.inline.admits(parsed.about.samples, parsed.about.ranks):
+            return self._plan_inline(parsed, end, job)
+        if parsed.message.scheduler == pb.SCHEDULER_AUTO:
+            return self._plan_auto(parsed, end, on_abandon, job)
+        return self._plan_on_worker(request_bytes, deadline, end, on_abandon, job)
+
+    def _plan_on_worker(self, request_bytes: bytes, deadline: float, end: float, on_abandon, job: str) -> WorkerResult:
         work = self.admit(1, job)
         try:
             task = work.submit(plan_in_worker, request_bytes, deadline, job)
@@ -186,19 +185,27 @@ class PlanningPool:
         planned side by side on the workers (`_WorkerCandidates`)."""
         run = _WorkerCandidates(self, end, on_abandon, job)
         try:
-            result = plan_parsed(parsed, self.limits, self.cost_model, run, passes=(PoolOverloaded, TimeoutError, WorkersLost), finish=run.finish)
+            result = plan_parsed(parsed, self.limits, self.cost_model, run, admitted_job=job, passes=(PoolOverloaded, TimeoutError, WorkersLost), finish=run.finish)
         finally:
             run.close()
         # The worker time of every candidate: what one auto request costs the replica, so the plan
         # rates GetCapabilities reports for auto say how many a replica plans per second.
         return replace(result, scheduler_seconds=run.seconds, planning_seconds=run.seconds)
 
-    def _plan_inline(self, request_bytes: bytes, deadline: float, timeout: float, job: str) -> WorkerResult:
-        started = time.monotonic()
-        result = plan_request_bytes(request_bytes, deadline, self.limits, self.cost_model, job)
-        if time.monotonic() - started > timeout:
+    def _plan_inline(self, parsed: Parsed, end: float, job: str) -> WorkerResult:
+        self.admission.reserve(1, job)
+        with self._inline_lock:
+            self.inline_running += 1
+        started = time.perf_counter()
+        try:
+            result = plan_parsed(parsed, self.limits, self.cost_model, admitted_job=job)
+        finally:
+            with self._inline_lock:
+                self.inline_running -= 1
+            self.admission.release(1, job)
+        if time.monotonic() > end:
             raise TimeoutError  # the caller has given up: the same answer a slow worker gets
-        return result
+        return replace(result, planning_seconds=time.perf_counter() - started)
 
 
 class _WorkerCandidates:

@@ -55,16 +55,17 @@ def test_share_one_turns_fairness_off_and_released_jobs_are_forgotten():
     assert Admission(3, job_share=0.1).job_bound == 1  # at least one slot
 
 
-def message(samples: int, dp: int, cp: int = 1) -> bytes:
-    return pb.PlanRequest(sequence_lengths=[100] * samples, layout=pb.ParallelLayout(data_parallel_size=dp, context_parallel_size=cp),
-                          max_seqlen_per_dp_cp_rank=4096).SerializeToString()
-
-
 def test_inline_bound_admits_small_requests_on_few_ranks_only():
     bound = InlineBound(max_samples=8, max_ranks=4)
-    assert bound.admits(message(8, 2, 2))
-    assert not bound.admits(message(9, 2, 2))  # too many samples
-    assert not bound.admits(message(8, 4, 2))  # too many ranks
-    assert bound.admits(b"\xff\xff not a message")  # small and malformed: answered at once, inline
-    assert not bound.admits(b"x" * (request_bytes_bound(8) + 1))  # too long to be small: not parsed
-    assert not InlineBound().admits(message(1, 1))  # max_samples 0: nothing inline
+    assert bound.admits(8, 4)
+    assert not bound.admits(9, 4)  # too many samples
+    assert not bound.admits(8, 8)  # too many ranks
+    assert not InlineBound().admits(1, 1)  # max_samples 0: nothing inline
+    assert not InlineBound().admits(0, 0)
+
+
+def test_the_request_bytes_bound_holds_every_request_within_the_limit():
+    lengths = [(1 << 62) - 1] * 8  # the longest varints a length can take
+    message = pb.PlanRequest(sequence_lengths=lengths, layout=pb.ParallelLayout(data_parallel_size=1 << 31, context_parallel_size=1 << 31),
+                             max_seqlen_per_dp_cp_rank=(1 << 62) - 1, job="j" * 63)
+    assert len(message.SerializeToString()) <= request_bytes_bound(8)

@@ -85,13 +85,21 @@ def test_requests_past_the_inline_bound_go_to_a_worker(pools):
     many_samples = PlanRequest.of(tuple(sample_lengths("lognormal_32k", 129, seed=1)), 8, 1, 8192)
     many_ranks = PlanRequest.of(tuple(sample_lengths("lognormal_32k", 64, seed=1)), 16, 2, 8192)
     small = small_requests()[0]
-    assert bound.admits(request_to_proto(small).SerializeToString())
-    assert not bound.admits(request_to_proto(many_samples).SerializeToString())
-    assert not bound.admits(request_to_proto(many_ranks).SerializeToString())
-    assert not InlineBound(0, 16).admits(request_to_proto(small).SerializeToString())
+    assert bound.admits(small.num_samples, small.dp_cp_size)
+    assert not bound.admits(many_samples.num_samples, many_samples.dp_cp_size)
+    assert not bound.admits(many_ranks.num_samples, many_ranks.dp_cp_size)
+    assert not InlineBound(0, 16).admits(small.num_samples, small.dp_cp_size)
     result = inline.plan(request_to_proto(many_samples).SerializeToString(), time.time() + 60, timeout=60)
     assert result.code is ErrorCode.OK
     assert inline.tasks_run == 1  # it went to the worker
+
+
+def test_a_request_that_is_not_one_is_refused_in_the_handler_without_a_worker(pools):
+    for pool in pools:
+        before = pool.tasks_run
+        result = pool.plan(b"\xff\xff not a message", time.time() + 60, timeout=60)
+        assert result.code is ErrorCode.INVALID_ARGUMENT and "not a valid PlanRequest" in result.message
+        assert result.about.request_digest and pool.tasks_run == before and pool.in_flight == 0
 
 
 # A server whose only slot an inline request can hold for about a second: one worker, no queue,

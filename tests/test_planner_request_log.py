@@ -12,7 +12,7 @@ import pytest
 from batch_planner.errors import ErrorCode
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
-from planner_server.planning_worker import WorkerResult, request_digest
+from planner_server.planning_worker import About, WorkerResult, request_digest
 from planner_server.request_log import ViolationDump
 from tests.planner_process import start_planner
 from tests.reliability_support import wait_until
@@ -71,7 +71,7 @@ def test_requests_whose_plans_broke_an_invariant_are_kept_newest_first_and_bound
     for i in range(5):
         payload = pb.PlanRequest(sequence_lengths=[i + 1]).SerializeToString()
         result = WorkerResult(ErrorCode.INTERNAL, message=f"plan invariant 4 violated: case {i}",
-                              invariant="4", request_digest=request_digest(payload))
+                              invariant="4", about=About(request_digest=request_digest(payload)))
         written.append(dump.write(payload, result))
     kept = sorted(p.name for p in (tmp_path / "violations").glob("*.pb"))
     assert len(kept) == 3 and written[-1].name in kept
