@@ -185,7 +185,8 @@ class PlanningPool:
         planned side by side on the workers (`_WorkerCandidates`)."""
         run = _WorkerCandidates(self, end, on_abandon, job)
         try:
-            result = plan_parsed(parsed, self.limits, self.cost_model, run, admitted_job=job, passes=(PoolOverloaded, TimeoutError, WorkersLost), finish=run.finish)
+            passes = (PoolOverloaded, TimeoutError, WorkersLost)
+            result = plan_parsed(parsed, self.limits, self.cost_model, run, admitted_job=job, passes=passes, finish=run.finish)
         finally:
             run.close()
         # The worker time of every candidate: what one auto request costs the replica, so the plan
