@@ -74,9 +74,11 @@ class PlanningError(Exception):
 
     code: ErrorCode = ErrorCode.INTERNAL
 
-    def __init__(self, message: str, *, field: str | None = None):
+    def __init__(self, message: str, *, field: str | None = None, code: ErrorCode | None = None):
         super().__init__(message)
         self.field = field
+        if code is not None:
+            self.code = code
 
     @property
     def message(self) -> str:
@@ -118,30 +120,6 @@ class InvariantViolationError(PlanningError):
     def __init__(self, invariant: str, message: str):
         super().__init__(f"plan invariant {invariant} violated: {message}")
         self.invariant = invariant
-
-
-class Overloaded(PlanningError):
-    """Too much is in flight on this replica now: retry with backoff."""
-
-    code = ErrorCode.RESOURCE_EXHAUSTED
-
-
-class Unavailable(PlanningError):
-    """Transient and ours: the replica is draining, or its planning workers are lost."""
-
-    code = ErrorCode.UNAVAILABLE
-
-
-class DeadlinePassed(PlanningError):
-    """The request's deadline passed before its plan was ready."""
-
-    code = ErrorCode.DEADLINE_EXCEEDED
-
-
-class CallerCancelled(PlanningError):
-    """The caller went away before its plan was ready."""
-
-    code = ErrorCode.CANCELLED
 
 
 def status_of(exc: BaseException) -> tuple[ErrorCode, str]:

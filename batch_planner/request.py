@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
-from typing import Any, Sequence
+from operator import attrgetter
+from typing import Annotated, Any, Sequence, get_args, get_type_hints
+
+from pydantic import Field
 
 from batch_planner.cost_spec import CostModelSpec
 
@@ -33,45 +36,52 @@ class CapacityBound(str, Enum):
     PER_RANK_SUM = "per_rank_sum"  # packing schedulers: a rank's shards are packed together
 
 
+# An option's lower bound, as pydantic reads it (the trainer's config, trainer_client/config.py)
+# and validation does (`option_bounds`).
+Count = Annotated[int, Field(ge=1)]
+
+
+def _option(default: Any, proto: str, limit: str = "") -> Any:
+    """An option's default, its place in batch_planner.v1.PlanRequest (`proto`) and the server's
+    RequestLimits field that bounds it above (`limit`, batch_planner/validation.py), if any."""
+    return field(default=default, metadata={"proto": proto, "limit": limit})
+
+
 @dataclass(frozen=True)
-class OptionFields:
+class PlanningOptions:
     """How a job's batches are planned: everything of a request but the batch itself.
 
-    The one list of planning options, inherited by `PlanningOptions` (the options as a value) and
-    `PlanRequest` (a request's own attributes). The trainer's config extends PlanningOptions
-    (trainer_client/config.py); the proto conversion, the plan id and the ranks' agreement digest
-    read it field by field (`PlanningOptions.canonical`); `proto` metadata names each field's place
-    in batch_planner.v1.PlanRequest.
+    The one declaration of each option: its doc (the comment above it), type, default, lower bound
+    (`Count`), the server limit above it and its place in the proto (`_option`). The trainer's
+    config extends this class (trainer_client/config.py) and enforces the same bounds; a
+    PlanRequest reads its options as its own attributes; the proto conversion, the plan id and the
+    ranks' agreement digest read them field by field (`canonical`).
     """
 
     # Tokens one DPxCP rank may hold in one micro-batch, after padding (Megatron's
     # max_seqlen_per_dp_cp_rank); required.
-    max_seqlen_per_dp_cp_rank: int = field(default=0, metadata={"proto": "max_seqlen_per_dp_cp_rank"})
+    max_seqlen_per_dp_cp_rank: Annotated[int, Field(ge=1, validate_default=True, description="required: the job's per-rank token budget")] = (
+        _option(0, "max_seqlen_per_dp_cp_rank", "max_sequence_length"))
     # The job's static CP size: the statistics compare against static CP at this size, and
     # DP = DPxCP / CP.
-    context_parallel_size: int = field(default=1, metadata={"proto": "layout.context_parallel_size"})
+    context_parallel_size: Count = _option(1, "layout.context_parallel_size", "max_dp_cp_size")
     # Which Megatron-Core scheduler plans the batch.
-    scheduler: SchedulerKind = field(default=SchedulerKind.HYBRID_CP, metadata={"proto": "scheduler"})
+    scheduler: SchedulerKind = _option(SchedulerKind.HYBRID_CP, "scheduler")
     # Samples are padded to multiples of TP (sequence parallelism) times the CP layout's unit.
-    tensor_parallel_size: int = field(default=1, metadata={"proto": "layout.tensor_parallel_size"})
-    cp_layout: CpLayout = field(default=CpLayout.ZIGZAG, metadata={"proto": "cp_layout"})
+    tensor_parallel_size: Count = _option(1, "layout.tensor_parallel_size", "max_tensor_parallel_size")
+    cp_layout: CpLayout = _option(CpLayout.ZIGZAG, "cp_layout")
     # Smallest CP size dynamic CP may give a sample (a group size Megatron-Core builds).
-    min_cp_size: int | None = field(default=None, metadata={"proto": "min_cp_size"})
+    min_cp_size: Count | None = _option(None, "min_cp_size")
     # Cap on sequences packed into one micro-batch (static packing).
-    max_seqs_per_micro_batch: int | None = field(default=None, metadata={"proto": "max_seqs_per_micro_batch"})
+    max_seqs_per_micro_batch: Count | None = _option(None, "max_seqs_per_micro_batch")
     # Virtual pipeline: the micro-batch count becomes a multiple of this (packing schedulers).
-    micro_batch_group_size: int | None = field(default=None, metadata={"proto": "micro_batch_group_size"})
+    micro_batch_group_size: Count | None = _option(None, "micro_batch_group_size", "max_micro_batch_group_size")
     # The cost model that prices plans and ranks auto's candidates: a preset, coefficients or
     # profiles (batch_planner.cost_spec.CostModelSpec); None: the server's default.
-    cost_model: CostModelSpec | None = field(default=None, metadata={"proto": "cost_model"})
+    cost_model: CostModelSpec | None = _option(None, "cost_model")
     # auto only: the schedulers its candidates may use (static CP candidates are static_packing);
     # empty: every one the server has.
-    auto_schedulers: tuple[SchedulerKind, ...] = field(default=(), metadata={"proto": "auto_schedulers"})
-
-
-@dataclass(frozen=True)
-class PlanningOptions(OptionFields):
-    """The planning options of OptionFields as one value: what a job plans every batch with."""
+    auto_schedulers: tuple[SchedulerKind, ...] = _option((), "auto_schedulers")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -90,6 +100,19 @@ class PlanningOptions(OptionFields):
 _OPTION_NAMES = PlanningOptions.names()
 
 
+def option_bounds() -> tuple[tuple[str, str, int, str], ...]:
+    """(name, proto field, lower bound, RequestLimits field or "") of each option with a lower
+    bound, read from the declarations above."""
+    hints = get_type_hints(PlanningOptions, include_extras=True)
+    bounds = []
+    for f in fields(PlanningOptions):
+        lower = next((m.ge for arg in (hints[f.name], *get_args(hints[f.name])) for info in getattr(arg, "__metadata__", ())
+                      for m in info.metadata if hasattr(m, "ge")), None)
+        if lower is not None:
+            bounds.append((f.name, f.metadata["proto"], lower, f.metadata["limit"]))
+    return tuple(bounds)
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
@@ -98,34 +121,23 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
-@dataclass(frozen=True, init=False, kw_only=True)
-class PlanRequest(OptionFields):
+@dataclass(frozen=True)
+class PlanRequest:
     """One global batch to plan: the batch, its DP size, and its planning options. Sample ids are
-    indices into `sequence_lengths`.
-
-    The options are the request's own attributes (`request.scheduler`), declared once in
-    OptionFields; `options` is the PlanningOptions the request was built from (not compared: the
-    attributes are).
-    """
+    indices into `sequence_lengths`. Each option also reads as the request's own attribute
+    (`request.scheduler` is `request.options.scheduler`)."""
 
     sequence_lengths: tuple[int, ...]
     data_parallel_size: int
+    options: PlanningOptions
     job: str = ""  # a metric label only; never part of the plan
-    options: PlanningOptions = field(compare=False, repr=False)
 
-    def __init__(self, sequence_lengths: tuple[int, ...], data_parallel_size: int, options: PlanningOptions, job: str = ""):
-        if not isinstance(options, PlanningOptions):
+    def __post_init__(self) -> None:
+        if not isinstance(self.options, PlanningOptions):
             raise TypeError(
-                f"PlanRequest's third field is its PlanningOptions, got {options!r}: for flat values use "
+                f"PlanRequest's third field is its PlanningOptions, got {self.options!r}: for flat values use "
                 "PlanRequest.of(lengths, dp, cp, max_seqlen_per_dp_cp_rank, scheduler=...)"
             )
-        own = object.__setattr__
-        for name in _OPTION_NAMES:
-            own(self, name, getattr(options, name))
-        own(self, "sequence_lengths", sequence_lengths)
-        own(self, "data_parallel_size", data_parallel_size)
-        own(self, "job", job)
-        own(self, "options", options)
 
     @classmethod
     def of(
@@ -145,11 +157,8 @@ class PlanRequest(OptionFields):
 
     def replace(self, **changes: Any) -> PlanRequest:
         """A copy with some fields changed; option names change the options."""
-        own = {k: v for k, v in changes.items() if k not in _OPTION_NAMES}
-        option_changes = {k: v for k, v in changes.items() if k in _OPTION_NAMES}
-        options = replace(self.options, **option_changes) if option_changes else self.options
-        values = {"sequence_lengths": self.sequence_lengths, "data_parallel_size": self.data_parallel_size, "job": self.job, **own}
-        return PlanRequest(options=options, **values)
+        option_changes = {name: changes.pop(name) for name in list(changes) if name in _OPTION_NAMES}
+        return replace(self, options=replace(self.options, **option_changes), **changes)
 
     @property
     def dp_cp_size(self) -> int:
@@ -160,3 +169,5 @@ class PlanRequest(OptionFields):
         return len(self.sequence_lengths)
 
 
+for _name in _OPTION_NAMES:
+    setattr(PlanRequest, _name, property(attrgetter(f"options.{_name}"), doc=f"options.{_name}"))

@@ -19,13 +19,14 @@ from pydantic.dataclasses import dataclass
 from batch_planner.cp_groups import is_power_of_two, largest_power_of_two_group, megatron_cp_group_sizes
 from batch_planner.domain import layout_refusal
 from batch_planner.errors import InvalidRequestError
-from batch_planner.request import PlanRequest, SchedulerKind
+from batch_planner.request import PlanRequest, SchedulerKind, option_bounds
 from batch_planner.schedulers import require_scheduler
 
 # \Z, not $: "$" also matches before a trailing newline, which would let "run1\n" through.
 JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 # The largest value any limit may be set to: no server accepts a longer sample than this.
 MAX_LIMIT = 1 << 62
+OPTION_BOUNDS = option_bounds()
 LENGTHS_ACCEPTED = "a sequence of integer lengths, one per sample (a list or tuple of ints, or a 1-D integer tensor or array)"
 
 
@@ -108,14 +109,11 @@ def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
             f"{len(lengths)} samples exceed this server's limit of {limits.max_samples_per_request} "
             "per request; split the batch or raise --max-samples-per-request",
         )
-    for name, value, upper in (
-        ("layout.data_parallel_size", request.data_parallel_size, limits.max_dp_cp_size),
-        ("layout.context_parallel_size", request.context_parallel_size, limits.max_dp_cp_size),
-        ("layout.tensor_parallel_size", request.tensor_parallel_size, limits.max_tensor_parallel_size),
-        ("max_seqlen_per_dp_cp_rank", request.max_seqlen_per_dp_cp_rank, limits.max_sequence_length),
-    ):
-        if not 1 <= value <= upper:
-            _reject(name, f"got {value}; allowed 1..{upper}")
+    bounded = [("layout.data_parallel_size", request.data_parallel_size, 1, limits.max_dp_cp_size)]
+    bounded += [(proto, getattr(request, name), lower, getattr(limits, limit) if limit else None) for name, proto, lower, limit in OPTION_BOUNDS]
+    for name, value, lower, upper in bounded:
+        if value is not None and not lower <= value <= (upper or value):
+            _reject(name, f"got {value}; allowed {lower}..{upper}" if upper else f"got {value}; allowed: >= {lower}")
     dp_cp = request.dp_cp_size
     if dp_cp > limits.max_dp_cp_size:
         _reject(
@@ -137,7 +135,7 @@ def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
     kind = request.scheduler
     if not isinstance(kind, SchedulerKind):
         _reject("scheduler", f"{kind!r} is unknown; allowed: {', '.join(k.value for k in SchedulerKind)}")
-    _reject_unsupported_options(request, limits)
+    _reject_unsupported_options(request)
     if kind is SchedulerKind.AUTO:
         return  # each of auto's candidates is a concrete request, validated on its own
     require_scheduler(kind)
@@ -183,7 +181,7 @@ def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
         )
 
 
-def _reject_unsupported_options(request: PlanRequest, limits: RequestLimits) -> None:
+def _reject_unsupported_options(request: PlanRequest) -> None:
     kind = request.scheduler
     if request.auto_schedulers:
         if kind is not SchedulerKind.AUTO:
@@ -206,17 +204,10 @@ def _reject_unsupported_options(request: PlanRequest, limits: RequestLimits) -> 
                 "max_seqs_per_micro_batch",
                 f"only static_packing (and auto) cap sequences per micro-batch; leave it unset for {kind.value}",
             )
-        if request.max_seqs_per_micro_batch < 1:
-            _reject("max_seqs_per_micro_batch", f"got {request.max_seqs_per_micro_batch}; allowed: >= 1")
     if request.micro_batch_group_size is not None:
         if kind is SchedulerKind.HYBRID_CP:
             _reject(
                 "micro_batch_group_size",
                 "hybrid_cp in Megatron-Core does not support virtual pipeline parallelism; "
                 "use dynamic_cp or static_packing, or leave it unset",
-            )
-        if not 1 <= request.micro_batch_group_size <= limits.max_micro_batch_group_size:
-            _reject(
-                "micro_batch_group_size",
-                f"got {request.micro_batch_group_size}; allowed 1..{limits.max_micro_batch_group_size}",
             )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from batch_planner.errors import Overloaded
+from batch_planner.errors import ErrorCode, PlanningError
 
 # Bytes a PlanRequest holds besides its sample lengths, at most: layout, limits, enums, a job name
 # of at most 63 characters and a cost model with its profiles. Longer messages are not parsed in
@@ -23,8 +23,10 @@ def request_bytes_bound(samples: int) -> int:
     return _REQUEST_FIXED_BYTES + _MAX_VARINT_BYTES * samples
 
 
-class PoolOverloaded(Overloaded):
+class PoolOverloaded(PlanningError):
     """The admission bound is reached: refuse at once rather than queue."""
+
+    code = ErrorCode.RESOURCE_EXHAUSTED
 
     def __init__(self, detail: str):
         super().__init__(f"planner overloaded: {detail}; retry with backoff")
@@ -34,7 +36,7 @@ class JobShareExceeded(PoolOverloaded):
     """This job holds its share of the in-flight bound: its request is refused, other jobs' are not."""
 
     def __init__(self, detail: str, job: str):
-        Overloaded.__init__(self, f"planner overloaded by this job: {detail}; retry with backoff")
+        PlanningError.__init__(self, f"planner overloaded by this job: {detail}; retry with backoff")
         self.job = job
 
 

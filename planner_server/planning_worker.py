@@ -20,8 +20,8 @@ from google.protobuf.message import DecodeError
 from batch_planner.auto import Candidate, Outcome, PlanOne, RunCandidates, plan_candidate, plan_serially
 from batch_planner.convert import JOB_METADATA_KEY, dp_cp_ranks, plan_to_proto, request_from_proto, scheduler_label
 from batch_planner.cost_spec import CostModel
-from batch_planner.errors import DeadlinePassed, ErrorCode, InvalidRequestError, InvariantViolationError, PlanningError, status_of
-from batch_planner.plan import CandidateSummary, Plan
+from batch_planner.errors import ErrorCode, InvalidRequestError, InvariantViolationError, PlanningError, status_of
+from batch_planner.plan import CandidateSummary, Plan, PlanStatistics
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
 from batch_planner.exact.verified import select_implementation
@@ -52,13 +52,7 @@ class WorkerResult:
     plan_id: str = ""
     invariant: str = ""
     scheduler_seconds: float = 0.0
-    real_tokens: int = 0
-    padded_tokens: int = 0
-    padding_ratio: float = 0.0
-    balance_efficiency: float = 0.0
-    speedup: float = 0.0
-    micro_batches: int = 0
-    cp_size_samples: tuple[tuple[int, int], ...] = ()
+    statistics: PlanStatistics | None = None  # the plan's, when OK
     auto_winner: str = ""  # auto: the scheduler of the plan served
     auto_not_planned: tuple[str, ...] = ()  # auto: the scheduler of each candidate without a plan
     planning_seconds: float = 0.0  # parse to serialized response, where it ran (the measured plan rates)
@@ -87,11 +81,11 @@ class Parsed:
 
 
 def parse(request_bytes: bytes, deadline: float) -> Parsed:
-    """The message and what the logs and metrics say about it; DeadlinePassed at or past
+    """The message and what the logs and metrics say about it; DEADLINE_EXCEEDED at or past
     `deadline` (wall-clock seconds since the epoch), InvalidRequestError for bytes that are not a
     PlanRequest."""
     if time.time() >= deadline:
-        raise DeadlinePassed("the request's deadline passed while it waited for a worker")
+        raise PlanningError("the request's deadline passed while it waited for a worker", code=ErrorCode.DEADLINE_EXCEEDED)
     try:
         message = pb.PlanRequest.FromString(request_bytes)
     except (DecodeError, ValueError, RuntimeError) as exc:
@@ -159,25 +153,9 @@ def failure(exc: Exception, about: About = About()) -> WorkerResult:
 
 
 def _success(plan: Plan, elapsed: float, about: About) -> WorkerResult:
-    stats = plan.statistics
-    samples: dict[int, int] = {}
-    for size, count, _ in stats.cp_size_mix:
-        samples[size] = samples.get(size, 0) + count
-    return WorkerResult(
-        ErrorCode.OK,
-        response=plan_to_proto(plan).SerializeToString(deterministic=True),
-        plan_id=plan.plan_id,
-        scheduler_seconds=elapsed,
-        real_tokens=stats.real_tokens,
-        padded_tokens=stats.padded_tokens,
-        padding_ratio=stats.padding_ratio,
-        balance_efficiency=stats.balance_efficiency,
-        speedup=stats.predicted_speedup_over_static_cp,
-        micro_batches=stats.micro_batch_count,
-        cp_size_samples=tuple(sorted(samples.items())),
-        about=about,
-        **_auto_fields(plan.candidates),
-    )
+    response = plan_to_proto(plan).SerializeToString(deterministic=True)
+    return WorkerResult(ErrorCode.OK, response, about=about, plan_id=plan.plan_id, scheduler_seconds=elapsed, statistics=plan.statistics,
+                        **_auto_fields(plan.candidates))
 
 
 def _auto_fields(summaries: Sequence[CandidateSummary]) -> dict:

@@ -23,7 +23,7 @@ from collections import deque
 from enum import Enum
 from multiprocessing.connection import wait as wait_for
 
-from batch_planner.errors import Unavailable
+from batch_planner.errors import ErrorCode, PlanningError
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,10 @@ class TaskCancelled(Exception):
     """The task was cancelled before it produced a result."""
 
 
-class WorkersLost(Unavailable):
+class WorkersLost(PlanningError):
     """Workers died under this task `ATTEMPTS` times (or the pool shut down): transient, ours."""
+
+    code = ErrorCode.UNAVAILABLE
 
     def __init__(self, detail: str):
         super().__init__(f"planning workers unavailable: {detail}; retry")

@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 
 from batch_planner.convert import JOB_METADATA_KEY, SCHEDULER_TO_PROTO, cost_model_to_proto
 from batch_planner.cost_spec import preset_names
-from batch_planner.errors import CallerCancelled, DeadlinePassed, ErrorCode, InvalidRequestError, Unavailable
+from batch_planner.errors import ErrorCode, InvalidRequestError, PlanningError
 from batch_planner.request import SchedulerKind
 from batch_planner.exact.verified import exact_path_status
 from batch_planner.schedulers import discover_schedulers, megatron_core_version
@@ -53,7 +53,7 @@ class PlannerServicer:
         started = time.perf_counter()
         try:
             if self.draining.is_set():
-                raise Unavailable("planner is shutting down; retry on another replica")
+                raise PlanningError("planner is shutting down; retry on another replica", code=ErrorCode.UNAVAILABLE)
             result = self._plan(request_bytes, context)
         except Exception as exc:  # noqa: BLE001 - every failure is answered with its status, never a crash
             result = failure(exc)
@@ -82,8 +82,8 @@ class PlannerServicer:
             return self.pool.plan(request_bytes, time.time() + remaining, remaining, on_abandon=context.add_callback, job=job)
         except TimeoutError:
             if not context.is_active():
-                raise CallerCancelled("the caller cancelled the request") from None
-            raise DeadlinePassed(f"planning took longer than the deadline ({remaining:.3f} s)") from None
+                raise PlanningError("the caller cancelled the request", code=ErrorCode.CANCELLED) from None
+            raise PlanningError(f"planning took longer than the deadline ({remaining:.3f} s)", code=ErrorCode.DEADLINE_EXCEEDED) from None
 
     def _count_refusal(self, exc: Exception) -> None:
         if isinstance(exc, JobShareExceeded):
@@ -104,15 +104,16 @@ class PlannerServicer:
             return
         m.scheduler_latency.labels(scheduler).observe(result.scheduler_seconds)
         self.rates.record(scheduler, result.about.samples, result.about.ranks, result.planning_seconds)
-        m.planned_tokens.labels(scheduler, job).inc(result.real_tokens)
-        m.padding_tokens.labels(scheduler, job).inc(result.padded_tokens - result.real_tokens)
-        m.micro_batches.labels(scheduler).inc(result.micro_batches)
-        for cp_size, samples in result.cp_size_samples:
+        stats = result.statistics
+        m.planned_tokens.labels(scheduler, job).inc(stats.real_tokens)
+        m.padding_tokens.labels(scheduler, job).inc(stats.padded_tokens - stats.real_tokens)
+        m.micro_batches.labels(scheduler).inc(stats.micro_batch_count)
+        for cp_size, samples, _ in stats.cp_size_mix:
             m.planned_samples.labels(scheduler, str(cp_size)).inc(samples)
-        m.padding_ratio.labels(scheduler).observe(result.padding_ratio)
-        m.balance_efficiency.labels(scheduler).observe(result.balance_efficiency)
-        m.speedup.labels(scheduler).observe(result.speedup)
-        m.last_speedup.labels(scheduler, job).set(result.speedup)
+        m.padding_ratio.labels(scheduler).observe(stats.padding_ratio)
+        m.balance_efficiency.labels(scheduler).observe(stats.balance_efficiency)
+        m.speedup.labels(scheduler).observe(stats.predicted_speedup_over_static_cp)
+        m.last_speedup.labels(scheduler, job).set(stats.predicted_speedup_over_static_cp)
         if result.auto_winner:
             m.auto_winners.labels(result.auto_winner).inc()
             for dropped in result.auto_not_planned:

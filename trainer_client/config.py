@@ -26,7 +26,7 @@ from pydantic_core import PydanticCustomError
 from batch_planner.cost_spec import spec_from_mapping
 from batch_planner.errors import InvalidRequestError
 from batch_planner.exact.verified import SchedulerImplementation
-from batch_planner.request import PlanningOptions, SchedulerKind
+from batch_planner.request import Count, PlanningOptions, SchedulerKind
 
 
 class WhoAsks(str, Enum):
@@ -42,7 +42,6 @@ class ConfigError(ValueError):
 
 # Plans held in memory are bounded by the depth: a 16,384-sample plan is a few MB.
 MAX_PLAN_AHEAD_DEPTH = 16
-Count = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(ge=0)]
 Positive = Annotated[float, Field(gt=0)]
 
@@ -54,18 +53,9 @@ def _refuse(message: str) -> NoReturn:
 
 @dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid", allow_inf_nan=False))
 class PlannerClientConfig(PlanningOptions):
-    """The planning options of the job (batch_planner.request.OptionFields: the per-rank token
-    budget, the static CP size, the scheduler, ...; each documented there) and how to reach the
-    planner. DPxCP comes from the process group, DP = DPxCP / CP."""
-
-    # The options' bounds as a trainer states them (the server checks a request against its own
-    # limits, batch_planner/validation.py).
-    max_seqlen_per_dp_cp_rank: Annotated[int, Field(ge=1, validate_default=True, description="required: the job's per-rank token budget")] = 0
-    context_parallel_size: Count = 1
-    tensor_parallel_size: Count = 1
-    min_cp_size: Count | None = None
-    max_seqs_per_micro_batch: Count | None = None
-    micro_batch_group_size: Count | None = None
+    """The planning options of the job (batch_planner.request.PlanningOptions: the per-rank token
+    budget, the static CP size, the scheduler, ...; each declared, documented and bounded there) and
+    how to reach the planner. DPxCP comes from the process group, DP = DPxCP / CP."""
 
     # The client asks for auto (the cheapest of Megatron-Core's plans and the job's static CP under
     # the job's cost model) unless the config names one scheduler. `cost_model` names the job's
