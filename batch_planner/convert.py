@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 
 from google.protobuf.message import Message as ProtoMessage
 
-from batch_planner.cost_spec import CostModel, CostModelSpec, spec_from_mapping
+from batch_planner.cost_spec import COEFFICIENT_NAMES, CostModel, CostModelSpec, spec_from_mapping
 from batch_planner.errors import InvalidRequestError
 from batch_planner.plan import CandidateSummary, CpGroup, MicroBatch, Plan, PlanStatistics
 from batch_planner.request import CapacityBound, CpLayout, PlanningOptions, PlanRequest, SchedulerKind
@@ -153,6 +153,10 @@ def _read(message: pb.PlanRequest, f: Field) -> Any:
     return _FROM_PROTO.get(f.name, _same)(getattr(holder, name))
 
 
+# PlanStatistics' figures, each a field of the same name in batch_planner.v1.PlanStatistics.
+_STATISTICS = tuple(f.name for f in fields(PlanStatistics) if f.name != "cp_size_mix")
+
+
 def plan_to_proto(plan: Plan) -> pb.PlanResponse:
     stats = plan.statistics
     response = pb.PlanResponse(
@@ -177,18 +181,10 @@ def plan_to_proto(plan: Plan) -> pb.PlanResponse:
             )
     _add_candidates(response, plan.candidates)
     if stats is not None:
-        s = response.statistics
-        s.real_tokens = stats.real_tokens
-        s.padded_tokens = stats.padded_tokens
-        s.padding_ratio = stats.padding_ratio
-        s.micro_batch_count = stats.micro_batch_count
+        for name in _STATISTICS:
+            setattr(response.statistics, name, getattr(stats, name))
         for size, samples, tokens in stats.cp_size_mix:
-            s.cp_size_mix.add(cp_size=size, samples=samples, real_tokens=tokens)
-        s.predicted_step_cost = stats.predicted_step_cost
-        s.lower_bound_cost = stats.lower_bound_cost
-        s.balance_efficiency = stats.balance_efficiency
-        s.static_cp_step_cost = stats.static_cp_step_cost
-        s.predicted_speedup_over_static_cp = stats.predicted_speedup_over_static_cp
+            response.statistics.cp_size_mix.add(cp_size=size, samples=samples, real_tokens=tokens)
     return response
 
 
@@ -205,18 +201,8 @@ def _add_candidates(response: pb.PlanResponse, summaries: Sequence[CandidateSumm
 
 def plan_from_proto(message: pb.PlanResponse) -> Plan:
     s = message.statistics
-    stats = PlanStatistics(
-        real_tokens=s.real_tokens,
-        padded_tokens=s.padded_tokens,
-        padding_ratio=s.padding_ratio,
-        micro_batch_count=s.micro_batch_count,
-        cp_size_mix=tuple((c.cp_size, c.samples, c.real_tokens) for c in s.cp_size_mix),
-        predicted_step_cost=s.predicted_step_cost,
-        lower_bound_cost=s.lower_bound_cost,
-        balance_efficiency=s.balance_efficiency,
-        static_cp_step_cost=s.static_cp_step_cost,
-        predicted_speedup_over_static_cp=s.predicted_speedup_over_static_cp,
-    )
+    mix = tuple((c.cp_size, c.samples, c.real_tokens) for c in s.cp_size_mix)
+    stats = PlanStatistics(cp_size_mix=mix, **{name: getattr(s, name) for name in _STATISTICS})
     return Plan(
         plan_id=message.plan_id,
         scheduler=SCHEDULER_FROM_PROTO[message.scheduler],
@@ -249,13 +235,7 @@ def plan_from_proto(message: pb.PlanResponse) -> Plan:
 
 
 def cost_model_to_proto(model: CostModel) -> pb.CostModelCoefficients:
-    return pb.CostModelCoefficients(
-        seconds_per_token=model.seconds_per_token,
-        seconds_per_attention_token_pair=model.seconds_per_attention_token_pair,
-        cp_seconds_per_micro_batch=model.cp_seconds_per_micro_batch,
-        cp_seconds_per_token=model.cp_seconds_per_token,
-        seconds_per_pass=model.seconds_per_pass,
-    )
+    return pb.CostModelCoefficients(**{name: getattr(model, name) for name in COEFFICIENT_NAMES})
 
 
 def _enum_name(enum, value: int) -> str:

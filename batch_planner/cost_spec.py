@@ -169,48 +169,18 @@ class HardwareProfile:
 # (128 experts, 8 routed, 768 wide, no shared expert), so it has no dense MLP width.
 MODEL_PROFILES: dict[str, ModelProfile] = {
     "llama3-8b": ModelProfile(
-        num_layers=32,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        ffn_hidden_size=14336,
-        vocab_size=128256,
-        gated_mlp=1,
+        num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=8, head_dim=128, ffn_hidden_size=14336, vocab_size=128256, gated_mlp=1,
     ),
     "llama3-70b": ModelProfile(
-        num_layers=80,
-        hidden_size=8192,
-        num_attention_heads=64,
-        num_kv_heads=8,
-        head_dim=128,
-        ffn_hidden_size=28672,
-        vocab_size=128256,
-        gated_mlp=1,
+        num_layers=80, hidden_size=8192, num_attention_heads=64, num_kv_heads=8, head_dim=128, ffn_hidden_size=28672, vocab_size=128256, gated_mlp=1,
     ),
     "qwen3-30b-a3b": ModelProfile(
-        num_layers=48,
-        hidden_size=2048,
-        num_attention_heads=32,
-        num_kv_heads=4,
-        head_dim=128,
-        ffn_hidden_size=0,
-        vocab_size=151936,
-        gated_mlp=1,
-        num_experts=128,
-        moe_top_k=8,
-        moe_ffn_hidden_size=768,
+        num_layers=48, hidden_size=2048, num_attention_heads=32, num_kv_heads=4, head_dim=128, ffn_hidden_size=0, vocab_size=151936, gated_mlp=1,
+        num_experts=128, moe_top_k=8, moe_ffn_hidden_size=768,
     ),
     # The GPU benchmark's stack (bench/gpu/model.py): 4 layers, GELU MLP 4x, no output layer.
     "bench-4l-2048": ModelProfile(
-        num_layers=4,
-        hidden_size=2048,
-        num_attention_heads=16,
-        num_kv_heads=16,
-        head_dim=128,
-        ffn_hidden_size=8192,
-        vocab_size=0,
-        gated_mlp=0,
+        num_layers=4, hidden_size=2048, num_attention_heads=16, num_kv_heads=16, head_dim=128, ffn_hidden_size=8192, vocab_size=0, gated_mlp=0,
     ),
 }
 
@@ -238,7 +208,6 @@ HARDWARE_PROFILES: dict[str, HardwareProfile] = {"h200": _HOPPER, "h100": _HOPPE
 
 # The measured calibration the server has always defaulted to: CostModel()'s own coefficients.
 CALIBRATED_PRESET = "h200-bench-calibrated"
-DEFAULT_PRESET = CALIBRATED_PRESET
 
 
 def preset_names() -> tuple[str, ...]:

@@ -24,9 +24,6 @@ from dataclasses import dataclass
 from batch_planner.cp_groups import is_power_of_two
 from batch_planner.request import SchedulerKind
 
-# The largest DPxCP the sweep covered (the server's default --max-dp-cp-size).
-MEASURED_UP_TO = 1024
-
 @dataclass(frozen=True)
 class BatchLimit:
     """One of upstream's own refusals of a batch on a layout it plans: a bounded assertion about

@@ -70,7 +70,7 @@ def calls(client: PlannerRpcClient) -> float:
 
 def test_retryable_codes_are_retried_by_grpc_up_to_max_attempts(scripted):
     planner, client = scripted(["UNAVAILABLE", "RESOURCE_EXHAUSTED"], max_attempts=3, initial_backoff_seconds=0.01)
-    assert client.plan(REQUEST) == pb.PlanResponse()
+    assert pb.PlanResponse.FromString(client.plan_bytes(REQUEST)) == pb.PlanResponse()
     assert len(planner.attempts) == 3 and calls(client) == 1  # one call, three attempts
     assert [a.get("grpc-previous-rpc-attempts") for a in planner.attempts] == [None, "1", "2"]
     assert all(a[JOB_METADATA_KEY] == "retry-test" for a in planner.attempts)
@@ -79,7 +79,7 @@ def test_retryable_codes_are_retried_by_grpc_up_to_max_attempts(scripted):
 def test_attempts_run_out_then_the_service_failed(scripted):
     planner, client = scripted(["UNAVAILABLE"] * 5, max_attempts=2, initial_backoff_seconds=0.01)
     with pytest.raises(ServiceFailedError) as failure:
-        client.plan(REQUEST)
+        client.plan_bytes(REQUEST)
     assert failure.value.reason == "unavailable" and len(planner.attempts) == 2
 
 
@@ -87,19 +87,19 @@ def test_attempts_run_out_then_the_service_failed(scripted):
 def test_fallback_and_reject_codes_are_not_retried(scripted, code, error):
     planner, client = scripted([code], max_attempts=4)
     with pytest.raises(error):
-        client.plan(REQUEST)
+        client.plan_bytes(REQUEST)
     assert len(planner.attempts) == 1
 
 
 def test_the_deadline_bounds_the_call_with_its_retries(scripted):
     planner, client = scripted(["hang"], max_attempts=3, deadline_seconds=0.5)
     with pytest.raises(ServiceFailedError) as failure:
-        client.plan(REQUEST)
+        client.plan_bytes(REQUEST)
     assert failure.value.reason == "deadline_exceeded"
     assert planner.gone.wait(30) and len(planner.attempts) == 1  # no attempt after the deadline
 
 
 def test_a_request_without_a_job_sends_no_job_metadata(scripted):
     planner, client = scripted([])
-    client.plan(pb.PlanRequest())
+    client.plan_bytes(pb.PlanRequest())
     assert JOB_METADATA_KEY not in planner.attempts[0]

@@ -77,13 +77,13 @@ def test_a_replica_started_later_receives_requests_from_a_connected_client():
     client = PlannerRpcClient(config, TrainerMetrics())
     second = None
     try:
-        client.plan(REQUEST)
+        client.plan_bytes(REQUEST)
         assert plans_served(first, "127.0.0.1") == 1
         second = start_planner("--host", "127.0.0.2", *age, workers=1, port=first.port)
         dns.addresses = ["127.0.0.1", "127.0.0.2"]  # the new pod is ready: the headless name has it
 
         def reached_second() -> bool:
-            client.plan(REQUEST)  # the trainer keeps planning steps
+            client.plan_bytes(REQUEST)  # the trainer keeps planning steps
             return plans_served(second, "127.0.0.2") > 0
 
         wait_until(reached_second, 60, "a request of the connected client on the replica started later", poll=0.1)

@@ -123,7 +123,7 @@ class BatchPlannerClient:
         # Closed-loop calibration (trainer_client/calibration.py): None when config.calibration is off.
         self.calibration = Calibrator(
             self._options, config.calibration_window_steps, config.calibration_min_observations,
-            config.calibration_update_interval_steps, getattr(config, "plan_ahead_depth", 1), self.metrics, group,
+            config.calibration_update_interval_steps, config.plan_ahead_depth, self.metrics, group,
         ) if config.calibration else None
 
     @property

@@ -140,9 +140,7 @@ class PlannerClientConfig(PlanningOptions):
     @classmethod
     def _endpoint(cls, endpoint: str) -> str:
         if endpoint:
-            # dns://AUTHORITY/name:port asks that DNS server (gRPC's syntax); dns:///name:port the system's.
-            target = endpoint.removeprefix("dns://").partition("/")[2] if endpoint.startswith("dns://") else endpoint
-            host, sep, port = target.rpartition(":")
+            host, sep, port = endpoint_target(endpoint).rpartition(":")
             if "://" in endpoint and not endpoint.startswith("dns://"):
                 _refuse(f"{endpoint!r} is not allowed; expected 'host:port' or 'dns:///name:port'")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -195,6 +193,12 @@ class PlannerClientConfig(PlanningOptions):
     def to_dict(self) -> dict[str, Any]:
         values = {name: getattr(self, name) for name in self.__pydantic_fields__}
         return {k: (v.value if isinstance(v, Enum) else v.canonical() if hasattr(v, "canonical") else v) for k, v in values.items()}
+
+
+def endpoint_target(endpoint: str) -> str:
+    """The "host:port" of an endpoint: dns://AUTHORITY/name:port asks that DNS server (gRPC's
+    syntax), dns:///name:port the system's."""
+    return endpoint.removeprefix("dns://").partition("/")[2] if endpoint.startswith("dns://") else endpoint
 
 
 def _member(enum: type[Enum], value: Any) -> Any:

@@ -21,7 +21,7 @@ import grpc
 from batch_planner.convert import JOB_METADATA_KEY
 from batch_planner.errors import CLIENT_ACTION, ClientAction, ErrorCode
 from batch_planner.v1 import planner_pb2 as pb
-from trainer_client.config import ConfigError, PlannerClientConfig
+from trainer_client.config import ConfigError, PlannerClientConfig, endpoint_target
 from trainer_client.metrics import TrainerMetrics
 
 class PlanRejectedError(ValueError):
@@ -60,9 +60,6 @@ class PlannerRpcClient:
 
     def close(self) -> None:
         self._channel.close()
-
-    def plan(self, request: pb.PlanRequest) -> pb.PlanResponse:
-        return pb.PlanResponse.FromString(self.plan_bytes(request))
 
     def plan_bytes(self, request: pb.PlanRequest) -> bytes:
         """Calls Plan (gRPC retries what may succeed on a second try, within `deadline_seconds`)
@@ -113,8 +110,7 @@ def _raise_on_tls_mismatch(config: PlannerClientConfig, error: grpc.RpcError) ->
 def speaks_tls(endpoint: str, timeout: float = 2.0) -> bool:
     """Whether the server at `endpoint` answers a TLS handshake: tells a TLS server that closed a
     plaintext connection from one that is going away."""
-    target = endpoint.removeprefix("dns://").partition("/")[2] if endpoint.startswith("dns://") else endpoint
-    host, _, port = target.rpartition(":")
+    host, _, port = endpoint_target(endpoint).rpartition(":")
     context = ssl.create_default_context()
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
