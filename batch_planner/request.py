@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from operator import attrgetter
-from typing import Annotated, Any, Sequence, get_args, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Any, Sequence, get_args, get_type_hints
 
 from pydantic import Field
 
@@ -159,6 +159,9 @@ class PlanRequest:
         """A copy with some fields changed; option names change the options."""
         option_changes = {name: changes.pop(name) for name in list(changes) if name in _OPTION_NAMES}
         return replace(self, options=replace(self.options, **option_changes), **changes)
+
+    if TYPE_CHECKING:  # the options' properties are made below, from PlanningOptions' fields
+        def __getattr__(self, name: str) -> Any: ...
 
     @property
     def dp_cp_size(self) -> int:

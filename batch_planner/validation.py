@@ -109,7 +109,7 @@ def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
             f"{len(lengths)} samples exceed this server's limit of {limits.max_samples_per_request} "
             "per request; split the batch or raise --max-samples-per-request",
         )
-    bounded = [("layout.data_parallel_size", request.data_parallel_size, 1, limits.max_dp_cp_size)]
+    bounded: list[tuple[str, Any, int, int | None]] = [("layout.data_parallel_size", request.data_parallel_size, 1, limits.max_dp_cp_size)]
     bounded += [(proto, getattr(request, name), lower, getattr(limits, limit) if limit else None) for name, proto, lower, limit in OPTION_BOUNDS]
     for name, value, lower, upper in bounded:
         if value is not None and not lower <= value <= (upper or value):
