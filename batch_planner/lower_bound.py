@@ -19,6 +19,7 @@ Arithmetic over the request's lengths only (numpy, one column per allowed CP siz
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,7 +71,9 @@ def step_lower_bound(request: PlanRequest, capacity_bound: CapacityBound, model:
     cp_passes = _cp_rank_passes(request, capacity_bound, samples, fewest)
     work = _work(model, samples)
     fixed = model.seconds_per_pass * passes + model.cp_seconds_per_micro_batch * cp_passes
-    even = (float(_cheapest(work, samples.fits).sum()) + fixed) / request.dp_cp_size
+    # fsum: exactly rounded, so every replica (whatever numpy's reduction order on its CPU) serves
+    # the same bytes.
+    even = (math.fsum(_cheapest(work, samples.fits).tolist()) + fixed) / request.dp_cp_size
     return LowerBound(even, _single(model, samples, work, fewest), fewest, passes, cp_passes)
 
 
