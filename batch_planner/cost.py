@@ -17,7 +17,9 @@ Both fixed terms are paid once per pass: once per sample under hybrid CP (each s
 its own pass), once per micro-batch (pack) under the packing schedulers and in the static-CP
 estimate. The pass term is what makes many short passes dearer than one packed pass. A
 micro-batch lasts as long as its slowest rank (ranks meet at a barrier); a step is the sum of its
-micro-batches. The lower bound is the total CP1 work spread evenly over all DPxCP ranks.
+micro-batches. The lower bound (batch_planner/lower_bound.py) is what no plan of the request can
+avoid: the work spread evenly over all DPxCP ranks, the passes of the fewest micro-batches, and the
+CP terms that samples longer than one rank's budget force.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Sequence
 
 from batch_planner.cost_spec import CostModel
+from batch_planner.lower_bound import step_lower_bound
 from batch_planner.padding import padded_length, padded_sum, padding_multiple
 from batch_planner.plan import CpGroup, MicroBatch, PlanStatistics
 from batch_planner.request import CapacityBound, CpLayout, PlanRequest
@@ -79,7 +82,8 @@ def group_seconds(model: CostModel, lengths: Sequence[int], cp_size: int, tp: in
 
 
 def single_rank_work(model: CostModel, lengths: Iterable[int]) -> float:
-    """The work of `lengths` on one rank at CP1, without the fixed terms (the lower bound's)."""
+    """The work of `lengths` on one rank at CP1, unpadded, without the fixed terms: the total CP1
+    work that bench/quality.py measures the static-CP estimate against."""
     tokens = attention_units = 0
     for length in lengths:
         tokens += length
@@ -144,6 +148,8 @@ def plan_statistics(
     capacity_bound: CapacityBound,
     model: CostModel,
 ) -> PlanStatistics:
+    """The plan's statistics under `model`; its lower bound and balance efficiency (bound /
+    predicted: 1.0 means no imbalance left to recover) are of every plan of `request`."""
     groups: list[CpGroup] = [g for mb in micro_batches for g in mb.cp_groups]
     real = sum(g.real_tokens for g in groups)
     padded = sum(g.padded_tokens for g in groups)
@@ -154,7 +160,7 @@ def plan_statistics(
         entry[1] += group.real_tokens
     packed = capacity_bound is CapacityBound.PER_RANK_SUM
     predicted = step_cost(micro_batches, request, model, packed)
-    lower_bound = single_rank_work(model, request.sequence_lengths) / request.dp_cp_size
+    lower_bound = step_lower_bound(request, capacity_bound, model).cost
     static = static_cp_step_cost(request, model)
     return PlanStatistics(
         real_tokens=real,

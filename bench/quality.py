@@ -4,10 +4,10 @@
 
 For every distribution and batch size, every scheduler of our API (Megatron-Core's, when the
 installed release has it) and the static-CP estimate at CP 2, 4 and 8 (`cost.static_cp_step_cost`
-on the same batch with context_parallel_size 2/4/8): predicted step cost / lower bound (1.00 is a
-perfectly balanced step with no CP or padding cost), padding ratio, micro-batch count, CP-size mix
-(samples per CP size) and the predicted speedup over static CP. The cost model is deterministic:
-one run per cell, no spread to report.
+on the same batch with context_parallel_size 2/4/8): predicted step cost / lower bound (1.00: no
+imbalance left to recover), padding ratio, micro-batch count, CP-size mix (samples per CP size) and
+the predicted speedup over static CP. The cost model is deterministic: one run per cell, no spread
+to report.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def plot_cost_ratios(rows: list[Row], sizes, path: Path) -> None:
         ax.set_title(distribution)
         ax.set_ylabel("predicted step cost / lower bound")
     axes.flat[0].legend(fontsize=8)
-    title = "Plan quality (lower is better; 1.0 = perfectly balanced, no CP or padding cost)"
+    title = "Plan quality (lower is better; 1.0 = no imbalance left to recover)"
     if missing:
         title += f"\nnot available in Megatron-Core {megatron_core_version()}: {', '.join(missing)}"
     fig.suptitle(title)
@@ -297,7 +297,10 @@ def run(out: Path, smoke: bool = False) -> Report[Row | AutoRow]:
         (__doc__ or "").split("\n\n", 2)[2].strip()
         + f"\n\nCost model (defaults of `CostModel`): {coefficients}. Requests: DPxCP ranks as listed, "
         f"max_seqlen_per_dp_cp_rank {MAX_SEQLEN_PER_DP_CP_RANK}, TP 1, zigzag layout, seed 0. "
-        "The lower bound is the total CP1 work spread evenly over all ranks.",
+        "The lower bound is the plan statistics' (docs/cost-model.md): what no plan of the request can "
+        "avoid, the work spread evenly over all ranks, the passes of the fewest micro-batches and the CP terms "
+        "of samples longer than one rank's budget. The static-CP estimates are not plans: their rows are "
+        "measured against the total CP1 work spread evenly over all ranks.",
         [
             ("Results", table),
             ("auto under model presets", auto_table + "\n\n" + (

@@ -15,6 +15,13 @@ from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
 
 
+# What the statistics' lower bound counts (batch_planner/lower_bound.py, docs/cost-model.md).
+BOUND_INCLUDES = (
+    "what no plan avoids: even work + passes of the fewest micro-batches + CP terms of samples longer "
+    "than one rank, or one sample's own pass where larger"
+)
+
+
 def render_plan(plan: Plan, request: PlanRequest, max_rows: int = 12) -> str:
     lines = []
     s = plan.statistics
@@ -51,9 +58,12 @@ def render_plan(plan: Plan, request: PlanRequest, max_rows: int = 12) -> str:
         f"tokens: {s.real_tokens} real, {s.padded_tokens} padded, padding ratio {s.padding_ratio:.4%}"
     )
     lines.append(
-        f"predicted step cost {s.predicted_step_cost * 1e3:.2f} ms (lower bound {s.lower_bound_cost * 1e3:.2f} ms, "
-        f"balance efficiency {s.balance_efficiency:.1%}); static CP{request.context_parallel_size} "
+        f"predicted step cost {s.predicted_step_cost * 1e3:.2f} ms; static CP{request.context_parallel_size} "
         f"{s.static_cp_step_cost * 1e3:.2f} ms -> predicted speedup {s.predicted_speedup_over_static_cp:.2f}x"
+    )
+    lines.append(
+        f"lower bound {s.lower_bound_cost * 1e3:.2f} ms ({BOUND_INCLUDES}) -> balance efficiency "
+        f"{s.balance_efficiency:.1%} (100% = nothing left to recover)"
     )
     if plan.candidates:
         lines.append("")

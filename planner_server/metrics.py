@@ -74,7 +74,9 @@ class PlannerMetrics:
             ["scheduler"], buckets=RATIO_BUCKETS, registry=r,
         )
         self.balance_efficiency = Histogram(
-            "batch_planner_balance_efficiency_ratio", "Lower bound / predicted step cost, per plan.",
+            "batch_planner_balance_efficiency_ratio",
+            "Lower bound (what no plan of the request can avoid) / predicted step cost, per plan: "
+            "1 = no imbalance left to recover.",
             ["scheduler"], buckets=EFFICIENCY_BUCKETS, registry=r,
         )
         self.speedup = Histogram(

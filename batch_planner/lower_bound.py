@@ -1,0 +1,182 @@
+"""A lower bound on the predicted step cost of every plan of a request: what no plan can avoid
+under the cost model (batch_planner/cost.py) and the plan invariants (docs/design.md, "Plan
+invariants"). docs/cost-model.md ("Step cost, lower bound, balance") has the proof of each term.
+
+The step is the sum over micro-batches of the slowest rank's time. Two bounds, the larger served:
+
+- **even**: the slowest rank is at least the average rank, so the step is at least all ranks'
+  seconds over DPxCP: every sample's work at the cheapest CP size it fits (token, attention and
+  CP-traffic terms, padding included), plus the pass terms no plan avoids: `seconds_per_pass` for
+  every rank pass (packed: one per rank and micro-batch of the fewest micro-batches; per sample:
+  also one per sample on every rank of the smallest group it fits), `cp_seconds_per_micro_batch`
+  for every pass over a CP group that samples longer than one rank's budget, or ranks left
+  without a sample of their own, force;
+- **single**: the micro-batch holding a sample lasts at least that sample's own pass on one rank
+  of its group, and every other micro-batch at least one pass.
+
+Arithmetic over the request's lengths only (numpy, one column per allowed CP size), never a schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from batch_planner.cost_spec import CostModel
+from batch_planner.padding import padding_multiple
+from batch_planner.request import CapacityBound, PlanRequest, SchedulerKind
+from batch_planner.schedulers import valid_cp_sizes
+
+
+@dataclass(frozen=True)
+class LowerBound:
+    """The bound's parts, in model seconds; `cost` is the bound."""
+
+    even: float  # all ranks' unavoidable seconds over DPxCP
+    single: float  # one sample's own pass, plus one pass per other micro-batch
+    fewest_micro_batches: int
+    rank_passes: float  # forward+backward passes summed over the ranks, that no plan avoids
+    cp_rank_passes: float  # of them, passes over CP groups (c > 1)
+
+    @property
+    def cost(self) -> float:
+        return max(self.even, self.single)
+
+
+@dataclass(frozen=True)
+class _SampleSizes:
+    """Each sample's CP sizes: the plan's allowed ones whose group holds it (c x budget >= L)."""
+
+    lengths: np.ndarray  # (n,) int64
+    sizes: np.ndarray  # (k,) the plan's allowed CP sizes, ascending
+    fits: np.ndarray  # (n, k) bool: sample s fits a group of sizes[k]
+    padded: np.ndarray  # (n, k) int64: sample s padded for sizes[k]
+
+    @property
+    def smallest_group(self) -> np.ndarray:
+        """(n,) the smallest CP size each sample fits."""
+        return self.sizes[self.fits.argmax(axis=1)]
+
+
+def step_lower_bound(request: PlanRequest, capacity_bound: CapacityBound, model: CostModel) -> LowerBound:
+    """The lower bound on the predicted step cost (`cost.step_cost`) of every plan of `request`
+    (a concrete scheduler, not auto) that keeps the plan invariants under `capacity_bound`."""
+    if not request.sequence_lengths:
+        return LowerBound(0.0, 0.0, 0, 0.0, 0.0)
+    samples = _sample_sizes(request)
+    fewest = fewest_micro_batches(request, capacity_bound)
+    passes = _rank_passes(request, capacity_bound, samples, fewest)
+    cp_passes = _cp_rank_passes(request, capacity_bound, samples, fewest)
+    work = _work(model, samples)
+    fixed = model.seconds_per_pass * passes + model.cp_seconds_per_micro_batch * cp_passes
+    # fsum: exactly rounded, so every replica (whatever numpy's reduction order on its CPU) serves
+    # the same bytes.
+    even = (math.fsum(_cheapest(work, samples.fits).tolist()) + fixed) / request.dp_cp_size
+    return LowerBound(even, _single(model, samples, work, fewest), fewest, passes, cp_passes)
+
+
+def _sample_sizes(request: PlanRequest) -> _SampleSizes:
+    lengths = np.asarray(request.sequence_lengths, dtype=np.int64)
+    allowed = sorted(valid_cp_sizes(request.scheduler, request.dp_cp_size, request.context_parallel_size, request.min_cp_size))
+    sizes = np.asarray(allowed, dtype=np.int64)
+    fits = sizes[None, :] * request.max_seqlen_per_dp_cp_rank >= lengths[:, None]
+    # A sample no group holds is in no plan (validation refuses it): let every size stand for it.
+    fits[~fits.any(axis=1)] = True
+    multiples = np.asarray([padding_multiple(c, request.tensor_parallel_size, request.cp_layout) for c in allowed], dtype=np.int64)
+    padded = -(-lengths[:, None] // multiples[None, :]) * multiples[None, :]
+    return _SampleSizes(lengths, sizes, fits, padded)
+
+
+def fewest_micro_batches(request: PlanRequest, capacity_bound: CapacityBound) -> int:
+    """The fewest micro-batches a plan of `request` can have.
+
+    Per rank sum: a micro-batch's groups hold at most max_seqlen_per_dp_cp_rank real tokens per
+    rank, so at most budget x DPxCP; static packing also holds at most max_seqs_per_micro_batch
+    samples per DP replica; and both schedulers return a multiple of micro_batch_group_size.
+    Per sample: no bound on a micro-batch's tokens, so one."""
+    if not request.sequence_lengths:
+        return 0
+    if capacity_bound is CapacityBound.PER_SAMPLE:
+        return 1
+    fewest = _ceil_div(sum(request.sequence_lengths), request.max_seqlen_per_dp_cp_rank * request.dp_cp_size)
+    cap = request.max_seqs_per_micro_batch
+    if request.scheduler is SchedulerKind.STATIC_PACKING and cap:
+        fewest = max(fewest, _ceil_div(_ceil_div(request.num_samples, cap), request.data_parallel_size))
+    group = request.micro_batch_group_size or 1
+    return _ceil_div(fewest, group) * group
+
+
+def _rank_passes(request: PlanRequest, capacity_bound: CapacityBound, samples: _SampleSizes, fewest: int) -> float:
+    """Passes summed over the ranks, at least: every rank runs at least one pass in every
+    micro-batch (no idle rank); packed, exactly one. Per sample, each sample is a pass on every rank
+    of its group, at least the smallest group it fits."""
+    every_rank = request.dp_cp_size * fewest
+    if capacity_bound is CapacityBound.PER_RANK_SUM:
+        return float(every_rank)
+    return float(max(every_rank, int(samples.smallest_group.sum())))
+
+
+def _cp_rank_passes(request: PlanRequest, capacity_bound: CapacityBound, samples: _SampleSizes, fewest: int) -> float:
+    """Of the rank passes, those over CP groups (c > 1), at least: all of them when no CP1 group is
+    allowed; else every rank of a micro-batch outside CP1 groups, which hold a sample each, so at
+    least DPxCP x micro-batches - the samples of one rank's budget or less; and the samples longer
+    than one rank's budget (`_long_sample_passes`). A sum of CP sizes, so rounded up to a multiple
+    of their greatest common divisor."""
+    cp_sizes = samples.sizes[samples.sizes > 1]
+    if not cp_sizes.size:
+        return 0.0
+    if samples.sizes[0] > 1:
+        return _rank_passes(request, capacity_bound, samples, fewest)
+    budget = request.max_seqlen_per_dp_cp_rank
+    long = samples.lengths > budget
+    outside_cp1 = request.dp_cp_size * fewest - int((~long).sum())
+    needed = max(outside_cp1, _long_sample_passes(capacity_bound, samples, long, budget))
+    step = int(np.gcd.reduce(cp_sizes))
+    return float(_ceil_div(needed, step) * step)
+
+
+def _long_sample_passes(capacity_bound: CapacityBound, samples: _SampleSizes, long: np.ndarray, budget: int) -> int:
+    """CP rank passes that samples longer than one rank's budget force. Per sample: each is its
+    own pass on at least the smallest group it fits. Packed, samples may share a group's pass: a
+    group of c ranks holds at most c x budget real tokens, so they fill at least their tokens over
+    the budget in ranks, and the longest needs at least the smallest group it fits."""
+    if not long.any():
+        return 0
+    smallest = samples.smallest_group[long]
+    if capacity_bound is CapacityBound.PER_SAMPLE:
+        return int(smallest.sum())
+    return max(_ceil_div(int(samples.lengths[long].sum()), budget), int(smallest.max()))
+
+
+def _work(model: CostModel, samples: _SampleSizes) -> np.ndarray:
+    """(n, k): a sample's token, attention and CP-traffic seconds summed over the ranks of a group
+    of sizes[k] (c x cost.unit_features' per-rank share, without the pass terms)."""
+    squares = (samples.lengths * samples.lengths).astype(np.float64)[:, None]
+    per_padded_token = model.seconds_per_token + model.cp_seconds_per_token * (samples.sizes - 1).astype(np.float64)
+    return per_padded_token[None, :] * samples.padded + model.seconds_per_attention_token_pair * squares
+
+
+def _pass_seconds(model: CostModel, sizes: np.ndarray) -> np.ndarray:
+    """(k,): one pass's fixed seconds on one rank of a group of each size."""
+    return model.seconds_per_pass + np.where(sizes > 1, model.cp_seconds_per_micro_batch, 0.0)
+
+
+def _cheapest(values: np.ndarray, fits: np.ndarray) -> np.ndarray:
+    """Each sample's smallest value over the sizes it fits."""
+    return np.where(fits, values, np.inf).min(axis=1)
+
+
+def _single(model: CostModel, samples: _SampleSizes, work: np.ndarray, fewest: int) -> float:
+    """The dearest sample's cheapest own pass on one rank of its group (its share of `work` and
+    the pass terms), plus one pass for each other of the fewest micro-batches (with the CP fixed
+    term when no CP1 group is allowed)."""
+    own = work / samples.sizes[None, :] + _pass_seconds(model, samples.sizes)[None, :]
+    longest = float(_cheapest(own, samples.fits).max())
+    every_pass = float(_pass_seconds(model, samples.sizes[:1])[0])  # the cheapest group's pass
+    return longest + max(0, fewest - 1) * every_pass
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
