@@ -28,9 +28,9 @@ from typing import Iterable, Mapping, Sequence
 
 from batch_planner.cost_spec import CostModel
 from batch_planner.lower_bound import step_lower_bound
-from batch_planner.padding import padded_length, padded_sum, padding_multiple
+from batch_planner.padding import padded_sum, padding_multiple
 from batch_planner.plan import CpGroup, MicroBatch, PlanStatistics
-from batch_planner.request import CapacityBound, CpLayout, PlanRequest
+from batch_planner.request import CapacityBound, PlanRequest
 
 
 def unit_features(padded_tokens: int, attention_units: int, cp_size: int, passes: int) -> dict[str, float]:
@@ -73,12 +73,6 @@ def group_work_seconds(model: CostModel, padded_tokens: int, attention_units: in
     L^2: one pass when packed, one per sample otherwise, none for an empty group."""
     passes = (1 if packed else samples) if samples else 0
     return price(model, unit_features(padded_tokens, attention_units, cp_size, passes))
-
-
-def group_seconds(model: CostModel, lengths: Sequence[int], cp_size: int, tp: int, layout: CpLayout, packed: bool) -> float:
-    """One rank's time for a CP group running `lengths`."""
-    padded = sum(padded_length(length, cp_size, tp, layout) for length in lengths)
-    return group_work_seconds(model, padded, sum(length * length for length in lengths), cp_size, len(lengths), packed)
 
 
 def single_rank_work(model: CostModel, lengths: Iterable[int]) -> float:

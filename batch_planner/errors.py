@@ -80,10 +80,6 @@ class PlanningError(Exception):
         if code is not None:
             self.code = code
 
-    @property
-    def message(self) -> str:
-        return str(self)
-
 
 class InvalidRequestError(PlanningError):
     """The caller's request is malformed: retrying it will not help."""

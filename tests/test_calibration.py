@@ -15,7 +15,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from scipy.optimize import nnls
 
-from batch_planner.cost import group_seconds, unit_features
+from batch_planner.cost import unit_features
+from tests.cost_support import group_seconds
 from batch_planner.cost_spec import COEFFICIENT_BOUNDS, COEFFICIENT_NAMES, CostModel, CostModelSpec
 from batch_planner.planner import plan_batch
 from batch_planner.request import CpLayout, PlanRequest, SchedulerKind

@@ -10,13 +10,19 @@ from tensordict import TensorDict
 from batch_planner.padding import padded_length
 from batch_planner.planner import plan_batch
 from batch_planner.request import CpLayout, PlanRequest
-from trainer_client.apply import micro_batches_for_rank, shard_positions
+from batch_planner.shards import unit_shard
+from trainer_client.apply import micro_batches_for_rank
 from trainer_client.batch import BatchMismatchError, unbind_batch
 from trainer_client.outputs import OutputRestoreError, order_outputs
 
 # With 4 ranks of 1,024 tokens: 3,000 needs CP4, 1,500-1,800 CP2, the rest CP1.
 LENGTHS = (3000, 1500, 1800, 700, 500, 301, 900, 97, 1000, 64, 333, 1)
 
+
+
+def shard_positions(length: int, cp_size: int, cp_rank: int, tensor_parallel_size: int, layout: CpLayout) -> list[int]:
+    """Positions (in the padded sequence) of the tokens rank `cp_rank` holds of one sequence."""
+    return [p for r in unit_shard([length], cp_size, cp_rank, tensor_parallel_size, layout) for p in range(r.start, r.stop)]
 
 def make_batch(lengths, routes=True) -> TensorDict:
     """Token value = sample id * 100,000 + position, so a shard tells where its tokens came from."""
@@ -75,10 +81,10 @@ def test_every_real_token_lands_on_exactly_one_rank(layout, tp):
 
 def test_zigzag_takes_chunks_r_and_2c_minus_1_minus_r():
     # 10 tokens on CP2, TP1: padded to 12, chunks of 3: rank 0 gets chunks 0 and 3, rank 1 chunks 1 and 2.
-    assert shard_positions(10, 2, 0, 1, CpLayout.ZIGZAG).tolist() == [0, 1, 2, 9, 10, 11]
-    assert shard_positions(10, 2, 1, 1, CpLayout.ZIGZAG).tolist() == [3, 4, 5, 6, 7, 8]
-    assert shard_positions(10, 2, 1, 1, CpLayout.CONTIGUOUS).tolist() == [5, 6, 7, 8, 9]
-    assert shard_positions(5, 1, 0, 2, CpLayout.ZIGZAG).tolist() == [0, 1, 2, 3, 4, 5]
+    assert shard_positions(10, 2, 0, 1, CpLayout.ZIGZAG) == [0, 1, 2, 9, 10, 11]
+    assert shard_positions(10, 2, 1, 1, CpLayout.ZIGZAG) == [3, 4, 5, 6, 7, 8]
+    assert shard_positions(10, 2, 1, 1, CpLayout.CONTIGUOUS) == [5, 6, 7, 8, 9]
+    assert shard_positions(5, 1, 0, 2, CpLayout.ZIGZAG) == [0, 1, 2, 3, 4, 5]
 
 
 def test_hybrid_cp_runs_each_sample_of_a_group_as_its_own_unit_and_packing_packs_them():

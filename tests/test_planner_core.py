@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
-from batch_planner.cost import group_seconds, static_cp_step_cost
+from batch_planner.cost import static_cp_step_cost
+from tests.cost_support import group_seconds
 from batch_planner.cost_spec import CostModel
 from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
 from batch_planner.errors import InvariantViolationError

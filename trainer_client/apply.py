@@ -27,11 +27,6 @@ from trainer_client.megatron import CpGroupResolver, packed_seq_params
 from trainer_client.micro_batch import RankMicroBatch
 
 
-def shard_positions(length: int, cp_size: int, cp_rank: int, tensor_parallel_size: int, layout: CpLayout) -> torch.Tensor:
-    """Positions (in the padded sequence) of the tokens rank `cp_rank` holds of one sequence."""
-    return _arange_ranges([(r.start, r.stop) for r in unit_shard([length], cp_size, cp_rank, tensor_parallel_size, layout)])
-
-
 def _arange_ranges(ranges: list[tuple[int, int]]) -> torch.Tensor:
     """torch.cat([torch.arange(a, b) for a, b in ranges]); for many ranges (packed units) in four
     ops: a cumulative sum of steps that are 1 inside a range and jump where the next one starts."""

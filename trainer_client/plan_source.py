@@ -104,7 +104,7 @@ class PlanSource:
             plan = plan_batch(request)
         except PlanningError as error:
             # The trainer's own Megatron-Core cannot plan it either: say both sides' reasons.
-            raise PlanRejectedError(error.code.value, error.message) from error
+            raise PlanRejectedError(error.code.value, str(error)) from error
         self._count(FALLBACK)
         return SourcedPlan(plan, FALLBACK)
 

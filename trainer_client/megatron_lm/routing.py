@@ -28,7 +28,6 @@ class Traffic:
 
     received_bytes: int = 0
     global_batch_bytes: int = 0
-    collectives: int = 0
 
 
 def route_samples(
@@ -54,7 +53,6 @@ def route_samples(
         incoming = _exchange(payload, [sum(layout.rows[i] for i in ids) * width for ids in send], rows_in, groups.dp)
         traffic.received_bytes += incoming.numel() * incoming.element_size()
         traffic.global_batch_bytes += sum(layout.rows) * width * incoming.element_size()
-        traffic.collectives += 1
         cursor = 0
         for i in (i for ids in receive for i in ids):
             count = layout.rows[i] * width
