@@ -12,6 +12,7 @@ tens of minutes), start-up, fairness and the RL wait (servers of their own) run 
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from pathlib import Path
 
@@ -27,15 +28,21 @@ def summary(out: Path, reports: list[Path], seconds: float) -> Path:
     rows = []
     for path in reports:
         title, bars = read_bars(path)
-        rows += [[f"[{title}]({path.name})", bar.case, bar.target, verdict(bar.met)] for bar in bars]
-    table = markdown_table(["benchmark", "case", "bar", "verdict"], rows)
+        rows += [[f"[{title}]({path.name})", bar.case, bar.target, verdict(bar.met), measured(path)] for bar in bars]
+    table = markdown_table(["benchmark", "case", "bar", "verdict", "measured"], rows)
     return write_report(
         out, "summary", "Benchmark summary",
-        f"The benchmarks' bars (targets) and whether the last run of each benchmark reached them "
-        f"(the last `python -m bench` call took {seconds:.0f} s).",
+        f"The benchmarks' bars (targets) and whether the last run of each benchmark reached them, with "
+        f"when that run started (the last `python -m bench` call took {seconds:.0f} s).",
         [("Bars", table)],
         rows=rows,
     ).path
+
+
+def measured(report: Path) -> str:
+    """When the report's run started, from its machine note."""
+    found = re.search(r"^Measured (\S+ \S+) ", report.read_text(), re.MULTILINE)
+    return found.group(1) if found else "unknown"
 
 
 def main(argv: list[str] | None = None) -> None:
