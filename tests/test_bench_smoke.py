@@ -209,5 +209,7 @@ def test_summary_lists_the_stored_bars_of_every_report(tmp_path):
     with_bars = write_report(tmp_path, "a", "Benchmark A", "intro", [], rows=[], bars=[Bar("64 on 8", "<= 1 ms", False)])
     without = write_report(tmp_path, "b", "Benchmark B", "intro", [], rows=[])
     text = summary(tmp_path, [with_bars.path], 1.0).read_text()
-    assert markdown_tables(text)[0][1:] == [["[Benchmark A](a.md)", "64 on 8", "<= 1 ms", "**NOT MET**"]]
+    [row] = markdown_tables(text)[0][1:]
+    assert row[:4] == ["[Benchmark A](a.md)", "64 on 8", "<= 1 ms", "**NOT MET**"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", row[4]), row  # when run A started, from its machine note
     assert not (tmp_path / "b.bars.json").exists() and without.bars == ()
