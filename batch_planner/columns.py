@@ -28,15 +28,14 @@ class _Lengths:
         self.lengths = lengths
         self.int64: np.ndarray | None = None
         self.shortest, self.longest = 0, 0
-        if set(map(type, lengths)) <= {int}:
-            try:
-                self.int64 = np.array(lengths, dtype=np.int64)
-            except OverflowError:  # a length past int64: only Python's ints hold it
-                pass
-        if self.int64 is not None:
-            self.int64.flags.writeable = False
-            if len(self.int64):
-                self.shortest, self.longest = int(self.int64.min()), int(self.int64.max())
+        # numpy finds the dtype: int64 for ints (numpy's too) that fit, another for floats, strings
+        # or ints past int64, which only Python's ints hold.
+        column = np.array(lengths) if len(lengths) else np.zeros(0, dtype=np.int64)
+        if column.dtype == np.int64 and column.ndim == 1:
+            self.int64 = column
+            column.flags.writeable = False
+            if len(column):
+                self.shortest, self.longest = int(column.min()), int(column.max())
         elif lengths:
             self.shortest, self.longest = min(lengths), max(lengths)
 

@@ -56,11 +56,18 @@ class _SampleSizes:
     lengths: np.ndarray  # (n,) int64
     sizes: np.ndarray  # (k,) the plan's allowed CP sizes, ascending
     multiples: np.ndarray  # (k,) their padding multiples
-    fits: list[np.ndarray]  # k x (n,) bool: sample s fits a group of sizes[k]
     smallest_index: np.ndarray  # (n,) the index in `sizes` of the smallest size each sample fits
     # The fits are a suffix of the sizes for every sample (capacities ascending, in int64), every
     # sample fits one, every length is >= 1 and its square exact: what _Work's shortcuts need.
     ordered: bool
+    held: np.ndarray  # (n,) bool: some size holds the sample
+    capacities: np.ndarray  # (k,) int64: sizes x max_seqlen_per_dp_cp_rank
+
+    @cached_property
+    def fits(self) -> list[np.ndarray]:
+        """k x (n,) bool: sample s fits a group of sizes[k]; a sample no group holds is in no
+        plan (validation refuses it): every size stands for it."""
+        return [(capacity >= self.lengths) | ~self.held for capacity in self.capacities]
 
     @cached_property
     def smallest_group(self) -> np.ndarray:
@@ -96,17 +103,18 @@ def _sample_sizes(request: PlanRequest) -> _SampleSizes:
     allowed = sorted(valid_cp_sizes(request.scheduler, request.dp_cp_size, request.context_parallel_size, request.min_cp_size))
     sizes = np.asarray(allowed, dtype=np.int64)
     budget = request.max_seqlen_per_dp_cp_rank
-    fits = [capacity >= lengths for capacity in sizes * budget]
-    fitting = np.add.reduce(fits, dtype=np.int64)  # how many sizes each sample fits
-    # A sample no group holds is in no plan (validation refuses it): let every size stand for it.
-    held = bool(fitting.all())
-    if not held:
-        fits = [fit | (fitting == 0) for fit in fits]
-    ascending = 0 < budget and allowed[-1] * budget < INT64_EXACT
-    ordered = held and ascending and exact.dtype == np.int64 and int(lengths.min()) >= 1
-    smallest = len(allowed) - fitting if ascending else np.argmax(np.stack(fits, axis=1), axis=1)
+    capacities = sizes * budget
+    ascending = 0 < budget and allowed[-1] * budget < INT64_EXACT  # in int64: a sample fits a suffix of the sizes
+    if ascending:
+        first = np.searchsorted(capacities, lengths, side="left")
+        held = first < len(allowed)
+    else:
+        fits = np.stack([capacity >= lengths for capacity in capacities], axis=1)
+        held = fits.any(axis=1)
+        first = np.argmax(fits, axis=1)
+    ordered = ascending and bool(held.all()) and exact.dtype == np.int64 and int(lengths.min()) >= 1
     multiples = np.asarray([padding_multiple(c, request.tensor_parallel_size, request.cp_layout) for c in allowed], dtype=np.int64)
-    return _SampleSizes(lengths, sizes, multiples, fits, np.where(fitting == 0, 0, smallest), ordered)
+    return _SampleSizes(lengths, sizes, multiples, np.where(held, first, 0), ordered, held, capacities)
 
 
 def fewest_micro_batches(request: PlanRequest, capacity_bound: CapacityBound) -> int:

@@ -145,6 +145,7 @@ class GroupColumns:
     # `sample_ids` as int64 when every one is an int id of the request (0..num_samples - 1), else None.
     sample_id_column: np.ndarray | None
     sample_offsets: np.ndarray  # where each group's ids start in `sample_ids`, then their number
+    int_ranks: bool  # every first rank and size is an int
 
     @classmethod
     def of(cls, micro_batches: Sequence[MicroBatch], num_samples: int) -> GroupColumns:
@@ -163,6 +164,7 @@ class GroupColumns:
             sample_ids=flat,
             sample_id_column=_id_column(flat, num_samples) if set(map(type, flat)) <= {int} else None,
             sample_offsets=run_offsets(map(len, ids), len(ids)),
+            int_ranks=set(map(type, chain(map(attrgetter("first_rank"), groups), map(attrgetter("size"), groups)))) <= {int},
         )
 
     @classmethod
@@ -198,7 +200,7 @@ class GroupColumns:
             real, padded = padding.group_tokens(np.asarray(list(chain.from_iterable(known)), dtype=np.int64), run_offsets(map(len, known), len(known)), sizes)
         else:
             real, padded = padding.group_tokens(column, offsets, sizes)
-        return cls(micro_batch_starts, first_ranks, sizes, ids, real, padded, flat, column, offsets)
+        return cls(micro_batch_starts, first_ranks, sizes, ids, real, padded, flat, column, offsets, int_ranks=True)
 
     @cached_property
     def sample_counts(self) -> list[int]:
@@ -251,7 +253,7 @@ def _invariants_hold(plan: Plan, request: PlanRequest, valid_cp_sizes: frozenset
     ids = columns.sample_id_column
     return (
         ids is not None
-        and set(map(type, chain(columns.first_ranks, columns.sizes))) <= {int}
+        and columns.int_ranks
         and _groups_tile_ranks(columns, plan.dp_cp_size, valid_cp_sizes)
         and _each_sample_once(ids, request.num_samples)
         and _within_capacity(columns, ids, request, plan.capacity_bound)
