@@ -24,16 +24,20 @@ CP terms that samples longer than one rank's budget force.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from itertools import pairwise
+from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
+
+from batch_planner.columns import FLOAT_EXACT, INT64_EXACT, lengths_column, round_up, segment_sums
 from batch_planner.cost_spec import CostModel
 from batch_planner.lower_bound import step_lower_bound
-from batch_planner.padding import padded_sum, padding_multiple
-from batch_planner.plan import CpGroup, MicroBatch, PlanStatistics
+from batch_planner.padding import padding_multiple
+from batch_planner.plan import GroupColumns, MicroBatch, PlanStatistics
 from batch_planner.request import CapacityBound, PlanRequest
 
 
-def unit_features(padded_tokens: int, attention_units: int, cp_size: int, passes: int) -> dict[str, float]:
+def unit_features(padded_tokens: Any, attention_units: Any, cp_size: Any, passes: Any) -> dict[str, Any]:
     """What one rank of a CP group of `cp_size` does, per coefficient: the one home of the model's
     arithmetic. The group's padded tokens P, its sum of L^2, and its forward+backward passes give
 
@@ -46,19 +50,24 @@ def unit_features(padded_tokens: int, attention_units: int, cp_size: int, passes
     in the order of CostModel's fields (cost_spec.COEFFICIENT_NAMES). `price` is the dot product
     with the coefficients; the planner prices plans with it and the trainer's calibration
     (trainer_client/calibration.py) fits the coefficients to timed units' features, so what is
-    predicted and what is fitted cannot drift apart."""
+    predicted and what is fitted cannot drift apart.
+
+    The arguments may also be numpy columns (batch_planner/columns.py), one value per group: the
+    same operations then run element by element (x * 1.0 is float(x); the CP terms vanish at c = 1
+    as (c - 1) and c > 1 are 0), so a group's features are the same bits either way."""
     cp = cp_size > 1
     return {
         "seconds_per_token": padded_tokens / cp_size,
-        "seconds_per_attention_token_pair": float(attention_units) / cp_size,
-        "cp_seconds_per_micro_batch": float(passes) if cp else 0.0,
-        "cp_seconds_per_token": padded_tokens * (cp_size - 1) / cp_size if cp else 0.0,
-        "seconds_per_pass": float(passes),
+        "seconds_per_attention_token_pair": attention_units * 1.0 / cp_size,
+        "cp_seconds_per_micro_batch": passes * cp * 1.0,
+        "cp_seconds_per_token": padded_tokens * (cp_size - 1) / cp_size,
+        "seconds_per_pass": passes * 1.0,
     }
 
 
-def price(model: CostModel, features: Mapping[str, float]) -> float:
-    """Seconds of work with these features (`unit_features`): the coefficients' dot product."""
+def price(model: CostModel, features: Mapping[str, Any]) -> Any:
+    """Seconds of work with these features (`unit_features`): the coefficients' dot product (a
+    column of seconds for columns of features)."""
     return (
         model.seconds_per_token * features["seconds_per_token"]
         + model.seconds_per_attention_token_pair * features["seconds_per_attention_token_pair"]
@@ -85,35 +94,62 @@ def single_rank_work(model: CostModel, lengths: Iterable[int]) -> float:
     return model.seconds_per_token * tokens + model.seconds_per_attention_token_pair * float(attention_units)
 
 
-def step_cost(micro_batches: Sequence[MicroBatch], request: PlanRequest, model: CostModel, packed: bool) -> float:
-    """The plan's predicted step time, from each CP group's padded tokens and its samples' L^2."""
-    squares = [length * length for length in request.sequence_lengths]
+def step_cost(micro_batches: Sequence[MicroBatch], request: PlanRequest, model: CostModel, packed: bool, columns: GroupColumns | None = None) -> float:
+    """The plan's predicted step time, from each CP group's padded tokens and its samples' L^2.
+    `columns`: GroupColumns.of(micro_batches), when the caller has them."""
+    columns = columns or GroupColumns.of(micro_batches, request.num_samples)
+    seconds = _groups_seconds(model, columns, request, packed).tolist()
     total = 0.0
-    for micro_batch in micro_batches:
-        slowest = 0.0
-        for group in micro_batch.cp_groups:
-            ids = group.sample_ids
-            seconds = group_work_seconds(model, group.padded_tokens, sum(map(squares.__getitem__, ids)), group.size, len(ids), packed)
-            slowest = max(slowest, seconds)
-        total += slowest
+    for start, end in pairwise(columns.micro_batch_starts):
+        total += max(0.0, *seconds[start:end])  # the slowest group; a micro-batch lasts that long
     return total
+
+
+def _groups_seconds(model: CostModel, columns: GroupColumns, request: PlanRequest, packed: bool) -> np.ndarray:
+    """One rank's time for each CP group (`group_work_seconds`, one group per element)."""
+    largest = max(columns.sizes, default=1)
+    lengths = lengths_column(request.sequence_lengths, largest, request.tensor_parallel_size)
+    dtype = lengths.dtype if max(columns.padded_tokens, default=0) * largest < FLOAT_EXACT else np.dtype(object)
+    ids = columns.sample_id_column
+    squares = (lengths * lengths)[np.asarray(columns.sample_ids, dtype=np.int64) if ids is None else ids]
+    counts = np.diff(columns.sample_offsets)
+    passes = np.where(counts > 0, 1 if packed else counts, 0)
+    sizes = columns.size_column.astype(dtype)
+    attention = segment_sums(squares.astype(dtype), columns.sample_offsets)
+    return _price_columns(model, unit_features(np.asarray(columns.padded_tokens, dtype=dtype), attention, sizes, passes))
+
+
+def _price_columns(model: CostModel, features: Mapping[str, Any]) -> np.ndarray:
+    """`price` of columns of features, as float64; an overflow to inf passes silently, as it does
+    in Python's float arithmetic."""
+    with np.errstate(over="ignore"):
+        return np.asarray(price(model, features), dtype=np.float64)
 
 
 def pack_in_order(lengths: Sequence[int], budget: int) -> list[list[int]]:
     """Sample ids packed in their original order, a new pack whenever the next would pass `budget`
     tokens (a longer sample gets a pack of its own): static CP's packing, as the estimate prices it."""
-    packs: list[list[int]] = []
-    current: list[int] = []
-    tokens = 0
-    for sample_id, length in enumerate(lengths):
-        if current and tokens + length > budget:
-            packs.append(current)
-            current, tokens = [], 0
-        current.append(sample_id)
-        tokens += length
-    if current:
-        packs.append(current)
-    return packs
+    starts = pack_starts(lengths_column(lengths, 1, 1), budget)
+    return [list(range(start, end)) for start, end in pairwise([*starts, len(lengths)])]
+
+
+def pack_starts(lengths: np.ndarray, budget: int) -> list[int]:
+    """The first sample of each of `pack_in_order`'s packs (lengths >= 0): a pack from sample s
+    runs to the last sample whose running total from s stays within `budget`, and holds at least s."""
+    count = len(lengths)
+    if not count:
+        return []
+    totals = np.zeros(count + 1, dtype=lengths.dtype)
+    np.cumsum(lengths, out=totals[1:])
+    # A budget above the whole batch packs as the whole batch does (and keeps the sums in int64).
+    budget = min(budget, int(totals[-1]))
+    last = np.searchsorted(totals, totals[:-1] + budget, side="right") - 1
+    following = np.maximum(last, np.arange(1, count + 1)).tolist()  # the next pack's first sample
+    starts, start = [], 0
+    while start < count:
+        starts.append(start)
+        start = following[start]
+    return starts
 
 
 def static_cp_step_cost(request: PlanRequest, model: CostModel) -> float:
@@ -125,15 +161,22 @@ def static_cp_step_cost(request: PlanRequest, model: CostModel) -> float:
     replicas meet only at the gradient all-reduce: the step is the slowest replica's sum.
     """
     cp = request.context_parallel_size
-    lengths = request.sequence_lengths
-    multiple = padding_multiple(cp, request.tensor_parallel_size, request.cp_layout)
-    squares = [length * length for length in lengths]
-    dp = request.data_parallel_size
-    replica_seconds = [0.0] * dp
-    for k, pack in enumerate(pack_in_order(lengths, request.max_seqlen_per_dp_cp_rank * cp)):
-        padded = padded_sum(map(lengths.__getitem__, pack), multiple)
-        replica_seconds[k % dp] += group_work_seconds(model, padded, sum(map(squares.__getitem__, pack)), cp, len(pack), True)
-    return max(replica_seconds)
+    lengths = lengths_column(request.sequence_lengths, cp, request.tensor_parallel_size)
+    starts = pack_starts(lengths, request.max_seqlen_per_dp_cp_rank * cp)
+    offsets = np.asarray([*starts, len(lengths)], dtype=np.int64)
+    padded = segment_sums(round_up(lengths, padding_multiple(cp, request.tensor_parallel_size, request.cp_layout)), offsets)
+    features = unit_features(padded, segment_sums(lengths * lengths, offsets), cp, 1)  # one pass per pack
+    return _slowest_replica(_price_columns(model, features), request.data_parallel_size)
+
+
+def _slowest_replica(pack_seconds: np.ndarray, dp: int) -> float:
+    """The largest of the DP replicas' sums when pack k runs on replica k % dp: each replica's sum
+    left to right from 0.0, as `replica_seconds[k % dp] += seconds` adds."""
+    rounds = -(-len(pack_seconds) // dp)
+    table = np.zeros((rounds + 1, dp))  # row 0: every replica's 0.0; the last row's tail: nothing more
+    table.reshape(-1)[dp : dp + len(pack_seconds)] = pack_seconds
+    with np.errstate(over="ignore"):
+        return max(np.add.accumulate(table, axis=0)[-1].tolist())
 
 
 def plan_statistics(
@@ -141,19 +184,16 @@ def plan_statistics(
     request: PlanRequest,
     capacity_bound: CapacityBound,
     model: CostModel,
+    columns: GroupColumns | None = None,
 ) -> PlanStatistics:
     """The plan's statistics under `model`; its lower bound and balance efficiency (bound /
-    predicted: 1.0 means no imbalance left to recover) are of every plan of `request`."""
-    groups: list[CpGroup] = [g for mb in micro_batches for g in mb.cp_groups]
-    real = sum(g.real_tokens for g in groups)
-    padded = sum(g.padded_tokens for g in groups)
-    mix: dict[int, list[int]] = {}
-    for group in groups:
-        entry = mix.setdefault(group.size, [0, 0])
-        entry[0] += len(group.sample_ids)
-        entry[1] += group.real_tokens
+    predicted: 1.0 means no imbalance left to recover) are of every plan of `request`.
+    `columns`: GroupColumns.of(micro_batches), when the caller has them."""
+    columns = columns or GroupColumns.of(micro_batches, request.num_samples)
+    real = sum(columns.real_tokens)
+    padded = sum(columns.padded_tokens)
     packed = capacity_bound is CapacityBound.PER_RANK_SUM
-    predicted = step_cost(micro_batches, request, model, packed)
+    predicted = step_cost(micro_batches, request, model, packed, columns)
     lower_bound = step_lower_bound(request, capacity_bound, model).cost
     static = static_cp_step_cost(request, model)
     return PlanStatistics(
@@ -161,10 +201,22 @@ def plan_statistics(
         padded_tokens=padded,
         padding_ratio=(padded - real) / padded if padded else 0.0,
         micro_batch_count=len(micro_batches),
-        cp_size_mix=tuple((size, n, tokens) for size, (n, tokens) in sorted(mix.items())),
+        cp_size_mix=cp_size_mix(columns),
         predicted_step_cost=predicted,
         lower_bound_cost=lower_bound,
         balance_efficiency=lower_bound / predicted if predicted > 0 else 1.0,
         static_cp_step_cost=static,
         predicted_speedup_over_static_cp=static / predicted if predicted > 0 else 1.0,
     )
+
+
+def cp_size_mix(columns: GroupColumns) -> tuple[tuple[int, int, int], ...]:
+    """(cp_size, samples, real_tokens) for each CP size the plan's groups use, by cp_size."""
+    sizes = columns.size_column
+    real = np.asarray(columns.real_tokens, dtype=np.int64 if sum(columns.real_tokens) < INT64_EXACT else object)
+    counts = np.diff(columns.sample_offsets)
+    mix = []
+    for size in sorted(set(columns.sizes)):
+        mask = sizes == size
+        mix.append((size, int(counts[mask].sum()), int(real[mask].sum())))
+    return tuple(mix)

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import pairwise
 
 import numpy as np
 
+from batch_planner.columns import INT64_EXACT, lengths_column, round_up
 from batch_planner.cost_spec import CostModel
 from batch_planner.padding import padding_multiple
 from batch_planner.request import CapacityBound, PlanRequest, SchedulerKind
@@ -47,17 +50,34 @@ class LowerBound:
 
 @dataclass(frozen=True)
 class _SampleSizes:
-    """Each sample's CP sizes: the plan's allowed ones whose group holds it (c x budget >= L)."""
+    """Each sample's CP sizes: the plan's allowed ones whose group holds it (c x budget >= L).
+    Per-size values are columns of one (n,) array per size, so each pass over them stays small."""
 
     lengths: np.ndarray  # (n,) int64
     sizes: np.ndarray  # (k,) the plan's allowed CP sizes, ascending
-    fits: np.ndarray  # (n, k) bool: sample s fits a group of sizes[k]
-    padded: np.ndarray  # (n, k) int64: sample s padded for sizes[k]
+    multiples: np.ndarray  # (k,) their padding multiples
+    smallest_index: np.ndarray  # (n,) the index in `sizes` of the smallest size each sample fits
+    # The fits are a suffix of the sizes for every sample (capacities ascending, in int64), every
+    # sample fits one, every length is >= 1 and its square exact: what _Work's shortcuts need.
+    ordered: bool
+    held: np.ndarray  # (n,) bool: some size holds the sample
+    capacities: np.ndarray  # (k,) int64: sizes x max_seqlen_per_dp_cp_rank
 
-    @property
+    @cached_property
+    def fits(self) -> list[np.ndarray]:
+        """k x (n,) bool: sample s fits a group of sizes[k]; a sample no group holds is in no
+        plan (validation refuses it): every size stands for it."""
+        return [(capacity >= self.lengths) | ~self.held for capacity in self.capacities]
+
+    @cached_property
     def smallest_group(self) -> np.ndarray:
         """(n,) the smallest CP size each sample fits."""
-        return self.sizes[self.fits.argmax(axis=1)]
+        return self.sizes[self.smallest_index]
+
+    @cached_property
+    def padded(self) -> list[np.ndarray]:
+        """k x (n,) int64: sample s padded for sizes[k]."""
+        return [round_up(self.lengths, multiple) for multiple in self.multiples.tolist()]
 
 
 def step_lower_bound(request: PlanRequest, capacity_bound: CapacityBound, model: CostModel) -> LowerBound:
@@ -69,24 +89,32 @@ def step_lower_bound(request: PlanRequest, capacity_bound: CapacityBound, model:
     fewest = fewest_micro_batches(request, capacity_bound)
     passes = _rank_passes(request, capacity_bound, samples, fewest)
     cp_passes = _cp_rank_passes(request, capacity_bound, samples, fewest)
-    work = _work(model, samples)
+    work = _Work(model, samples)
     fixed = model.seconds_per_pass * passes + model.cp_seconds_per_micro_batch * cp_passes
     # fsum: exactly rounded, so every replica (whatever numpy's reduction order on its CPU) serves
     # the same bytes.
-    even = (math.fsum(_cheapest(work, samples.fits).tolist()) + fixed) / request.dp_cp_size
+    even = (math.fsum(work.cheapest().tolist()) + fixed) / request.dp_cp_size
     return LowerBound(even, _single(model, samples, work, fewest), fewest, passes, cp_passes)
 
 
 def _sample_sizes(request: PlanRequest) -> _SampleSizes:
-    lengths = np.asarray(request.sequence_lengths, dtype=np.int64)
+    exact = lengths_column(request.sequence_lengths, request.dp_cp_size, request.tensor_parallel_size)
+    lengths = exact if exact.dtype == np.int64 else np.asarray(request.sequence_lengths, dtype=np.int64)
     allowed = sorted(valid_cp_sizes(request.scheduler, request.dp_cp_size, request.context_parallel_size, request.min_cp_size))
     sizes = np.asarray(allowed, dtype=np.int64)
-    fits = sizes[None, :] * request.max_seqlen_per_dp_cp_rank >= lengths[:, None]
-    # A sample no group holds is in no plan (validation refuses it): let every size stand for it.
-    fits[~fits.any(axis=1)] = True
+    budget = request.max_seqlen_per_dp_cp_rank
+    capacities = sizes * budget
+    ascending = 0 < budget and allowed[-1] * budget < INT64_EXACT  # in int64: a sample fits a suffix of the sizes
+    if ascending:
+        first = np.searchsorted(capacities, lengths, side="left")
+        held = first < len(allowed)
+    else:
+        fits = np.stack([capacity >= lengths for capacity in capacities], axis=1)
+        held = fits.any(axis=1)
+        first = np.argmax(fits, axis=1)
+    ordered = ascending and bool(held.all()) and exact.dtype == np.int64 and int(lengths.min()) >= 1
     multiples = np.asarray([padding_multiple(c, request.tensor_parallel_size, request.cp_layout) for c in allowed], dtype=np.int64)
-    padded = -(-lengths[:, None] // multiples[None, :]) * multiples[None, :]
-    return _SampleSizes(lengths, sizes, fits, padded)
+    return _SampleSizes(lengths, sizes, multiples, np.where(held, first, 0), ordered, held, capacities)
 
 
 def fewest_micro_batches(request: PlanRequest, capacity_bound: CapacityBound) -> int:
@@ -150,12 +178,41 @@ def _long_sample_passes(capacity_bound: CapacityBound, samples: _SampleSizes, lo
     return max(_ceil_div(int(samples.lengths[long].sum()), budget), int(smallest.max()))
 
 
-def _work(model: CostModel, samples: _SampleSizes) -> np.ndarray:
-    """(n, k): a sample's token, attention and CP-traffic seconds summed over the ranks of a group
-    of sizes[k] (c x cost.unit_features' per-rank share, without the pass terms)."""
-    squares = (samples.lengths * samples.lengths).astype(np.float64)[:, None]
-    per_padded_token = model.seconds_per_token + model.cp_seconds_per_token * (samples.sizes - 1).astype(np.float64)
-    return per_padded_token[None, :] * samples.padded + model.seconds_per_attention_token_pair * squares
+class _Work:
+    """A sample's token, attention and CP-traffic seconds summed over the ranks of a group of each
+    allowed size (c x cost.unit_features' per-rank share, without the pass terms)."""
+
+    def __init__(self, model: CostModel, samples: _SampleSizes):
+        self.samples = samples
+        squares = (samples.lengths * samples.lengths).astype(np.float64)
+        self.attention = model.seconds_per_attention_token_pair * squares
+        self.per_padded_token = model.seconds_per_token + model.cp_seconds_per_token * (samples.sizes - 1).astype(np.float64)
+        # Every coefficient >= +0.0 (none -0.0): the seconds then never fall as a size or a length grows.
+        self.monotone = samples.ordered and all(
+            math.copysign(1.0, value) > 0 for value in (model.seconds_per_token, model.cp_seconds_per_token, model.seconds_per_attention_token_pair,
+                                                        model.seconds_per_pass, model.cp_seconds_per_micro_batch))
+
+    @cached_property
+    def columns(self) -> list[np.ndarray]:
+        """k x (n,): every sample's seconds at every allowed size."""
+        return [rate * padded + self.attention for rate, padded in zip(self.per_padded_token, self.samples.padded)]
+
+    def cheapest(self) -> np.ndarray:
+        """(n,): each sample's seconds at the cheapest size it fits: `at_smallest_fit` where that is
+        the same, else the minimum over the sizes it fits."""
+        multiples = self.samples.multiples.tolist()
+        if self.monotone and all(larger % smaller == 0 for smaller, larger in pairwise(multiples)):
+            return self.at_smallest_fit()
+        return _cheapest(self.columns, self.samples.fits)
+
+    def at_smallest_fit(self) -> np.ndarray:
+        """(n,): each sample's seconds at the smallest size it fits. The cheapest when `monotone`
+        and each allowed size's padding multiple divides the next one's: a sample's padded length
+        then never falls as the size grows, nor does the per-token rate (coefficients >= 0), so
+        neither does the rounded product, nor its sum with the attention term; the same bits as the
+        minimum over the sizes it fits."""
+        index = self.samples.smallest_index
+        return self.per_padded_token[index] * round_up(self.samples.lengths, self.samples.multiples[index]) + self.attention
 
 
 def _pass_seconds(model: CostModel, sizes: np.ndarray) -> np.ndarray:
@@ -163,19 +220,41 @@ def _pass_seconds(model: CostModel, sizes: np.ndarray) -> np.ndarray:
     return model.seconds_per_pass + np.where(sizes > 1, model.cp_seconds_per_micro_batch, 0.0)
 
 
-def _cheapest(values: np.ndarray, fits: np.ndarray) -> np.ndarray:
+def _cheapest(values: list[np.ndarray], fits: list[np.ndarray]) -> np.ndarray:
     """Each sample's smallest value over the sizes it fits."""
-    return np.where(fits, values, np.inf).min(axis=1)
+    cheapest = np.full(len(values[0]), np.inf)
+    for value, fit in zip(values, fits):
+        np.minimum(cheapest, value, out=cheapest, where=fit)
+    return cheapest
 
 
-def _single(model: CostModel, samples: _SampleSizes, work: np.ndarray, fewest: int) -> float:
+def _single(model: CostModel, samples: _SampleSizes, work: _Work, fewest: int) -> float:
     """The dearest sample's cheapest own pass on one rank of its group (its share of `work` and
     the pass terms), plus one pass for each other of the fewest micro-batches (with the CP fixed
     term when no CP1 group is allowed)."""
-    own = work / samples.sizes[None, :] + _pass_seconds(model, samples.sizes)[None, :]
-    longest = float(_cheapest(own, samples.fits).max())
-    every_pass = float(_pass_seconds(model, samples.sizes[:1])[0])  # the cheapest group's pass
-    return longest + max(0, fewest - 1) * every_pass
+    passes = _pass_seconds(model, samples.sizes)
+    every_pass = float(passes[0])  # the cheapest group's pass
+    return _dearest_own_pass(samples, work, passes) + max(0, fewest - 1) * every_pass
+
+
+def _dearest_own_pass(samples: _SampleSizes, work: _Work, passes: np.ndarray) -> float:
+    """The largest over the samples of a sample's cheapest own pass over the sizes it fits."""
+    if work.monotone:
+        return _longest_samples_own_pass(samples, work, passes)
+    own = [seconds / size + fixed for seconds, size, fixed in zip(work.columns, samples.sizes, passes)]
+    return float(_cheapest(own, samples.fits).max())
+
+
+def _longest_samples_own_pass(samples: _SampleSizes, work: _Work, passes: np.ndarray) -> float:
+    """The longest sample's cheapest own pass, computed for it alone with `_dearest_own_pass`'s
+    operations: the dearest when `work.monotone`. At one size, a longer sample's pass then never
+    costs less (its padded length and its square never fall, the coefficients are >= 0), and it
+    fits fewer sizes (a suffix of those a shorter one fits), so its cheapest pass never costs less."""
+    longest = int(np.argmax(samples.lengths))
+    first = int(samples.smallest_index[longest])
+    padded = round_up(samples.lengths[longest], samples.multiples[first:])
+    seconds = work.per_padded_token[first:] * padded + work.attention[longest]
+    return float((seconds / samples.sizes[first:] + passes[first:]).min())
 
 
 def _ceil_div(a: int, b: int) -> int:

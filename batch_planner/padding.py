@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+import numpy as np
+
+from batch_planner.columns import lengths_column, round_up, segment_sums
 from batch_planner.request import CpLayout, PlanRequest
 
 
@@ -32,9 +35,8 @@ def padded_sum(lengths: Iterable[int], multiple: int) -> int:
 class PlanPadding:
     """The padding arithmetic of one plan's request: each CP size's padding multiple computed once.
 
-    Building the CP groups (their padded_tokens) and pricing the static-CP comparison both need
-    padded lengths at some CP size; the statistics then read each group's padded_tokens instead of
-    padding its samples again.
+    Building the CP groups needs their padded tokens (`group_tokens`, every group at once); the
+    statistics then read each group's padded_tokens instead of padding its samples again.
     """
 
     def __init__(self, sequence_lengths: Sequence[int], tensor_parallel_size: int, cp_layout: CpLayout):
@@ -56,3 +58,15 @@ class PlanPadding:
     def padded_tokens(self, sample_ids: Sequence[int], cp_size: int) -> int:
         """Sum of the padded lengths of `sample_ids` (all within the request) on `cp_size` ranks."""
         return padded_sum(map(self.sequence_lengths.__getitem__, sample_ids), self.multiple(cp_size))
+
+    def group_tokens(self, sample_ids: np.ndarray, offsets: np.ndarray, sizes: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Real and padded tokens of groups given by their sizes and all their sample ids one after
+        another (every id within the request), group i's at offsets[i]..offsets[i + 1]
+        (columns.run_offsets): what `padded_tokens` and summing the lengths give, for all groups
+        in one pass over the samples."""
+        column = lengths_column(self.sequence_lengths, max(sizes, default=1), self._tensor_parallel_size)
+        tokens = column[sample_ids]
+        multiple_of = {size: self.multiple(size) for size in set(sizes)}
+        multiples = np.repeat(np.asarray(list(map(multiple_of.__getitem__, sizes)), dtype=column.dtype), np.diff(offsets))
+        real = segment_sums(tokens, offsets).tolist()
+        return real, segment_sums(round_up(tokens, multiples), offsets).tolist()

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import accumulate, chain, compress, islice, pairwise
+from operator import attrgetter, mod, ne, sub
+from typing import Sequence
 
+import numpy as np
+
+from batch_planner.columns import INT64_EXACT, lengths_column, run_offsets, segment_sums
 from batch_planner.errors import InvariantViolationError
 from batch_planner.padding import PlanPadding
 from batch_planner.request import CapacityBound, CpLayout, PlanRequest, SchedulerKind
@@ -23,6 +30,25 @@ class CpGroup:
     @property
     def ranks(self) -> range:
         return range(self.first_rank, self.first_rank + self.size)
+
+
+def new_cp_group(first_rank: int, size: int, sample_ids: tuple[int, ...], real_tokens: int, padded_tokens: int) -> CpGroup:
+    """CpGroup(first_rank, size, sample_ids, real_tokens, padded_tokens), the same object (its
+    fields in its instance dict, in order), built without the frozen dataclass's __init__: that
+    sets each field through object.__setattr__, and was most of the time of building a plan's
+    thousands of groups. CpGroup has no __post_init__ or defaults for it to skip
+    (tests/test_plan_columns.py holds both to this)."""
+    group = _new_object(CpGroup)
+    fields = group.__dict__
+    fields["first_rank"] = first_rank
+    fields["size"] = size
+    fields["sample_ids"] = sample_ids
+    fields["real_tokens"] = real_tokens
+    fields["padded_tokens"] = padded_tokens
+    return group
+
+
+_new_object = object.__new__
 
 
 @dataclass(frozen=True)
@@ -92,34 +118,191 @@ class Plan:
         }
 
 
-def groups_from_rank_assignment(rank_sample_ids: list[list[int]], padding: PlanPadding) -> tuple[CpGroup, ...]:
-    """Turns one micro-batch of `sample_id_groups[mb][rank] -> ids` into CP groups.
+def micro_batches_from_assignment(assignment: Sequence[Sequence[Sequence[int]]], padding: PlanPadding) -> tuple[tuple[MicroBatch, ...], GroupColumns]:
+    """The plan's micro-batches from the scheduler's `sample_id_groups[mb][rank] -> ids`, and
+    their groups' columns (GroupColumns.from_assignment says how ranks become groups)."""
+    columns = GroupColumns.from_assignment(assignment, padding)
+    return columns.micro_batches(), columns
 
-    Ranks that hold an identical id list form one CP group (docs/design.md, Output of the schedulers).
-    Only adjacent equal lists are merged; a non-contiguous group shows up as two groups with the
-    same samples, which the invariant check then reports.
+
+def groups_from_rank_assignment(rank_sample_ids: Sequence[Sequence[int]], padding: PlanPadding) -> tuple[CpGroup, ...]:
+    """One micro-batch's `rank -> ids` as CP groups, as `micro_batches_from_assignment` makes them."""
+    return micro_batches_from_assignment([rank_sample_ids], padding)[0][0].cp_groups
+
+
+@dataclass(frozen=True, eq=False)
+class GroupColumns:
+    """A plan's CP groups as columns, micro-batch after micro-batch: what the groups are built
+    from, and what the invariant check and the statistics read."""
+
+    micro_batch_starts: list[int]  # each micro-batch's first group, then the number of groups
+    first_ranks: list[int]
+    sizes: list[int]
+    group_sample_ids: list[tuple[int, ...]]
+    real_tokens: list[int]
+    padded_tokens: list[int]
+    sample_ids: list[int]  # every group's, one after another
+    # `sample_ids` as int64 when every one is an int id of the request (0..num_samples - 1), else None.
+    sample_id_column: np.ndarray | None
+    sample_offsets: np.ndarray  # where each group's ids start in `sample_ids`, then their number
+    int_ranks: bool  # every first rank and size is an int
+
+    @classmethod
+    def of(cls, micro_batches: Sequence[MicroBatch], num_samples: int) -> GroupColumns:
+        """The columns of a plan's micro-batches, read from their groups."""
+        per_micro_batch = [micro_batch.cp_groups for micro_batch in micro_batches]
+        groups = list(chain.from_iterable(per_micro_batch))
+        ids = list(map(attrgetter("sample_ids"), groups))
+        flat = list(chain.from_iterable(ids))
+        return cls(
+            micro_batch_starts=list(accumulate(map(len, per_micro_batch), initial=0)),
+            first_ranks=list(map(attrgetter("first_rank"), groups)),
+            sizes=list(map(attrgetter("size"), groups)),
+            group_sample_ids=ids,
+            real_tokens=list(map(attrgetter("real_tokens"), groups)),
+            padded_tokens=list(map(attrgetter("padded_tokens"), groups)),
+            sample_ids=flat,
+            sample_id_column=_id_column(flat, num_samples) if set(map(type, flat)) <= {int} else None,
+            sample_offsets=run_offsets(map(len, ids), len(ids)),
+            int_ranks=set(map(type, chain(map(attrgetter("first_rank"), groups), map(attrgetter("size"), groups)))) <= {int},
+        )
+
+    @classmethod
+    def from_assignment(cls, assignment: Sequence[Sequence[Sequence[int]]], padding: PlanPadding) -> GroupColumns:
+        """The groups of the scheduler's `sample_id_groups[mb][rank] -> ids`.
+
+        Ranks that hold an identical id list form one CP group (docs/design.md, Output of the
+        schedulers). Only adjacent equal lists are merged; a non-contiguous group shows up as two
+        groups with the same samples, which the invariant check then reports. Ids are made ints
+        (a scheduler's numpy integers); ids outside the request count for no tokens here, and the
+        invariant check reports them.
+        """
+        first_ranks: list[int] = []
+        sizes: list[int] = []
+        firsts: list[Sequence[int]] = []
+        micro_batch_starts = [0]
+        for rank_ids in assignment:
+            starts = _run_starts(rank_ids)
+            first_ranks += starts
+            sizes += map(sub, [*starts[1:], len(rank_ids)], starts)
+            firsts += map(rank_ids.__getitem__, starts)
+            micro_batch_starts.append(len(first_ranks))
+        flat = list(chain.from_iterable(firsts))
+        if set(map(type, flat)) <= {int}:
+            ids = list(map(tuple, firsts))
+        else:
+            ids = [tuple(map(int, group)) for group in firsts]
+            flat = list(chain.from_iterable(ids))
+        column = _id_column(flat, len(padding.sequence_lengths))
+        offsets = run_offsets(map(len, ids), len(ids))
+        if column is None:
+            known = [tuple(i for i in group if 0 <= i < len(padding.sequence_lengths)) for group in ids]
+            real, padded = padding.group_tokens(np.asarray(list(chain.from_iterable(known)), dtype=np.int64), run_offsets(map(len, known), len(known)), sizes)
+        else:
+            real, padded = padding.group_tokens(column, offsets, sizes)
+        return cls(micro_batch_starts, first_ranks, sizes, ids, real, padded, flat, column, offsets, int_ranks=True)
+
+    @cached_property
+    def sample_counts(self) -> list[int]:
+        return list(map(len, self.group_sample_ids))
+
+    @cached_property
+    def size_column(self) -> np.ndarray:
+        return np.asarray(self.sizes, dtype=np.int64)
+
+    def micro_batches(self) -> tuple[MicroBatch, ...]:
+        """The plan's micro-batches of CpGroups, built from the columns."""
+        groups = iter(map(new_cp_group, self.first_ranks, self.sizes, self.group_sample_ids, self.real_tokens, self.padded_tokens))
+        return tuple(MicroBatch(tuple(islice(groups, end - start))) for start, end in pairwise(self.micro_batch_starts))
+
+
+def _run_starts(rank_sample_ids: Sequence[Sequence[int]]) -> list[int]:
+    """The ranks where a run of ranks holding an identical id list starts."""
+    if not rank_sample_ids:
+        return []
+    changed = map(ne, islice(rank_sample_ids, 1, None), rank_sample_ids)
+    return [0, *compress(range(1, len(rank_sample_ids)), changed)]
+
+
+def _id_column(ids: list[int], num_samples: int) -> np.ndarray | None:
+    """`ids` (ints) as an int64 column when every one is 0..num_samples - 1, else None."""
+    try:
+        column = np.asarray(ids, dtype=np.int64)
+    except OverflowError:  # an id past int64
+        return None
+    if len(column) and (column.min() < 0 or column.max() >= num_samples):
+        return None
+    return column
+
+
+def check_plan_invariants(plan: Plan, request: PlanRequest, valid_cp_sizes: frozenset[int], columns: GroupColumns | None = None) -> None:
+    """Raises InvariantViolationError naming the first invariant (docs/design.md, Plan invariants, 1-4) the plan breaks.
+
+    Every invariant is checked over the plan's columns at once (`columns`: those of the plan's
+    micro-batches, GroupColumns.of them or the ones they were built from, when the caller has
+    them); only a plan that may break one is walked group by group, to name the first
+    (`_raise_first_violation`).
     """
-    lengths = padding.sequence_lengths
-    count, ranks = len(lengths), len(rank_sample_ids)
-    groups: list[CpGroup] = []
-    rank = 0
-    while rank < ranks:
-        first = rank_sample_ids[rank]
-        end = rank + 1
-        while end < ranks and rank_sample_ids[end] == first:
-            end += 1
-        size = end - rank
-        ids = tuple(map(int, first))
-        # Ids outside the request count for nothing here; the invariant check reports them.
-        known = ids if not ids or (min(ids) >= 0 and max(ids) < count) else tuple(i for i in ids if 0 <= i < count)
-        real = sum(map(lengths.__getitem__, known))
-        groups.append(CpGroup(rank, size, ids, real, padding.padded_tokens(known, size)))
-        rank = end
-    return tuple(groups)
+    if not _invariants_hold(plan, request, valid_cp_sizes, columns or GroupColumns.of(plan.micro_batches, request.num_samples)):
+        _raise_first_violation(plan, request, valid_cp_sizes)
 
 
-def check_plan_invariants(plan: Plan, request: PlanRequest, valid_cp_sizes: frozenset[int]) -> None:
-    """Raises InvariantViolationError naming the first invariant (docs/design.md, Plan invariants, 1-4) the plan breaks."""
+def _invariants_hold(plan: Plan, request: PlanRequest, valid_cp_sizes: frozenset[int], columns: GroupColumns) -> bool:
+    """True only if the plan keeps every invariant; False where it may not, or where the columns
+    cannot tell (values other than ints, numbers too large for int64)."""
+    ids = columns.sample_id_column
+    return (
+        ids is not None
+        and columns.int_ranks
+        and _groups_tile_ranks(columns, plan.dp_cp_size, valid_cp_sizes)
+        and _each_sample_once(ids, request.num_samples)
+        and _within_capacity(columns, ids, request, plan.capacity_bound)
+    )
+
+
+def _groups_tile_ranks(columns: GroupColumns, dp_cp_size: int, valid_cp_sizes: frozenset[int]) -> bool:
+    """Invariants 2 and 3: each micro-batch's groups cover ranks 0..DPxCP-1 one after another,
+    none idle, each of a buildable size and starting at a multiple of it."""
+    sizes, first_ranks = columns.sizes, columns.first_ranks
+    if 0 in columns.sample_counts or not all(map(valid_cp_sizes.__contains__, sizes)) or min(sizes, default=1) < 1:
+        return False
+    if any(map(mod, first_ranks, sizes)):
+        return False
+    for start, end in pairwise(columns.micro_batch_starts):
+        covered = list(accumulate(sizes[start:end], initial=0))
+        if covered[-1] != dp_cp_size or covered[:-1] != first_ranks[start:end]:
+            return False
+    return True
+
+
+def _each_sample_once(ids: np.ndarray, num_samples: int) -> bool:
+    """Invariant 1 (every id is one of the request's): the groups hold every sample exactly once."""
+    if len(ids) != num_samples:
+        return False
+    seen = np.zeros(num_samples, dtype=bool)
+    seen[ids] = True
+    return bool(seen.all())
+
+
+def _within_capacity(columns: GroupColumns, ids: np.ndarray, request: PlanRequest, capacity_bound: CapacityBound) -> bool:
+    """Invariant 4 (every group holds samples of the request): each group's real tokens, summed
+    (packed) or its longest sample's, at most max_seqlen_per_dp_cp_rank x its size."""
+    if not columns.sizes:
+        return True
+    limit = request.max_seqlen_per_dp_cp_rank
+    lengths = lengths_column(request.sequence_lengths, request.dp_cp_size, request.tensor_parallel_size)
+    if lengths.dtype != np.int64 or abs(limit) * max(columns.sizes) >= INT64_EXACT:
+        return False
+    tokens = lengths[ids]
+    if capacity_bound is CapacityBound.PER_RANK_SUM:
+        real = segment_sums(tokens, columns.sample_offsets)
+    else:
+        real = np.maximum.reduceat(tokens, columns.sample_offsets[:-1])
+    return not bool((real > columns.size_column * limit).any())
+
+
+def _raise_first_violation(plan: Plan, request: PlanRequest, valid_cp_sizes: frozenset[int]) -> None:
+    """Walks the plan group by group and raises InvariantViolationError for the first invariant it breaks."""
     num_samples = request.num_samples
     limit = request.max_seqlen_per_dp_cp_rank
     packed = plan.capacity_bound is CapacityBound.PER_RANK_SUM

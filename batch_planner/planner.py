@@ -14,7 +14,7 @@ from batch_planner.cost_derivation import resolve_cost_model
 from batch_planner.cost_spec import CostModel
 from batch_planner.identity import plan_id
 from batch_planner.padding import PlanPadding
-from batch_planner.plan import MicroBatch, Plan, check_plan_invariants, groups_from_rank_assignment
+from batch_planner.plan import Plan, check_plan_invariants, micro_batches_from_assignment
 from batch_planner.request import PlanRequest, SchedulerKind
 from batch_planner.schedulers import SCHEDULER_SPECS, megatron_core_version, run_scheduler, valid_cp_sizes
 from batch_planner.validation import RequestLimits, validate_request
@@ -52,8 +52,7 @@ def plan_one_scheduler(request: PlanRequest, limits: RequestLimits, cost_model: 
 def _plan_validated(request: PlanRequest, cost_model: CostModel) -> Plan:
     spec = SCHEDULER_SPECS[request.scheduler]
     assignment = run_scheduler(request)
-    padding = PlanPadding.for_request(request)  # each CP size's padding multiple, once per plan
-    micro_batches = tuple(MicroBatch(groups_from_rank_assignment(rank_ids, padding)) for rank_ids in assignment)
+    micro_batches, columns = micro_batches_from_assignment(assignment, PlanPadding.for_request(request))
     plan = Plan(
         plan_id=plan_id(request, megatron_core_version(), scheduler_class=spec.qualified_name),
         scheduler=request.scheduler,
@@ -69,6 +68,7 @@ def _plan_validated(request: PlanRequest, cost_model: CostModel) -> Plan:
         plan,
         request,
         valid_cp_sizes(request.scheduler, request.dp_cp_size, request.context_parallel_size, request.min_cp_size),
+        columns,
     )
-    stats = plan_statistics(micro_batches, request, spec.capacity_bound, cost_model)
+    stats = plan_statistics(micro_batches, request, spec.capacity_bound, cost_model, columns)
     return replace(plan, statistics=stats)

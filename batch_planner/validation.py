@@ -63,6 +63,11 @@ def sequence_lengths_of(values: Any) -> tuple[int, ...]:
     Integers only (Python ints, numpy integers, integer tensors and arrays): nothing is truncated
     or converted, so floats, NaN, strings and bools are refused; so are None, scalars and mappings;
     every length is 1..MAX_LIMIT (a server's own limits are checked by validate_request)."""
+    return _lengths_and_longest(values)[0]
+
+
+def _lengths_and_longest(values: Any) -> tuple[tuple[int, ...], int]:
+    """`sequence_lengths_of`, and the longest length."""
     if hasattr(values, "tolist") and not isinstance(values, (str, bytes)):  # a tensor or an array
         values = values.tolist()
     if values is None or isinstance(values, (str, bytes, bytearray)) or not isinstance(values, Sequence):
@@ -79,7 +84,7 @@ def sequence_lengths_of(values: Any) -> tuple[int, ...]:
         _reject("sequence_lengths", f"sample {lengths.index(shortest)} has length {shortest}; every sample needs >= 1 token")
     if longest > MAX_LIMIT:
         _reject("sequence_lengths", f"sample {lengths.index(longest)} has length {longest}; any server allows at most 2^62 tokens")
-    return lengths
+    return lengths, longest
 
 
 def _length_at(index: int, value: Any) -> int:
@@ -102,7 +107,7 @@ def _shown(value: Any) -> str:
 
 def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
     """Raises InvalidRequestError (or SchedulerUnavailableError) for a request we must not plan."""
-    lengths = sequence_lengths_of(request.sequence_lengths)
+    lengths, longest = _lengths_and_longest(request.sequence_lengths)
     if len(lengths) > limits.max_samples_per_request:
         _reject(
             "sequence_lengths",
@@ -121,11 +126,10 @@ def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
             f"DPxCP = {request.data_parallel_size}x{request.context_parallel_size} = {dp_cp} ranks "
             f"exceeds this server's limit of {limits.max_dp_cp_size}",
         )
-    longest_id = lengths.index(max(lengths))
-    if lengths[longest_id] > limits.max_sequence_length:
+    if longest > limits.max_sequence_length:
         _reject(
             "sequence_lengths",
-            f"sample {longest_id} has length {lengths[longest_id]}; this server allows at most "
+            f"sample {lengths.index(longest)} has length {longest}; this server allows at most "
             f"{limits.max_sequence_length} tokens per sample",
         )
     refusal = job_name_refusal(request.job)
@@ -172,10 +176,10 @@ def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
                 f"static_packing needs at least DP x micro_batch_group_size = {replicas_needed} "
                 f"samples; got {len(lengths)}",
             )
-    if lengths[longest_id] > capacity:
+    if longest > capacity:
         _reject(
             "sequence_lengths",
-            f"sample {longest_id} has length {lengths[longest_id]}, more than {capacity_name} = "
+            f"sample {lengths.index(longest)} has length {longest}, more than {capacity_name} = "
             f"{capacity} tokens that {kind.value} can hold; raise max_seqlen_per_dp_cp_rank "
             "or drop the sample",
         )

@@ -453,3 +453,37 @@ def test_the_demo_batch_has_most_of_its_gap_to_the_bound_explained():
     s = plan_batch(request).statistics
     assert s.balance_efficiency > 0.691
     assert s.lower_bound_cost <= s.predicted_step_cost
+
+
+def test_the_bounds_shortcuts_are_the_minimum_and_maximum_they_stand_for():
+    """lower_bound's two shortcuts, taken where the coefficients and lengths let the seconds only
+    grow with the size and the length: each sample's cheapest size is the smallest it fits (when
+    each padding multiple divides the next), and the dearest own pass is the longest sample's. Both
+    give the bits of the minimum over every size and the maximum over every sample."""
+    from batch_planner import lower_bound
+    from batch_planner.cost_spec import COEFFICIENT_NAMES
+
+    rng = random.Random(21)
+    taken = divisible = 0
+    for case in range(300):
+        model = CostModel(**{name: rng.choice((0.0, 1e-9, 2.2e-6, 8.7e-11, 1.1e-2, rng.random() * 1e-3)) for name in COEFFICIENT_NAMES})
+        kind = rng.choice(CONCRETE)
+        dp_cp = rng.choice((2, 8, 12, 20, 24, 64, 256))
+        cp = rng.choice([c for c in (1, 2, 4) if dp_cp % c == 0])
+        lengths = sample_lengths(rng.choice(("lognormal_32k", "bimodal", "megatron_dcp")), rng.choice((1, 7, 300, 2000)), seed=case)
+        options = {"scheduler": kind, "tensor_parallel_size": rng.choice((1, 2, 3)), "cp_layout": rng.choice(tuple(CpLayout))}
+        request = PlanRequest.of(lengths, dp_cp // cp, cp, rng.choice((1024, 8192, 40960)), **options)
+        samples = lower_bound._sample_sizes(request)
+        work = lower_bound._Work(model, samples)
+        if not work.monotone:
+            continue
+        taken += 1
+        passes = lower_bound._pass_seconds(model, samples.sizes)
+        own = [seconds / size + fixed for seconds, size, fixed in zip(work.columns, samples.sizes, passes)]
+        assert lower_bound._longest_samples_own_pass(samples, work, passes) == float(lower_bound._cheapest(own, samples.fits).max())
+        multiples = samples.multiples.tolist()
+        if all(b % a == 0 for a, b in zip(multiples, multiples[1:])):
+            divisible += 1
+            everywhere = lower_bound._cheapest(work.columns, samples.fits)
+            assert np.array_equal(work.at_smallest_fit().view(np.int64), everywhere.view(np.int64))
+    assert taken > 100 and divisible > 50
