@@ -66,7 +66,7 @@ def request_from_proto(message: pb.PlanRequest) -> PlanRequest:
         )
     options = {f.name: _read(message, f) for f in _OPTIONS}
     return PlanRequest(
-        sequence_lengths=tuple(message.sequence_lengths),
+        sequence_lengths=tuple(message.sequence_lengths[:]),  # one list, not id by id
         data_parallel_size=message.layout.data_parallel_size,
         options=PlanningOptions(**options),
         job=message.job,
