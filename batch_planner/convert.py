@@ -182,7 +182,7 @@ def plan_to_proto(plan: Plan) -> pb.PlanResponse:
 
 def micro_batches_to_proto(micro_batches: Sequence[MicroBatch]) -> list[dict]:
     """PlanResponse.micro_batches as the constructor takes them: a CP group's own field dict is its
-    message's fields (same names, `_GROUP_FIELDS`), with no attribute read per field."""
+    message's fields (same names), with no attribute read per field."""
     return [{"cp_groups": [vars(group) for group in micro_batch.cp_groups]} for micro_batch in micro_batches]
 
 
@@ -247,7 +247,6 @@ def _group_from_proto(g: pb.CpGroup) -> CpGroup:
 # What micro_batches_to_proto and _group_from_proto rely on (tests/test_convert.py checks it): a
 # CpGroup holds its fields, and only them, in its __dict__ (a plain frozen dataclass: no __slots__,
 # no __post_init__), named as batch_planner.v1.CpGroup's fields.
-_GROUP_FIELDS = tuple(f.name for f in fields(CpGroup))
 _new, _set = object.__new__, object.__setattr__
 
 
