@@ -4,9 +4,11 @@
     python -m bench --out /tmp/bench --smoke    # what CI's smoke tests do, in one go
     python -m bench --only hidden,trainer_cost  # re-run some; summary.md covers every report in --out
 
-One server with 2 workers serves the overhead, plan-ahead (hidden, ahead) and scaling (2-worker arm)
-benchmarks; a second with 1 worker is the other scaling arm; growth (the schedulers in process,
-tens of minutes), start-up, fairness and the RL wait (servers of their own) run after both are stopped.
+The overhead benchmark runs first, on a server of its own with the default workers (one per core).
+Then one server with 2 workers serves the plan-ahead (hidden, ahead), scaling (2-worker arm) and
+drop-in benchmarks; a second with 1 worker is the other scaling arm; growth (the schedulers in
+process, tens of minutes), start-up, fairness and the RL wait (servers of their own) run after both
+are stopped.
 """
 
 from __future__ import annotations
@@ -54,12 +56,12 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"--only: unknown benchmark(s) {sorted(unknown)}; known: {', '.join(BENCHMARKS)}")
     started = time.perf_counter()
-    if only & {"overhead", "hidden", "ahead", "scaling", "dropin"}:
+    if "overhead" in only:
+        overhead.run(out, smoke)  # its own server, with the default workers
+    if only & {"hidden", "ahead", "scaling", "dropin"}:
         # The 1-worker server only serves the scaling benchmark.
         one_worker = planner_server(None, workers=1) if "scaling" in only else contextlib.nullcontext(None)
         with planner_server(None, workers=2) as two, one_worker as one:
-            if "overhead" in only:
-                overhead.run(out, smoke, address=two)
             if "hidden" in only:
                 hidden.run(out, smoke, address=two)
             if "ahead" in only:

@@ -42,6 +42,7 @@ class PlannerMetrics:
         self.max_job_labels = max_job_labels
         self._jobs: set[str] = set()
         self._jobs_lock = threading.Lock()
+        self._children: dict[tuple[object, tuple[str, ...]], object] = {}
         self.requests = Counter(
             "batch_planner_requests_total", "Plan requests answered, by scheduler and gRPC status code.",
             ["scheduler", "code", "training_job"], registry=r,
@@ -151,6 +152,16 @@ class PlannerMetrics:
         """The pool's own counts, read at scrape time: what really holds a slot or a worker."""
         self.in_flight.set_function(lambda: pool.in_flight)
         self.busy_workers.set_function(lambda: pool.busy)
+
+    def child(self, metric, *labels: str):
+        """`metric.labels(*labels)`, looked up once per label set: prometheus_client's labels()
+        checks the values and takes the metric's lock on every call, a few microseconds each, and a
+        Plan call updates a dozen series. Bounded as the labels are (no series is ever removed)."""
+        key = (metric, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children.setdefault(key, metric.labels(*labels))
+        return found
 
     def job_label(self, job: str) -> str:
         """Bounds the job label's cardinality: the first max_job_labels names, then 'other'."""

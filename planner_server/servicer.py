@@ -93,31 +93,32 @@ class PlannerServicer:
 
     def _record(self, result: WorkerResult, seconds: float) -> None:
         m = self.metrics
+        series = m.child
         job = m.job_label(result.about.job)
         scheduler = result.about.scheduler
-        m.requests.labels(scheduler, result.code.value, job).inc()
-        m.plan_latency.labels(scheduler).observe(seconds)
+        series(m.requests, scheduler, result.code.value, job).inc()
+        series(m.plan_latency, scheduler).observe(seconds)
         log_request(result, seconds, job)
         if result.invariant:
-            m.invariant_violations.labels(scheduler, result.invariant).inc()
+            series(m.invariant_violations, scheduler, result.invariant).inc()
         if result.code is not ErrorCode.OK:
             return
-        m.scheduler_latency.labels(scheduler).observe(result.scheduler_seconds)
+        series(m.scheduler_latency, scheduler).observe(result.scheduler_seconds)
         self.rates.record(scheduler, result.about.samples, result.about.ranks, result.planning_seconds)
         stats = result.statistics
-        m.planned_tokens.labels(scheduler, job).inc(stats.real_tokens)
-        m.padding_tokens.labels(scheduler, job).inc(stats.padded_tokens - stats.real_tokens)
-        m.micro_batches.labels(scheduler).inc(stats.micro_batch_count)
+        series(m.planned_tokens, scheduler, job).inc(stats.real_tokens)
+        series(m.padding_tokens, scheduler, job).inc(stats.padded_tokens - stats.real_tokens)
+        series(m.micro_batches, scheduler).inc(stats.micro_batch_count)
         for cp_size, samples, _ in stats.cp_size_mix:
-            m.planned_samples.labels(scheduler, str(cp_size)).inc(samples)
-        m.padding_ratio.labels(scheduler).observe(stats.padding_ratio)
-        m.balance_efficiency.labels(scheduler).observe(stats.balance_efficiency)
-        m.speedup.labels(scheduler).observe(stats.predicted_speedup_over_static_cp)
-        m.last_speedup.labels(scheduler, job).set(stats.predicted_speedup_over_static_cp)
+            series(m.planned_samples, scheduler, str(cp_size)).inc(samples)
+        series(m.padding_ratio, scheduler).observe(stats.padding_ratio)
+        series(m.balance_efficiency, scheduler).observe(stats.balance_efficiency)
+        series(m.speedup, scheduler).observe(stats.predicted_speedup_over_static_cp)
+        series(m.last_speedup, scheduler, job).set(stats.predicted_speedup_over_static_cp)
         if result.auto_winner:
-            m.auto_winners.labels(result.auto_winner).inc()
+            series(m.auto_winners, result.auto_winner).inc()
             for dropped in result.auto_not_planned:
-                m.auto_not_planned.labels(dropped).inc()
+                series(m.auto_not_planned, dropped).inc()
 
     def get_capabilities(self, request_bytes: bytes, context: grpc.ServicerContext) -> bytes:
         # Parsed here rather than by a registered deserializer: gRPC answers a deserializer's

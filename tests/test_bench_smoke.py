@@ -61,7 +61,9 @@ def test_overhead_smoke(tmp_path, planner):
     assert_report(report, 1)
     assert report.rows[0].size == SMALLEST
     assert report.rows[0].scheduler.runs == 5
-    assert [bar.case for bar in report.bars] == ["64 on 8"]  # the 64-sample bar: added time
+    assert [(bar.case, bar.target) for bar in report.bars] == [("64 on 8", "added (rpc - run_scheduler) p50 <= 1 ms")]
+    row = report.rows[0]
+    assert row.plan_batch.runs == row.encode.runs == row.decode.runs == row.rpc.runs == 5
     assert_bars_stored(report)
 
 

@@ -1,13 +1,19 @@
 """batch_planner/convert.py: requests and plans through their protobuf messages and back, field
-for field, and an unknown scheduler value refused with its field named."""
+for field (a plan's bytes those of a field-by-field build, and its groups read back as the
+constructor makes them), and an unknown scheduler value refused with its field named."""
 
 from __future__ import annotations
+
+import pickle
+import re
+from dataclasses import FrozenInstanceError, fields, replace
 
 import pytest
 
 from batch_planner.convert import plan_from_proto, plan_to_proto, request_from_proto, request_to_proto
 from batch_planner.distributions import sample_lengths
 from batch_planner.errors import InvalidRequestError
+from batch_planner.plan import CpGroup, MicroBatch, Plan
 from batch_planner.planner import plan_batch
 from batch_planner.request import CpLayout, PlanRequest, SchedulerKind
 from batch_planner.v1 import planner_pb2 as pb
@@ -36,3 +42,64 @@ def test_an_unknown_scheduler_value_is_refused_with_its_field():
     with pytest.raises(InvalidRequestError) as refused:
         request_from_proto(message)
     assert refused.value.field == "scheduler"
+
+
+def _reference_response(plan) -> bytes:
+    """The plan's response built field by field, one add() per micro-batch and CP group: what
+    plan_to_proto's single constructor call must give, byte for byte."""
+    message = plan_to_proto(replace(plan, micro_batches=()))
+    for micro_batch in plan.micro_batches:
+        mb = message.micro_batches.add()
+        for g in micro_batch.cp_groups:
+            mb.cp_groups.add(first_rank=g.first_rank, size=g.size, sample_ids=g.sample_ids, real_tokens=g.real_tokens,
+                             padded_tokens=g.padded_tokens)
+    return message.SerializeToString(deterministic=True)
+
+
+def _plans() -> list[Plan]:
+    plans = [
+        plan_batch(PlanRequest.of(tuple(sample_lengths(distribution, samples, seed=5)), ranks // 2, 2, 8192, scheduler=kind))
+        for kind, distribution in ((best_local_scheduler(), "lognormal_32k"), (SchedulerKind.HYBRID_CP, "lognormal_32k"),
+                                   (SchedulerKind.STATIC_PACKING, "long_tail_16k"), (SchedulerKind.AUTO, "long_tail_16k"))
+        for samples, ranks in ((8, 2), (300, 32))
+    ]
+    edge_groups = (CpGroup(0, 0, (), 0, 0), CpGroup(3, 1, (2**32 - 1, 0, 127, 128), 2**40, 2**64 - 1))
+    return plans + [replace(plans[0], statistics=None), replace(plans[0], micro_batches=()),
+                    replace(plans[0], micro_batches=(MicroBatch(()), MicroBatch(edge_groups)))]
+
+
+@pytest.mark.parametrize("index", range(11))
+def test_a_plans_bytes_are_those_of_its_fields_set_one_by_one_and_read_back_as_the_same_plan(index):
+    plan = _plans()[index]
+    data = plan_to_proto(plan).SerializeToString(deterministic=True)
+    assert data == _reference_response(plan)
+    again = plan_from_proto(pb.PlanResponse.FromString(data))
+    assert again == plan and again.candidates == plan.candidates
+    assert repr(again.micro_batches) == repr(plan.micro_batches) and hash(again.micro_batches) == hash(plan.micro_batches)
+    if plan.statistics is not None:
+        assert again.statistics == plan.statistics
+    for read, made in zip((g for mb in again.micro_batches for g in mb.cp_groups), (g for mb in plan.micro_batches for g in mb.cp_groups)):
+        assert type(read) is CpGroup and vars(read) == vars(made) and read.ranks == made.ranks
+        assert pickle.loads(pickle.dumps(read)) == made
+        with pytest.raises(FrozenInstanceError):
+            read.size = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("group", [CpGroup(-1, 1, (1,), 1, 1), CpGroup(0, 1, (2**32,), 1, 1), CpGroup(0, 1, (1.5,), 1, 1)])  # type: ignore[arg-type]
+def test_a_group_the_proto_cannot_hold_is_refused_as_by_a_field_by_field_build(group):
+    plan = replace(_plans()[0], micro_batches=(MicroBatch((group,)),))
+    with pytest.raises((ValueError, TypeError)) as field_by_field:
+        _reference_response(plan)
+    with pytest.raises(field_by_field.type, match=re.escape(str(field_by_field.value))):
+        plan_to_proto(plan)
+
+
+def test_a_cp_group_holds_exactly_its_fields_named_as_the_proto_fields():
+    """What convert's fast paths rely on: CpGroup messages are built from a group's __dict__ and
+    groups are read back by setting it (no __slots__, no __post_init__, nothing cached in it)."""
+    assert [f.name for f in fields(CpGroup)] == [f.name for f in pb.CpGroup.DESCRIPTOR.fields]
+    assert not hasattr(CpGroup, "__slots__") and not hasattr(CpGroup, "__post_init__")
+    group = CpGroup(2, 2, (0, 1), 3, 4)
+    for name in dir(group):
+        getattr(group, name)  # every property, once
+    assert list(vars(group)) == [f.name for f in fields(CpGroup)]

@@ -86,6 +86,20 @@ def test_job_label_is_bounded():
     assert [metrics.job_label(j) for j in ("a", "b", "c", "a", "")] == ["a", "b", OTHER_JOB, "a", "unnamed"]
 
 
+def test_a_series_looked_up_once_is_the_one_its_labels_name():
+    from planner_server.metrics import PlannerMetrics
+
+    metrics = PlannerMetrics()
+    labels = ("dynamic_cp", "OK", "job")
+    metrics.child(metrics.requests, *labels).inc()
+    metrics.requests.labels(*labels).inc()
+    metrics.child(metrics.requests, *labels).inc(2)
+    assert metrics.child(metrics.requests, *labels) is metrics.requests.labels(*labels)
+    assert metrics.child(metrics.requests, "dynamic_cp", "INTERNAL", "job") is not metrics.child(metrics.requests, *labels)
+    assert metrics.registry.get_sample_value(
+        "batch_planner_requests_total", {"scheduler": "dynamic_cp", "code": "OK", "training_job": "job"}) == 4
+
+
 def test_metrics_follow_prometheus_conventions(fresh_planner):
     """no `job` label of our own, the process collector, no _created series."""
     text = scrape(fresh_planner.metrics_url)
