@@ -12,7 +12,7 @@ from google.protobuf.message import Message as ProtoMessage
 
 from batch_planner.cost_spec import COEFFICIENT_NAMES, CostModel, CostModelSpec, spec_from_mapping
 from batch_planner.errors import InvalidRequestError
-from batch_planner.plan import CandidateSummary, CpGroup, MicroBatch, Plan, PlanStatistics
+from batch_planner.plan import CandidateSummary, MicroBatch, Plan, PlanStatistics, new_cp_group
 from batch_planner.request import CapacityBound, CpLayout, PlanningOptions, PlanRequest, SchedulerKind
 from batch_planner.v1 import planner_pb2 as pb
 
@@ -229,25 +229,18 @@ def plan_from_proto(message: pb.PlanResponse) -> Plan:
 
 
 def micro_batches_from_proto(messages: Iterable[pb.MicroBatch]) -> tuple[MicroBatch, ...]:
-    """The plan's micro-batches. Thousands of CP groups in a large plan: each is made as the frozen
-    dataclass's own __init__ would make it (its fields in its __dict__), without that __init__'s
-    five guarded attribute stores, and its sample ids are read as one list rather than id by id."""
-    return tuple(MicroBatch(tuple([_group_from_proto(g) for g in mb.cp_groups])) for mb in messages)
+    """The plan's micro-batches. Thousands of CP groups in a large plan: each is made by
+    plan.new_cp_group (the dataclass's own object, without its __init__), its sample ids read as
+    one list rather than id by id."""
+    return tuple(
+        MicroBatch(tuple([new_cp_group(g.first_rank, g.size, tuple(g.sample_ids[:]), g.real_tokens, g.padded_tokens) for g in mb.cp_groups]))
+        for mb in messages
+    )
 
 
-def _group_from_proto(g: pb.CpGroup) -> CpGroup:
-    group = _new(CpGroup)
-    _set(group, "__dict__", {
-        "first_rank": g.first_rank, "size": g.size, "sample_ids": tuple(g.sample_ids[:]),
-        "real_tokens": g.real_tokens, "padded_tokens": g.padded_tokens,
-    })
-    return group
-
-
-# What micro_batches_to_proto and _group_from_proto rely on (tests/test_convert.py checks it): a
-# CpGroup holds its fields, and only them, in its __dict__ (a plain frozen dataclass: no __slots__,
-# no __post_init__), named as batch_planner.v1.CpGroup's fields.
-_new, _set = object.__new__, object.__setattr__
+# What micro_batches_to_proto relies on (tests/test_convert.py checks it): a CpGroup holds its
+# fields, and only them, in its __dict__ (a plain frozen dataclass: no __slots__, no __post_init__),
+# named as batch_planner.v1.CpGroup's fields.
 
 
 def cost_model_to_proto(model: CostModel) -> pb.CostModelCoefficients:
