@@ -117,8 +117,12 @@ def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
     bounded: list[tuple[str, Any, int, int | None]] = [("layout.data_parallel_size", request.data_parallel_size, 1, limits.max_dp_cp_size)]
     bounded += [(proto, getattr(request, name), lower, getattr(limits, limit) if limit else None) for name, proto, lower, limit in OPTION_BOUNDS]
     for name, value, lower, upper in bounded:
-        if value is not None and not lower <= value <= (upper or value):
-            _reject(name, f"got {value}; allowed {lower}..{upper}" if upper else f"got {value}; allowed: >= {lower}")
+        if value is None:
+            continue  # an optional option left unset
+        if upper is None and value < lower:
+            _reject(name, f"got {value}; allowed: >= {lower}")
+        if upper is not None and not lower <= value <= upper:
+            _reject(name, f"got {value}; allowed {lower}..{upper}")
     dp_cp = request.dp_cp_size
     if dp_cp > limits.max_dp_cp_size:
         _reject(
