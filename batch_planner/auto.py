@@ -80,8 +80,8 @@ class Outcome:
 
 # Plans a round of candidates, their outcomes in order. One that has an `expect(count)` method is
 # told, once before the first round, how many candidates the request has (the most it will be
-# asked to plan): the server reserves a slot for each then, so no round is refused after another's
-# work is done.
+# asked to plan): the server reserves the request's slots then, so no round is refused after
+# another's work is done.
 RunCandidates = Callable[[Sequence[Candidate], PlanOne], list[Outcome]]
 
 

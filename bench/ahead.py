@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scheduler", default=SCHEDULER, help="the trainer's scheduler (auto, dynamic_cp, hybrid_cp)")
     parser.add_argument("--name", default="ahead", help="report name: <out>/<name>.md and .png")
     parser.add_argument("--max-job-share", type=float, default=None,
-                        help="the started server's --max-job-share (auto takes a slot per candidate)")
+                        help="the started server's --max-job-share (auto holds at most one slot per worker)")
     args = parser.parse_args(argv)
     report = run(args.out, args.smoke, args.address, args.depth, args.workers, args.step_fraction, args.steps,
                  args.scheduler, args.name, args.max_job_share)

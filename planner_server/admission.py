@@ -60,7 +60,7 @@ class Admission:
 
     def reserve(self, slots: int = 1, job: str = "") -> None:
         with self._lock:
-            need = f"; this request needs {slots} (one per auto candidate)" if slots > 1 else ""
+            need = f"; this request needs {slots} (auto: one per candidate, at most one per worker)" if slots > 1 else ""
             held = self._by_job.get(job, 0)
             if self.job_bound < self.capacity and held + slots > self.job_bound:
                 raise JobShareExceeded(

@@ -1,7 +1,8 @@
 """The planning pool: admission (planner_server/admission.py) in front of the worker processes
 (planner_server/process_pool.py), inline planning of small requests, and auto's candidates on the
-workers. A request reserves a slot per task before any work starts; each comes back once its task
-has really stopped, and `Work.cancel()` (the caller went away, or its deadline passed) kills the
+workers. A request reserves its slots before any work starts (one; auto: one per candidate, at
+most one per worker, its candidates running one per slot at a time); each comes back once its
+task has really stopped, and `Work.cancel()` (the caller went away, or its deadline passed) kills the
 workers running them: Megatron-Core's schedulers cannot be interrupted. An inline request runs in
 the handler thread and cannot be stopped, so it is bounded (`InlineBound`) and never given work
 that can loop (batch_planner/domain.py); a drain that finds one running ends the process.
@@ -34,26 +35,53 @@ _NO_INLINE = InlineBound()
 
 
 class Work:
-    """What one request runs on the pool: the slots it reserved and the tasks it submitted."""
+    """What one request runs on the pool: the slots it reserved and the tasks it submitted.
+
+    A slot runs one task at a time. A task that settles frees its slot for the request's next task
+    (`map`); once the request is cancelled or closed, each slot is given back as soon as nothing
+    runs on it.
+    """
 
     def __init__(self, processes: ProcessPool, admission: Admission, slots: int, job: str = ""):
         self._processes, self._admission = processes, admission
-        self._slots = slots
+        self._slots = slots  # reserved and not given back yet
+        self._running = 0  # submitted tasks not settled yet
         self._job = job
         self._tasks: list[Task] = []
-        self._lock = threading.Lock()
+        self._closed = self._cancelled = False
+        # Reentrant: a pool that is shutting down settles a task inside its submit.
+        self._lock = threading.RLock()
+        self._slot_freed = threading.Condition(self._lock)
 
     def submit(self, fn, *args) -> Task:
         with self._lock:
-            if len(self._tasks) >= self._slots:
-                raise RuntimeError(f"this request reserved {self._slots} slot(s) and used them all")
+            if self._closed or self._running >= self._slots:
+                raise RuntimeError(f"this request holds {self._slots} slot(s), each running a task")
+            self._running += 1
             task = self._processes.submit(fn, *args, on_settled=self._task_settled)
             self._tasks.append(task)
         return task
 
+    def map(self, fn, calls: list[tuple], end: float) -> list:
+        """`fn(*args)` for each of `calls` on the workers, at most one per slot at a time, the
+        results in order; TimeoutError past `end` or when the caller is gone."""
+        tasks = []
+        for args in calls:
+            with self._slot_freed:
+                if not self._slot_freed.wait_for(lambda: self._running < self._slots or self._cancelled, max(0.0, end - time.monotonic())):
+                    raise TimeoutError
+                if self._cancelled:
+                    raise TimeoutError  # the caller is gone; whatever we answer is unseen
+                tasks.append(self.submit(fn, *args))
+        return self.results(tasks, end)
+
     def cancel(self) -> None:
         """Stops every task of the request; safe to call from any thread, any number of times."""
-        for task in list(self._tasks):
+        with self._lock:
+            self._cancelled = True
+            self._slot_freed.notify_all()
+            tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
 
     def results(self, tasks: list[Task], end: float) -> list:
@@ -69,17 +97,25 @@ class Work:
             self.cancel()  # the RPC has already ended
 
     def close(self) -> None:
-        """The request is answered: abandoned tasks are cancelled, unused slots given back now and
+        """The request is answered: abandoned tasks are cancelled, idle slots given back now and
         the others as soon as their tasks have stopped."""
         self.cancel()
         with self._lock:
-            unused = self._slots - len(self._tasks)
-            self._slots -= unused
-        if unused:
-            self._admission.release(unused, self._job)
+            self._closed = True
+            idle = self._slots - self._running
+            self._slots -= idle
+        if idle:
+            self._admission.release(idle, self._job)
 
     def _task_settled(self) -> None:
-        self._admission.release(1, self._job)
+        with self._lock:
+            self._running -= 1
+            give_back = self._closed or self._cancelled  # no task of the request will run on it
+            if give_back:
+                self._slots -= 1
+            self._slot_freed.notify_all()
+        if give_back:
+            self._admission.release(1, self._job)
 
 
 class PlanningPool:
@@ -210,10 +246,11 @@ class PlanningPool:
 
 
 class _WorkerCandidates:
-    """The core's run_candidates seam on the workers. Before the first round it reserves a slot for
-    every candidate of the request (`expect`: no round is refused after another's work); each round
-    runs side by side, and all stop when the caller goes away or the deadline passes; `close` gives
-    back the slots of candidates never planned (skipped). The plans come back without their
+    """The core's run_candidates seam on the workers. Before the first round it reserves the
+    request's slots (`expect`: no round is refused after another's work): one per candidate, at
+    most one per worker (no more run at once) and at most the job's share, so one auto request
+    always fits in an idle job's share. Each round's candidates run side by side, one per slot at a
+    time, and all stop when the caller goes away or the deadline passes. The plans come back without their
     micro-batches, which stay pickled until `finish` gives the served plan its own."""
 
     def __init__(self, pool: PlanningPool, end: float, on_abandon, job: str):
@@ -223,15 +260,14 @@ class _WorkerCandidates:
         self.seconds = 0.0  # worker time of the candidates planned
 
     def expect(self, count: int) -> None:
-        self._work = self._pool.admit(count, self._job)
+        self._work = self._pool.admit(min(count, self._pool.workers, self._pool.admission.job_bound), self._job)
         self._work.cancel_on(self._on_abandon)
 
     def __call__(self, found: list[Candidate], plan_one: PlanOne) -> list[Outcome]:
         assert self._work is not None, "the core tells expect() the candidate count first"
         if time.monotonic() >= self._end:
             raise TimeoutError  # the deadline passed between rounds: start no worker on it
-        tasks = [self._work.submit(plan_candidate_in_worker, candidate, plan_one) for candidate in found]
-        results = self._work.results(tasks, self._end)
+        results = self._work.map(plan_candidate_in_worker, [(candidate, plan_one) for candidate in found], self._end)
         for outcome, micro_batches in results:
             self._micro_batches[outcome.candidate.name] = micro_batches
             self.seconds += outcome.seconds

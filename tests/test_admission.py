@@ -38,7 +38,7 @@ def test_a_job_past_its_share_is_refused_while_others_are_admitted():
 def test_auto_candidates_count_against_the_share():
     admission = Admission(8, job_share=0.5)
     admission.reserve(3, "auto-job")
-    with pytest.raises(JobShareExceeded, match="needs 2 \\(one per auto candidate\\)"):
+    with pytest.raises(JobShareExceeded, match="needs 2 \\(auto: one per candidate, at most one per worker\\)"):
         admission.reserve(2, "auto-job")
     admission.reserve(1, "auto-job")
 

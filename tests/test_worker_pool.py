@@ -4,6 +4,7 @@ Real worker processes, real Megatron-Core."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -76,9 +77,63 @@ def test_a_cancelled_queued_task_gives_its_slot_back_at_once(pool):
         queued = pool.admit(1)
         task = queued.submit(plan_in_worker, payload(256, 16), time.time() + 60)
         assert pool.in_flight == 3
-        task.cancel()
+        queued.cancel()  # its caller went away
+        assert task.state.value == "settled"
         assert pool.in_flight == 2  # not when a worker is next free
         queued.close()
     finally:
         busy.close()
     wait_until(lambda: pool.in_flight == 0 and pool.busy == 0, 30, "the pool idle again")
+
+
+def test_a_request_runs_more_tasks_than_it_has_slots_one_per_slot_at_a_time(pool):
+    work = pool.admit(slots=1)
+    outcome: list = []
+    calls = [(HUGE, time.time() + 600), (payload(256, 16), time.time() + 600)]
+    runner = threading.Thread(target=lambda: outcome.append(_results_or_error(work, calls)))
+    runner.start()
+    try:
+        wait_until(lambda: pool.busy == 1, 60, "the request's first task planning")
+        # The other worker is free: the request's second task waits for its one slot.
+        other = pool.admit(1)
+        try:
+            assert other.submit(plan_in_worker, payload(256, 16, seed=1), time.time() + 60).result(timeout=60).code is ErrorCode.OK
+        finally:
+            other.close()
+        assert pool.in_flight == 1
+    finally:
+        work.close()
+        runner.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], TimeoutError)  # cancelled: the caller is gone
+    wait_until(lambda: pool.in_flight == 0 and pool.busy == 0, 30, "the pool idle again")
+    small = pool.admit(slots=2)
+    try:
+        results = small.map(plan_in_worker, [(payload(256, 16, seed=s), time.time() + 60) for s in range(5)], time.monotonic() + 120)
+        assert pool.in_flight == 2
+    finally:
+        small.close()
+    assert [r.code for r in results] == [ErrorCode.OK] * 5
+    assert pool.in_flight == 0
+
+
+def _results_or_error(work, calls):
+    try:
+        return work.map(plan_in_worker, calls, time.monotonic() + 600)
+    except TimeoutError as exc:
+        return exc
+
+
+def test_an_auto_request_holds_at_most_one_slot_per_worker_and_fits_a_small_job_share():
+    # 2 workers + 2 queued, a job may hold 2: auto's many candidates ran on 2 slots, not one each.
+    pool = PlanningPool(2, 2, RequestLimits(), CostModel(), max_job_share=0.5)
+    try:
+        pool.warm_up()
+        request = pb.PlanRequest.FromString(payload(256, 16))
+        request.scheduler = pb.SCHEDULER_AUTO
+        result = pool.plan(request.SerializeToString(), time.time() + 120, 120, job="small-share")
+        assert result.code is ErrorCode.OK, result
+        candidates = pb.PlanResponse.FromString(result.response).candidates
+        assert len(candidates) > 2 and result.auto_winner  # more candidates than the job's 2 slots
+        assert pool.in_flight == 0
+    finally:
+        pool.shutdown()
