@@ -49,17 +49,22 @@ class Work:
         self._job = job
         self._tasks: list[Task] = []
         self._closed = self._cancelled = False
-        # Reentrant: a pool that is shutting down settles a task inside its submit.
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._slot_freed = threading.Condition(self._lock)
 
     def submit(self, fn, *args) -> Task:
+        # The pool is called outside this request's lock: its threads settle tasks (and so call
+        # `_task_settled`, which takes that lock) while holding the pool's own.
         with self._lock:
             if self._closed or self._running >= self._slots:
                 raise RuntimeError(f"this request holds {self._slots} slot(s), each running a task")
             self._running += 1
-            task = self._processes.submit(fn, *args, on_settled=self._task_settled)
+        task = self._processes.submit(fn, *args, on_settled=self._task_settled)
+        with self._lock:
             self._tasks.append(task)
+            cancelled = self._cancelled
+        if cancelled:
+            task.cancel()  # cancel() ran while it was being submitted
         return task
 
     def map(self, fn, calls: list[tuple], end: float) -> list:
@@ -72,7 +77,7 @@ class Work:
                     raise TimeoutError
                 if self._cancelled:
                     raise TimeoutError  # the caller is gone; whatever we answer is unseen
-                tasks.append(self.submit(fn, *args))
+            tasks.append(self.submit(fn, *args))
         return self.results(tasks, end)
 
     def cancel(self) -> None:
