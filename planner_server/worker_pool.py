@@ -2,8 +2,8 @@
 (planner_server/process_pool.py), inline planning of small requests, and auto's candidates on the
 workers. A request reserves its slots before any work starts (one; auto: one per candidate, at
 most one per worker, its candidates running one per slot at a time); each comes back once its
-task has really stopped, and `Work.cancel()` (the caller went away, or its deadline passed) kills the
-workers running them: Megatron-Core's schedulers cannot be interrupted. An inline request runs in
+task has really stopped, and `Work.cancel()` (the caller went away, or its deadline passed) kills
+the workers running them: Megatron-Core's schedulers cannot be interrupted. An inline request runs in
 the handler thread and cannot be stopped, so it is bounded (`InlineBound`) and never given work
 that can loop (batch_planner/domain.py); a drain that finds one running ends the process.
 """
@@ -73,10 +73,9 @@ class Work:
         tasks = []
         for args in calls:
             with self._slot_freed:
-                if not self._slot_freed.wait_for(lambda: self._running < self._slots or self._cancelled, max(0.0, end - time.monotonic())):
-                    raise TimeoutError
-                if self._cancelled:
-                    raise TimeoutError  # the caller is gone; whatever we answer is unseen
+                freed = self._slot_freed.wait_for(lambda: self._running < self._slots or self._cancelled, max(0.0, end - time.monotonic()))
+                if not freed or self._cancelled:
+                    raise TimeoutError  # past `end`, or the caller is gone: whatever we answer is unseen
             tasks.append(self.submit(fn, *args))
         return self.results(tasks, end)
 
@@ -255,8 +254,8 @@ class _WorkerCandidates:
     request's slots (`expect`: no round is refused after another's work): one per candidate, at
     most one per worker (no more run at once) and at most the job's share, so one auto request
     always fits in an idle job's share. Each round's candidates run side by side, one per slot at a
-    time, and all stop when the caller goes away or the deadline passes. The plans come back without their
-    micro-batches, which stay pickled until `finish` gives the served plan its own."""
+    time, and all stop when the caller goes away or the deadline passes. The plans come back
+    without their micro-batches, which stay pickled until `finish` gives the served plan its own."""
 
     def __init__(self, pool: PlanningPool, end: float, on_abandon, job: str):
         self._pool, self._end, self._on_abandon, self._job = pool, end, on_abandon, job
