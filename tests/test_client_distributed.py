@@ -125,6 +125,11 @@ def _run_rank(rank: int, world: int, tp: int, store_path: str, endpoint: str, ou
                 dropped = {k: v for k, v in outputs.items() if k != 0}
                 with pytest.raises(OutputRestoreError, match=r"missing sample ids \[0\]"):
                     client.restore_outputs(plan, dropped)
+                # An output that cannot be pickled (a lambda on each rank that leads a sample):
+                # every rank raises, naming it, rather than one rank raising while the rest wait.
+                unpicklable = {k: (lambda: None) if k == min(outputs, default=None) else v for k, v in outputs.items()}
+                with pytest.raises(TypeError, match=r"the output of sample \d+, a function, cannot be pickled .* \(on rank \d+"):
+                    client.restore_outputs(plan, unpicklable)
             client.close()
             report["steps"] += 1
         # One rank holds another batch (the plan was prefetched for rank 0's): every rank refuses.

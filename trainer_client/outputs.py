@@ -3,13 +3,16 @@
 Each rank passes {sample_id: output} for the samples it leads (RankMicroBatch.is_cp_leader); an
 output is any picklable object (a tensor of any shape, a scalar, a dict). Every sample must come
 back exactly once; a missing or duplicated id raises OutputRestoreError naming it, on every rank.
-Arguments of the wrong type raise TypeError, on every rank too: a rank's problem travels in the
-gather, so no rank raises alone while the others wait in it (`raise_gathered_problem`).
+Arguments of the wrong type, and an output that cannot be pickled, raise TypeError, on every rank
+too: a rank's problem travels in the gather, so no rank raises alone while the others wait in it
+(`raise_gathered_problem`). Each rank pickles its outputs itself before the gather for that reason:
+inside `all_gather_object` a pickling error would stop that rank alone, before the collective.
 """
 
 from __future__ import annotations
 
 import numbers
+import pickle
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -31,10 +34,12 @@ def restore_outputs(
     problem = _outputs_problem(local_outputs)
     items = [] if problem else [(int(sample_id), _to_cpu(output)) for sample_id, output in local_outputs.items()]
     if is_distributed(group):
+        payload, problem = (b"", problem) if problem else _pickled(items)
         gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (problem, items), group=group)
+        dist.all_gather_object(gathered, (problem, payload), group=group)
         raise_gathered_problem([p for p, _ in gathered])
-        items = [(sample_id, output, rank) for rank, (_, part) in enumerate(gathered) for sample_id, output in part]
+        parts = [pickle.loads(part) for _, part in gathered]
+        items = [(sample_id, output, rank) for rank, part in enumerate(parts) for sample_id, output in part]
     else:
         raise_gathered_problem([problem])
         items = [(sample_id, output, 0) for sample_id, output in items]
@@ -50,6 +55,24 @@ def _outputs_problem(local_outputs: Any) -> TypeError | None:
                 f"local_outputs: key {bad!r:.60} is a {type(bad).__name__}; expected int sample ids (RankMicroBatch.sample_ids)"
             )
     return None
+
+
+def _pickled(items: list[tuple[int, Any]]) -> tuple[bytes, TypeError | None]:
+    """`items` pickled for the gather, or b"" and the TypeError that names the first output that
+    cannot be pickled (a lambda, a lock, an open file, a generator)."""
+    try:
+        return pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL), None
+    except Exception as whole:  # noqa: BLE001 - pickle raises several types (PicklingError, TypeError, AttributeError)
+        for sample_id, output in items:
+            try:
+                pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # noqa: BLE001 - as above
+                return b"", TypeError(
+                    f"local_outputs: the output of sample {sample_id}, a {type(output).__name__}, cannot be pickled "
+                    f"({type(exc).__name__}: {str(exc):.120}); outputs travel between ranks pickled: return tensors, numbers, "
+                    "or lists, tuples and dicts of them"
+                )
+        return b"", TypeError(f"local_outputs: cannot be pickled ({type(whole).__name__}: {str(whole):.120})")
 
 
 def raise_gathered_problem(problems: list[Exception | None]) -> None:
