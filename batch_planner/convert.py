@@ -6,13 +6,14 @@ Uses protobuf only (no gRPC), so the trainer's fallback and the server share it.
 from __future__ import annotations
 
 from dataclasses import Field, fields
+from itertools import accumulate, pairwise
 from typing import Any, Callable, Iterable, Sequence
 
 from google.protobuf.message import Message as ProtoMessage
 
 from batch_planner.cost_spec import COEFFICIENT_NAMES, CostModel, CostModelSpec, spec_from_mapping
 from batch_planner.errors import InvalidRequestError
-from batch_planner.plan import CandidateSummary, MicroBatch, Plan, PlanStatistics, new_cp_group
+from batch_planner.plan import CandidateSummary, GroupColumns, MicroBatch, MicroBatches, Plan, PlanStatistics, new_cp_group
 from batch_planner.request import CapacityBound, CpLayout, PlanningOptions, PlanRequest, SchedulerKind
 from batch_planner.v1 import planner_pb2 as pb
 
@@ -35,6 +36,7 @@ BOUND_TO_PROTO = {
     CapacityBound.PER_RANK_SUM: pb.CAPACITY_BOUND_PER_RANK_SUM,
 }
 BOUND_FROM_PROTO = {v: k for k, v in BOUND_TO_PROTO.items()}
+PLAN_FORMS = (pb.PLAN_FORM_MICRO_BATCHES, pb.PLAN_FORM_COLUMNS)
 
 
 def scheduler_label(value: int) -> str:
@@ -58,7 +60,12 @@ def dp_cp_ranks(layout: pb.ParallelLayout) -> int:
 
 
 def request_from_proto(message: pb.PlanRequest) -> PlanRequest:
+    """The request's planning fields; its plan_form (how the answer carries the plan, not part of
+    it: `wants_columns`) is checked here with the rest."""
     _scheduler_of(message.scheduler, "scheduler")
+    if message.plan_form not in PLAN_FORMS:
+        allowed = ", ".join(pb.PlanForm.Name(v) for v in PLAN_FORMS)
+        raise InvalidRequestError(f"plan_form: {message.plan_form} is unknown; allowed: {allowed}", field="plan_form")
     if message.cp_layout not in LAYOUT_FROM_PROTO:
         raise InvalidRequestError(
             f"cp_layout: {message.cp_layout} is unknown; allowed: CP_LAYOUT_ZIGZAG, CP_LAYOUT_CONTIGUOUS",
@@ -73,11 +80,18 @@ def request_from_proto(message: pb.PlanRequest) -> PlanRequest:
     )
 
 
-def request_to_proto(request: PlanRequest) -> pb.PlanRequest:
+def wants_columns(message: pb.PlanRequest) -> bool:
+    """Whether the request asks for its plan in the columns form (PlanResponse.columns)."""
+    return message.plan_form == pb.PLAN_FORM_COLUMNS
+
+
+def request_to_proto(request: PlanRequest, plan_form: pb.PlanForm = pb.PLAN_FORM_MICRO_BATCHES) -> pb.PlanRequest:
+    """`plan_form`: how the answer should carry the plan (the trainer client asks for columns)."""
     message = pb.PlanRequest(
         sequence_lengths=list(request.sequence_lengths),
         layout=pb.ParallelLayout(data_parallel_size=request.data_parallel_size),
         job=request.job,
+        plan_form=plan_form,
     )
     for f in _OPTIONS:
         value = getattr(request.options, f.name)
@@ -161,16 +175,19 @@ def _read(message: pb.PlanRequest, f: Field) -> Any:
 _STATISTICS = tuple(f.name for f in fields(PlanStatistics) if f.name != "cp_size_mix")
 
 
-def plan_to_proto(plan: Plan) -> pb.PlanResponse:
+def plan_to_proto(plan: Plan, columns: bool = False) -> pb.PlanResponse:
     """The plan's PlanResponse, built in one constructor call: upb fills every nested message in C
-    from plain dicts and lists, several times faster than one add() per CP group."""
+    from plain dicts and lists, several times faster than one add() per CP group. `columns`: its CP
+    groups in the columns form (PlanResponse.columns, from the plan's GroupColumns), else as
+    micro_batches."""
     stats = plan.statistics
     return pb.PlanResponse(
         plan_id=plan.plan_id,
         scheduler=SCHEDULER_TO_PROTO[plan.scheduler],
         scheduler_class=plan.scheduler_class,
         megatron_core_version=plan.megatron_core_version,
-        micro_batches=micro_batches_to_proto(plan.micro_batches),
+        micro_batches=None if columns else micro_batches_to_proto(plan.micro_batches),
+        columns=_columns_to_proto(plan.micro_batches) if columns else None,
         statistics=None if stats is None else _statistics_to_proto(stats),
         capacity_bound=BOUND_TO_PROTO[plan.capacity_bound],
         dp_cp_size=plan.dp_cp_size,
@@ -184,6 +201,23 @@ def micro_batches_to_proto(micro_batches: Sequence[MicroBatch]) -> list[dict]:
     """PlanResponse.micro_batches as the constructor takes them: a CP group's own field dict is its
     message's fields (same names), with no attribute read per field."""
     return [{"cp_groups": [vars(group) for group in micro_batch.cp_groups]} for micro_batch in micro_batches]
+
+
+def _columns_to_proto(micro_batches: Sequence[MicroBatch]) -> pb.PlanColumns:
+    """The groups as PlanColumns: packed arrays, filled by upb from lists in C."""
+    if isinstance(micro_batches, MicroBatches):
+        columns = micro_batches.columns
+    else:
+        columns = GroupColumns.of(micro_batches, sum(len(g.sample_ids) for mb in micro_batches for g in mb.cp_groups))
+    return pb.PlanColumns(
+        groups_per_micro_batch=[end - start for start, end in pairwise(columns.micro_batch_starts)],
+        first_ranks=columns.first_ranks,
+        sizes=columns.sizes,
+        sample_counts=columns.sample_counts,
+        sample_ids=columns.sample_ids,
+        real_tokens=columns.real_tokens,
+        padded_tokens=columns.padded_tokens,
+    )
 
 
 def _statistics_to_proto(stats: PlanStatistics) -> pb.PlanStatistics:
@@ -214,7 +248,7 @@ def plan_from_proto(message: pb.PlanResponse) -> Plan:
         tensor_parallel_size=message.tensor_parallel_size or 1,
         cp_layout=LAYOUT_FROM_PROTO[message.cp_layout],
         capacity_bound=BOUND_FROM_PROTO[message.capacity_bound],
-        micro_batches=micro_batches_from_proto(message.micro_batches),
+        micro_batches=_columns_from_proto(message.columns) if message.HasField("columns") else micro_batches_from_proto(message.micro_batches),
         statistics=stats,
         candidates=tuple(
             CandidateSummary(
@@ -236,6 +270,27 @@ def micro_batches_from_proto(messages: Iterable[pb.MicroBatch]) -> tuple[MicroBa
         MicroBatch(tuple([new_cp_group(g.first_rank, g.size, tuple(g.sample_ids[:]), g.real_tokens, g.padded_tokens) for g in mb.cp_groups]))
         for mb in messages
     )
+
+
+def _columns_from_proto(message: pb.PlanColumns) -> MicroBatches:
+    """The plan's micro-batches from the columns form, unbuilt (MicroBatches): each column read as
+    one list. Columns that do not fit together raise MalformedPlanError naming them."""
+    per_micro_batch, counts, sample_ids = message.groups_per_micro_batch[:], message.sample_counts[:], message.sample_ids[:]
+    group_columns = {name: getattr(message, name)[:] for name in ("first_ranks", "sizes", "real_tokens", "padded_tokens")}
+    groups = sum(per_micro_batch)
+    uneven = [f"{name} has {len(column)}" for name, column in {"sample_counts": counts, **group_columns}.items() if len(column) != groups]
+    if uneven:
+        raise MalformedPlanError(f"PlanResponse.columns: groups_per_micro_batch adds up to {groups} groups, but {', '.join(uneven)}")
+    if sum(counts) != len(sample_ids):
+        raise MalformedPlanError(f"PlanResponse.columns: sample_counts add up to {sum(counts)}, but sample_ids has {len(sample_ids)}")
+    return MicroBatches(GroupColumns.from_columns(
+        list(accumulate(per_micro_batch, initial=0)), group_columns["first_ranks"], group_columns["sizes"], counts, sample_ids,
+        group_columns["real_tokens"], group_columns["padded_tokens"],
+    ))
+
+
+class MalformedPlanError(ValueError):
+    """A PlanResponse whose plan cannot be read: its columns do not fit together."""
 
 
 # What micro_batches_to_proto relies on (tests/test_convert.py checks it): a CpGroup holds its

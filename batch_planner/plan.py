@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate, chain, compress, islice, pairwise
 from operator import attrgetter, mod, ne, sub
-from typing import Sequence
+from typing import Iterator, Sequence, overload
 
 import numpy as np
 
@@ -103,7 +103,7 @@ class Plan:
     tensor_parallel_size: int
     cp_layout: CpLayout
     capacity_bound: CapacityBound
-    micro_batches: tuple[MicroBatch, ...]
+    micro_batches: Sequence[MicroBatch]  # a tuple, or MicroBatches: built from the groups' columns on first use
     statistics: PlanStatistics | None = field(default=None, compare=False)
     # SCHEDULER_AUTO: every candidate, in the order they were planned; empty otherwise.
     candidates: tuple[CandidateSummary, ...] = ()
@@ -118,11 +118,73 @@ class Plan:
         }
 
 
-def micro_batches_from_assignment(assignment: Sequence[Sequence[Sequence[int]]], padding: PlanPadding) -> tuple[tuple[MicroBatch, ...], GroupColumns]:
+class MicroBatches(Sequence[MicroBatch]):
+    """A plan's micro-batches held as their groups' GroupColumns, built as MicroBatch objects on
+    first use.
+
+    The core checks and prices a plan from its columns, and a response in the columns form
+    (batch_planner.v1.PlanForm) is encoded from them and decoded into them, so neither the server
+    nor a client that receives a plan builds an object per CP group before something reads one
+    (a trainer's `apply` does, once). It reads as the tuple it builds: equal to it, hashed as it,
+    indexed, sliced, iterated, added and repeated as it. Pickled, it is its columns, unbuilt.
+    """
+
+    __slots__ = ("columns", "_built")
+
+    def __init__(self, columns: GroupColumns):
+        self.columns = columns
+        self._built: tuple[MicroBatch, ...] | None = None
+
+    def as_tuple(self) -> tuple[MicroBatch, ...]:
+        built = self._built
+        if built is None:
+            built = self._built = self.columns.micro_batches()
+        return built
+
+    def __len__(self) -> int:
+        return len(self.columns.micro_batch_starts) - 1
+
+    @overload
+    def __getitem__(self, index: int) -> MicroBatch: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[MicroBatch, ...]: ...
+    def __getitem__(self, index):
+        return self.as_tuple()[index]
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        return iter(self.as_tuple())
+
+    def __add__(self, other: Sequence[MicroBatch]) -> tuple[MicroBatch, ...]:
+        return self.as_tuple() + tuple(other)
+
+    def __radd__(self, other: Sequence[MicroBatch]) -> tuple[MicroBatch, ...]:
+        return tuple(other) + self.as_tuple()
+
+    def __mul__(self, times: int) -> tuple[MicroBatch, ...]:
+        return self.as_tuple() * times
+
+    __rmul__ = __mul__
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, MicroBatches):
+            other = other.as_tuple()
+        return self.as_tuple() == other if isinstance(other, tuple) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.as_tuple())
+
+    def __repr__(self) -> str:
+        return repr(self.as_tuple())
+
+    def __reduce__(self):
+        return MicroBatches, (self.columns,)
+
+
+def micro_batches_from_assignment(assignment: Sequence[Sequence[Sequence[int]]], padding: PlanPadding) -> tuple[MicroBatches, GroupColumns]:
     """The plan's micro-batches from the scheduler's `sample_id_groups[mb][rank] -> ids`, and
     their groups' columns (GroupColumns.from_assignment says how ranks become groups)."""
     columns = GroupColumns.from_assignment(assignment, padding)
-    return columns.micro_batches(), columns
+    return MicroBatches(columns), columns
 
 
 def groups_from_rank_assignment(rank_sample_ids: Sequence[Sequence[int]], padding: PlanPadding) -> tuple[CpGroup, ...]:
@@ -165,6 +227,22 @@ class GroupColumns:
             sample_id_column=_id_column(flat, num_samples) if set(map(type, flat)) <= {int} else None,
             sample_offsets=run_offsets(map(len, ids), len(ids)),
             int_ranks=set(map(type, chain(map(attrgetter("first_rank"), groups), map(attrgetter("size"), groups)))) <= {int},
+        )
+
+    @classmethod
+    def from_columns(
+        cls, micro_batch_starts: list[int], first_ranks: list[int], sizes: list[int], sample_counts: list[int], sample_ids: list[int],
+        real_tokens: list[int], padded_tokens: list[int],
+    ) -> GroupColumns:
+        """Groups given as columns of equal length (group g's ids: the next sample_counts[g] of
+        `sample_ids`), as a response in the columns form carries them (batch_planner/convert.py
+        checks their shape). Without a request to check the ids against, `sample_id_column` is
+        None: an invariant check of such a plan walks it group by group."""
+        offsets = list(accumulate(sample_counts, initial=0))
+        ids = [tuple(sample_ids[start:end]) for start, end in pairwise(offsets)]
+        return cls(
+            micro_batch_starts, first_ranks, sizes, ids, real_tokens, padded_tokens, sample_ids, None, np.asarray(offsets, dtype=np.int64),
+            int_ranks=True,
         )
 
     @classmethod

@@ -8,11 +8,14 @@ size, on the same input and interleaved run by run (the arms in a rotating order
 - `run_scheduler`: `batch_planner.schedulers.run_scheduler` in this process: the scheduler call
   and nothing else, the denominator of every ratio;
 - `plan_batch`: the whole planning core in this process (validation, the scheduler, CP groups,
-  invariants, statistics); then, on the plan it returned, `encode` (`plan_to_proto` and
-  `SerializeToString(deterministic=True)`: what the server does to answer) and `decode`
-  (`PlanResponse.FromString` and `plan_from_proto`: what the client does with the answer);
+  invariants, statistics); then, on the plan it returned, `encode` (`plan_to_proto` in the columns
+  form and `SerializeToString(deterministic=True)`: what the server does to answer a trainer) and
+  `decode` (`PlanResponse.FromString` and `plan_from_proto`: what the trainer client does with the
+  answer);
 - `rpc`: `request_to_proto` -> `Plan` RPC on a real server with the default workers (one per
-  core; tests.planner_process) -> `plan_from_proto`: what a trainer waits for;
+  core; tests.planner_process) -> `plan_from_proto`: what a trainer waits for. The request asks
+  for the columns form (PLAN_FORM_COLUMNS), as the trainer client's does; a baseline server that
+  predates it answers with micro_batches, which `plan_from_proto` reads as well;
 - `GetCapabilities`: a round trip on the same channel that never reaches the planning pool: the
   cost of gRPC on loopback alone.
 Ratios are medians of the per-run ratios (each run's arms on the same request). Each run uses a
@@ -75,6 +78,7 @@ CORE_RATIO_BAR, RPC_RATIO_BAR, ADDED_P50_BAR = 1.05, 1.15, 1e-3
 # The job name travels in the request metadata as well as in the body (make_request's job), as the
 # trainer client sends it; a server that does not read the metadata ignores it.
 METADATA = job_metadata("bench")
+PLAN_FORM = pb.PLAN_FORM_COLUMNS  # what the trainer client asks for (trainer_client/plan_source.py)
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,7 @@ def measure(stubs: list, size: BatchSize, runs: int) -> SizeResult:
     # Warm every path (imports, channel, worker caches) on a request outside the measured ones.
     run_scheduler(requests[-1])
     for stub in stubs:
-        plan_from_proto(stub.Plan(request_to_proto(requests[-1]), timeout=RPC_TIMEOUT_S, metadata=METADATA))
+        plan_from_proto(stub.Plan(request_to_proto(requests[-1], PLAN_FORM), timeout=RPC_TIMEOUT_S, metadata=METADATA))
     t: dict[str, list[float]] = {name: [] for name in ("scheduler", "plan_batch", "encode", "decode")}
     rpc: list[list[float]] = [[] for _ in stubs]
     transport: list[list[float]] = [[] for _ in stubs]
@@ -140,13 +144,13 @@ def measure(stubs: list, size: BatchSize, runs: int) -> SizeResult:
     def in_process(request: PlanRequest) -> None:
         timed("scheduler", run_scheduler, request)
         plan = timed("plan_batch", plan_batch, request)
-        data = timed("encode", lambda: plan_to_proto(plan).SerializeToString(deterministic=True))
+        data = timed("encode", lambda: plan_to_proto(plan, columns=True).SerializeToString(deterministic=True))
         timed("decode", lambda: plan_from_proto(pb.PlanResponse.FromString(data)))
 
     def over_rpc(k: int):
         def step(request: PlanRequest) -> None:
             started = time.perf_counter()
-            plan_from_proto(stubs[k].Plan(request_to_proto(request), timeout=RPC_TIMEOUT_S, metadata=METADATA))
+            plan_from_proto(stubs[k].Plan(request_to_proto(request, PLAN_FORM), timeout=RPC_TIMEOUT_S, metadata=METADATA))
             rpc[k].append(time.perf_counter() - started)
             started = time.perf_counter()
             stubs[k].GetCapabilities(pb.GetCapabilitiesRequest(), timeout=RPC_TIMEOUT_S)
@@ -199,7 +203,7 @@ def decompose_small(runs: int) -> list[list[str]]:
     from planner_server.worker_pool import InlineBound, PlanningPool
 
     requests = [make_request(DISTRIBUTION, SMALL, seed=s, scheduler=SCHEDULER) for s in range(runs)]
-    payloads = [request_to_proto(r).SerializeToString() for r in requests]
+    payloads = [request_to_proto(r, PLAN_FORM).SerializeToString() for r in requests]
     limits, model, config = RequestLimits(), CostModel(), ServerConfig()
     inline = InlineBound(config.inline_max_samples, config.inline_max_ranks)
     pool = PlanningPool(1, 4, limits, model)  # inline off: every request on the worker
@@ -245,7 +249,7 @@ def _decomposition_calls(request, payload, limits, model, pool, inline_pool, ser
 
     calls = (
         lambda: run_scheduler(request),
-        lambda: request_to_proto(request).SerializeToString(),
+        lambda: request_to_proto(request, PLAN_FORM).SerializeToString(),
         lambda: servicer.plan(payload, _Context()),
         lambda: plan_request_bytes(payload, time.time() + 60, limits, model),
         lambda: pool.plan(payload, time.time() + 60, timeout=60),

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 from google.protobuf.message import DecodeError
 
 from batch_planner.auto import Candidate, Outcome, PlanOne, RunCandidates, plan_candidate, plan_serially
-from batch_planner.convert import JOB_METADATA_KEY, dp_cp_ranks, plan_to_proto, request_from_proto, scheduler_label
+from batch_planner.convert import JOB_METADATA_KEY, dp_cp_ranks, plan_to_proto, request_from_proto, scheduler_label, wants_columns
 from batch_planner.cost_spec import CostModel
 from batch_planner.errors import ErrorCode, InvalidRequestError, InvariantViolationError, PlanningError, status_of
 from batch_planner.plan import CandidateSummary, Plan, PlanStatistics
@@ -138,7 +138,7 @@ def plan_parsed(
         raise
     except Exception as exc:  # noqa: BLE001 - answered with its status, never raised out of the worker
         return failure(exc, parsed.about)
-    return _success(plan, elapsed, parsed.about)
+    return _success(plan, elapsed, parsed.about, wants_columns(parsed.message))
 
 
 def failure(exc: Exception, about: About = About()) -> WorkerResult:
@@ -152,8 +152,9 @@ def failure(exc: Exception, about: About = About()) -> WorkerResult:
     return WorkerResult(code, message=message, about=about, invariant=getattr(exc, "invariant", ""))
 
 
-def _success(plan: Plan, elapsed: float, about: About) -> WorkerResult:
-    response = plan_to_proto(plan).SerializeToString(deterministic=True)
+def _success(plan: Plan, elapsed: float, about: About, columns: bool) -> WorkerResult:
+    """`columns`: the request asked for the columns form (batch_planner.v1.PlanForm)."""
+    response = plan_to_proto(plan, columns).SerializeToString(deterministic=True)
     return WorkerResult(ErrorCode.OK, response, about=about, plan_id=plan.plan_id, scheduler_seconds=elapsed, statistics=plan.statistics,
                         **_auto_fields(plan.candidates))
 

@@ -1,6 +1,7 @@
 """batch_planner/convert.py: requests and plans through their protobuf messages and back, field
 for field (a plan's bytes those of a field-by-field build, and its groups read back as the
-constructor makes them), and an unknown scheduler value refused with its field named."""
+constructor makes them), in both plan forms (micro_batches and columns), and an unknown scheduler
+or plan form, and columns that do not fit together, refused with their field named."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from dataclasses import FrozenInstanceError, fields, replace
 
 import pytest
 
-from batch_planner.convert import plan_from_proto, plan_to_proto, request_from_proto, request_to_proto
+from batch_planner.convert import MalformedPlanError, plan_from_proto, plan_to_proto, request_from_proto, request_to_proto, wants_columns
 from batch_planner.distributions import sample_lengths
 from batch_planner.errors import InvalidRequestError
-from batch_planner.plan import CpGroup, MicroBatch, Plan
+from batch_planner.plan import CpGroup, MicroBatch, MicroBatches, Plan
 from batch_planner.planner import plan_batch
 from batch_planner.request import CpLayout, PlanRequest, SchedulerKind
 from batch_planner.v1 import planner_pb2 as pb
@@ -42,6 +43,63 @@ def test_an_unknown_scheduler_value_is_refused_with_its_field():
     with pytest.raises(InvalidRequestError) as refused:
         request_from_proto(message)
     assert refused.value.field == "scheduler"
+
+
+def test_an_unknown_plan_form_is_refused_with_its_field():
+    message = request_to_proto(PlanRequest.of((100, 200), 2, 1, 4096), pb.PLAN_FORM_COLUMNS)
+    assert wants_columns(message) and not wants_columns(request_to_proto(PlanRequest.of((100, 200), 2, 1, 4096)))
+    message.plan_form = 7  # type: ignore[assignment]
+    with pytest.raises(InvalidRequestError, match="plan_form: 7 is unknown; allowed: PLAN_FORM_MICRO_BATCHES, PLAN_FORM_COLUMNS") as refused:
+        request_from_proto(message)
+    assert refused.value.field == "plan_form"
+
+
+@pytest.mark.parametrize("index", range(11))
+def test_the_columns_form_carries_the_same_plan_and_reads_back_as_it(index):
+    """A plan in the columns form: no micro_batches in the message, the same plan read back (equal,
+    same hash, same groups), and the micro_batches form of what was read is the original's bytes."""
+    plan = _plans()[index]
+    message = plan_to_proto(plan, columns=True)
+    assert not message.micro_batches and message.HasField("columns")
+    again = plan_from_proto(pb.PlanResponse.FromString(message.SerializeToString(deterministic=True)))
+    assert isinstance(again.micro_batches, MicroBatches) and len(again.micro_batches) == len(plan.micro_batches)
+    assert again == plan and hash(again) == hash(plan)
+    if plan.statistics is not None:
+        assert again.statistics == plan.statistics
+    as_read = replace(plan, statistics=again.statistics)  # no statistics are read back as zeros, in either form
+    assert plan_to_proto(again).SerializeToString(deterministic=True) == plan_to_proto(as_read).SerializeToString(deterministic=True)
+    columns_bytes = plan_to_proto(as_read, columns=True).SerializeToString(deterministic=True)
+    assert plan_to_proto(again, columns=True).SerializeToString(deterministic=True) == columns_bytes
+    for read, made in zip((g for mb in again.micro_batches for g in mb.cp_groups), (g for mb in plan.micro_batches for g in mb.cp_groups)):
+        assert type(read) is CpGroup and vars(read) == vars(made)
+
+
+def test_the_cores_micro_batches_read_as_their_tuple_and_pickle_unbuilt():
+    plan = _plans()[3]
+    micro_batches = plan.micro_batches
+    assert isinstance(micro_batches, MicroBatches)
+    copy = pickle.loads(pickle.dumps(micro_batches))
+    assert isinstance(copy, MicroBatches) and copy._built is None  # pickled as its columns
+    built = tuple(micro_batches)
+    assert micro_batches == built and built == micro_batches and copy == micro_batches and hash(copy) == hash(built)
+    assert micro_batches[0] == built[0] and micro_batches[1:] == built[1:] and repr(micro_batches) == repr(built)
+    assert micro_batches != built[1:] and (micro_batches == list(built)) is False
+    assert micro_batches + built == built + micro_batches == built * 2 == 2 * micro_batches == micro_batches * 2
+
+
+@pytest.mark.parametrize("column,change,message", [
+    ("first_ranks", lambda c: c.append(0), "groups_per_micro_batch adds up to {groups} groups, but first_ranks has {more}"),
+    ("padded_tokens", lambda c: c.pop(), "groups_per_micro_batch adds up to {groups} groups, but padded_tokens has {fewer}"),
+    ("sample_counts", lambda c: c.append(0), "groups_per_micro_batch adds up to {groups} groups, but sample_counts has {more}"),
+    ("sample_ids", lambda c: c.append(0), "sample_counts add up to {samples}, but sample_ids has {more_samples}"),
+])
+def test_columns_that_do_not_fit_together_are_refused_naming_them(column, change, message):
+    response = plan_to_proto(_plans()[1], columns=True)
+    groups, samples = len(response.columns.first_ranks), len(response.columns.sample_ids)
+    change(getattr(response.columns, column))
+    expected = message.format(groups=groups, more=groups + 1, fewer=groups - 1, samples=samples, more_samples=samples + 1)
+    with pytest.raises(MalformedPlanError, match=re.escape("PlanResponse.columns: " + expected)):
+        plan_from_proto(response)
 
 
 def _reference_response(plan) -> bytes:

@@ -7,7 +7,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from batch_planner.convert import plan_from_proto, request_to_proto
+from batch_planner.convert import plan_from_proto, plan_to_proto, request_to_proto
 from batch_planner.cost_spec import CostModel
 from batch_planner.distributions import sample_lengths
 from batch_planner.plan import check_plan_invariants
@@ -65,6 +65,23 @@ def test_served_dynamic_cp_plans_equal_megatron_core_across_two_servers(planner,
     assert {len(r.micro_batches[0].cp_groups) > 1 for r in first} == {True}
     sizes_24 = {g.size for mb in first[-1].micro_batches for g in mb.cp_groups}
     assert sizes_24 <= {1, 2, 4, 8, 24} and len(sizes_24) > 1, sizes_24
+
+
+@pytest.mark.parametrize("scheduler", [SchedulerKind.DYNAMIC_CP, SchedulerKind.HYBRID_CP, SchedulerKind.AUTO])
+@pytest.mark.parametrize("dp,samples", [(4, 64), (32, 1024)])  # planned inline in the handler, and on a worker
+def test_a_plan_asked_for_in_columns_is_the_plan_of_the_default_form(stub, scheduler, dp, samples):
+    """The trainer client asks for PLAN_FORM_COLUMNS: the same plan, id and statistics as the
+    default form, carried as packed arrays, and nothing in micro_batches."""
+    if scheduler is not SchedulerKind.AUTO:
+        require_scheduler(scheduler)
+    request = PlanRequest.of(tuple(sample_lengths("lognormal_32k", samples, seed=7)), dp, 2, 8192, scheduler=scheduler, job="test")
+    default = stub.Plan(request_to_proto(request), timeout=300)
+    columns = stub.Plan(request_to_proto(request, pb.PLAN_FORM_COLUMNS), timeout=300)
+    assert columns.HasField("columns") and not columns.micro_batches and default.micro_batches and not default.HasField("columns")
+    assert columns.plan_id == default.plan_id and columns.statistics == default.statistics and columns.candidates == default.candidates
+    plan = plan_from_proto(columns)
+    assert plan == plan_from_proto(default)
+    assert plan_to_proto(plan).SerializeToString(deterministic=True) == default.SerializeToString(deterministic=True)
 
 
 def test_same_plan_across_calls_and_processes(planner, stub):

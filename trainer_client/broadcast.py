@@ -94,7 +94,7 @@ def agree_on_plan(
 
 def _encode(own: Plan | RankError | None, response: bytes = b"") -> tuple:
     if isinstance(own, Plan):
-        return ("plan", response or plan_to_proto(own).SerializeToString())
+        return ("plan", response or plan_to_proto(own, columns=True).SerializeToString())
     if isinstance(own, PlanRejectedError):
         return ("rejected", own.code, own.server_message)
     if isinstance(own, PlannerUnavailableError):

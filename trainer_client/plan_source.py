@@ -71,7 +71,7 @@ class PlanSource:
             if self._outage_reason is not None and time.monotonic() < self._retry_service_at:
                 return self._fallback(request, CIRCUIT_OPEN)
         try:
-            response = self.rpc.plan_bytes(request_to_proto(request))
+            response = self.rpc.plan_bytes(request_to_proto(request, pb.PLAN_FORM_COLUMNS))
         except ServiceFailedError as failure:
             self._enter_outage(failure)
             return self._fallback(request, failure.reason)

@@ -26,6 +26,11 @@ class CapacityBound(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CAPACITY_BOUND_UNSPECIFIED: _ClassVar[CapacityBound]
     CAPACITY_BOUND_PER_SAMPLE: _ClassVar[CapacityBound]
     CAPACITY_BOUND_PER_RANK_SUM: _ClassVar[CapacityBound]
+
+class PlanForm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PLAN_FORM_MICRO_BATCHES: _ClassVar[PlanForm]
+    PLAN_FORM_COLUMNS: _ClassVar[PlanForm]
 SCHEDULER_UNSPECIFIED: Scheduler
 SCHEDULER_HYBRID_CP: Scheduler
 SCHEDULER_DYNAMIC_CP: Scheduler
@@ -37,6 +42,8 @@ CP_LAYOUT_CONTIGUOUS: CpLayout
 CAPACITY_BOUND_UNSPECIFIED: CapacityBound
 CAPACITY_BOUND_PER_SAMPLE: CapacityBound
 CAPACITY_BOUND_PER_RANK_SUM: CapacityBound
+PLAN_FORM_MICRO_BATCHES: PlanForm
+PLAN_FORM_COLUMNS: PlanForm
 
 class ParallelLayout(_message.Message):
     __slots__ = ("data_parallel_size", "context_parallel_size", "tensor_parallel_size")
@@ -49,7 +56,7 @@ class ParallelLayout(_message.Message):
     def __init__(self, data_parallel_size: _Optional[int] = ..., context_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("sequence_lengths", "layout", "max_seqlen_per_dp_cp_rank", "scheduler", "cp_layout", "min_cp_size", "max_seqs_per_micro_batch", "micro_batch_group_size", "job", "cost_model", "auto_schedulers")
+    __slots__ = ("sequence_lengths", "layout", "max_seqlen_per_dp_cp_rank", "scheduler", "cp_layout", "min_cp_size", "max_seqs_per_micro_batch", "micro_batch_group_size", "job", "cost_model", "auto_schedulers", "plan_form")
     SEQUENCE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQLEN_PER_DP_CP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +68,7 @@ class PlanRequest(_message.Message):
     JOB_FIELD_NUMBER: _ClassVar[int]
     COST_MODEL_FIELD_NUMBER: _ClassVar[int]
     AUTO_SCHEDULERS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FORM_FIELD_NUMBER: _ClassVar[int]
     sequence_lengths: _containers.RepeatedScalarFieldContainer[int]
     layout: ParallelLayout
     max_seqlen_per_dp_cp_rank: int
@@ -72,7 +80,8 @@ class PlanRequest(_message.Message):
     job: str
     cost_model: CostModelSpec
     auto_schedulers: _containers.RepeatedScalarFieldContainer[Scheduler]
-    def __init__(self, sequence_lengths: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., max_seqlen_per_dp_cp_rank: _Optional[int] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., min_cp_size: _Optional[int] = ..., max_seqs_per_micro_batch: _Optional[int] = ..., micro_batch_group_size: _Optional[int] = ..., job: _Optional[str] = ..., cost_model: _Optional[_Union[CostModelSpec, _Mapping]] = ..., auto_schedulers: _Optional[_Iterable[_Union[Scheduler, str]]] = ...) -> None: ...
+    plan_form: PlanForm
+    def __init__(self, sequence_lengths: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., max_seqlen_per_dp_cp_rank: _Optional[int] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., min_cp_size: _Optional[int] = ..., max_seqs_per_micro_batch: _Optional[int] = ..., micro_batch_group_size: _Optional[int] = ..., job: _Optional[str] = ..., cost_model: _Optional[_Union[CostModelSpec, _Mapping]] = ..., auto_schedulers: _Optional[_Iterable[_Union[Scheduler, str]]] = ..., plan_form: _Optional[_Union[PlanForm, str]] = ...) -> None: ...
 
 class CostModelSpec(_message.Message):
     __slots__ = ("preset", "coefficients", "model", "hardware")
@@ -154,6 +163,24 @@ class MicroBatch(_message.Message):
     cp_groups: _containers.RepeatedCompositeFieldContainer[CpGroup]
     def __init__(self, cp_groups: _Optional[_Iterable[_Union[CpGroup, _Mapping]]] = ...) -> None: ...
 
+class PlanColumns(_message.Message):
+    __slots__ = ("groups_per_micro_batch", "first_ranks", "sizes", "sample_counts", "sample_ids", "real_tokens", "padded_tokens")
+    GROUPS_PER_MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    FIRST_RANKS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    REAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PADDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    groups_per_micro_batch: _containers.RepeatedScalarFieldContainer[int]
+    first_ranks: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    sample_counts: _containers.RepeatedScalarFieldContainer[int]
+    sample_ids: _containers.RepeatedScalarFieldContainer[int]
+    real_tokens: _containers.RepeatedScalarFieldContainer[int]
+    padded_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, groups_per_micro_batch: _Optional[_Iterable[int]] = ..., first_ranks: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., sample_counts: _Optional[_Iterable[int]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., real_tokens: _Optional[_Iterable[int]] = ..., padded_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class CpSizeCount(_message.Message):
     __slots__ = ("cp_size", "samples", "real_tokens")
     CP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -189,7 +216,7 @@ class PlanStatistics(_message.Message):
     def __init__(self, real_tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., padding_ratio: _Optional[float] = ..., micro_batch_count: _Optional[int] = ..., cp_size_mix: _Optional[_Iterable[_Union[CpSizeCount, _Mapping]]] = ..., predicted_step_cost: _Optional[float] = ..., lower_bound_cost: _Optional[float] = ..., balance_efficiency: _Optional[float] = ..., static_cp_step_cost: _Optional[float] = ..., predicted_speedup_over_static_cp: _Optional[float] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("plan_id", "scheduler", "scheduler_class", "megatron_core_version", "micro_batches", "statistics", "capacity_bound", "dp_cp_size", "cp_layout", "tensor_parallel_size", "candidates")
+    __slots__ = ("plan_id", "scheduler", "scheduler_class", "megatron_core_version", "micro_batches", "statistics", "capacity_bound", "dp_cp_size", "cp_layout", "tensor_parallel_size", "candidates", "columns")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_CLASS_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +228,7 @@ class PlanResponse(_message.Message):
     CP_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     scheduler: Scheduler
     scheduler_class: str
@@ -212,7 +240,8 @@ class PlanResponse(_message.Message):
     cp_layout: CpLayout
     tensor_parallel_size: int
     candidates: _containers.RepeatedCompositeFieldContainer[Candidate]
-    def __init__(self, plan_id: _Optional[str] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., scheduler_class: _Optional[str] = ..., megatron_core_version: _Optional[str] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., statistics: _Optional[_Union[PlanStatistics, _Mapping]] = ..., capacity_bound: _Optional[_Union[CapacityBound, str]] = ..., dp_cp_size: _Optional[int] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., tensor_parallel_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ...) -> None: ...
+    columns: PlanColumns
+    def __init__(self, plan_id: _Optional[str] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., scheduler_class: _Optional[str] = ..., megatron_core_version: _Optional[str] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., statistics: _Optional[_Union[PlanStatistics, _Mapping]] = ..., capacity_bound: _Optional[_Union[CapacityBound, str]] = ..., dp_cp_size: _Optional[int] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., tensor_parallel_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., columns: _Optional[_Union[PlanColumns, _Mapping]] = ...) -> None: ...
 
 class Candidate(_message.Message):
     __slots__ = ("name", "scheduler", "max_seqlen_per_dp_cp_rank", "min_cp_size", "context_parallel_size", "planned", "predicted_step_cost", "served", "not_planned_reason", "skipped", "lower_bound_cost")

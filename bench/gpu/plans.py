@@ -61,7 +61,7 @@ def hybrid_cp_plan(lengths: Sequence[int], dp_cp_size: int, max_seqlen_per_dp_cp
     )
     plan = plan_batch(request)
     return BenchPlan(
-        "hybrid_cp", tuple(lengths), dp_cp_size, plan.micro_batches, True, True, max_seqlen_per_dp_cp_rank
+        "hybrid_cp", tuple(lengths), dp_cp_size, tuple(plan.micro_batches), True, True, max_seqlen_per_dp_cp_rank
     )
 
 
