@@ -18,7 +18,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from batch_planner.convert import plan_from_proto, request_to_proto
+from google.protobuf.message import DecodeError
+
+from batch_planner.convert import MalformedPlanError, plan_from_proto, request_to_proto
 from batch_planner.errors import PlanningError
 from batch_planner.plan import Plan
 from batch_planner.exact.verified import select_implementation
@@ -34,9 +36,11 @@ log = logging.getLogger(__name__)
 SERVICE = "service"
 FALLBACK = "fallback"
 # fallbacks_total{reason}: the lower-cased gRPC status of the failure, "circuit_open" for a step
-# planned in-process during the cool-down, "no_endpoint" when no service is configured.
+# planned in-process during the cool-down, "no_endpoint" when no service is configured,
+# "malformed_response" for an answer that is not a readable PlanResponse (a bug of the server's).
 CIRCUIT_OPEN = "circuit_open"
 NO_ENDPOINT = "no_endpoint"
+MALFORMED_RESPONSE = "malformed_response"
 
 
 class PlannerUnavailableError(RuntimeError):
@@ -72,12 +76,13 @@ class PlanSource:
                 return self._fallback(request, CIRCUIT_OPEN)
         try:
             response = self.rpc.plan_bytes(request_to_proto(request, pb.PLAN_FORM_COLUMNS))
+            plan = _read(response)
         except ServiceFailedError as failure:
             self._enter_outage(failure)
             return self._fallback(request, failure.reason)
         self._leave_outage()
         self._count(SERVICE)
-        return SourcedPlan(plan_from_proto(pb.PlanResponse.FromString(response)), SERVICE, response)
+        return SourcedPlan(plan, SERVICE, response)
 
     def _enter_outage(self, failure: ServiceFailedError) -> None:
         if not self.config.fallback:
@@ -110,3 +115,13 @@ class PlanSource:
 
     def _count(self, source: str) -> None:
         self.metrics.plans.labels(self.metrics.job, source).inc()
+
+
+def _read(response: bytes) -> Plan:
+    """The plan of the service's answer; an answer that is not a readable PlanResponse fails like
+    the call (ServiceFailedError), so this rank plans in-process, or with fallback off raises on
+    every rank, rather than raising here alone while its peers wait for the plan."""
+    try:
+        return plan_from_proto(pb.PlanResponse.FromString(response))
+    except (DecodeError, MalformedPlanError, KeyError, ValueError) as exc:
+        raise ServiceFailedError(MALFORMED_RESPONSE, f"its answer is not a readable PlanResponse ({type(exc).__name__}: {exc})") from exc
