@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+import threading
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate, chain, compress, islice, pairwise
@@ -129,16 +130,20 @@ class MicroBatches(Sequence[MicroBatch]):
     indexed, sliced, iterated, added and repeated as it. Pickled, it is its columns, unbuilt.
     """
 
-    __slots__ = ("columns", "_built")
+    __slots__ = ("columns", "_built", "_building")
 
     def __init__(self, columns: GroupColumns):
         self.columns = columns
         self._built: tuple[MicroBatch, ...] | None = None
+        self._building = threading.Lock()  # readers on several threads build it once
 
     def as_tuple(self) -> tuple[MicroBatch, ...]:
         built = self._built
         if built is None:
-            built = self._built = self.columns.micro_batches()
+            with self._building:
+                built = self._built
+                if built is None:
+                    built = self._built = self.columns.micro_batches()
         return built
 
     def __len__(self) -> int:
@@ -377,6 +382,25 @@ def _within_capacity(columns: GroupColumns, ids: np.ndarray, request: PlanReques
     else:
         real = np.maximum.reduceat(tokens, columns.sample_offsets[:-1])
     return not bool((real > columns.size_column * limit).any())
+
+
+def structure_problem(plan: Plan, num_samples: int, dp_cp_size: int) -> str | None:
+    """What keeps a plan received from elsewhere (a service's answer) from being applied to a batch
+    of `num_samples` on `dp_cp_size` ranks without a rank failing alone or a sample lost: its
+    DPxCP size, its groups tiling each micro-batch's ranks (sizes >= 1, each group at a multiple of
+    its size, none empty) and every sample in exactly one group. None when it holds. Invariants 3
+    and 4 (the sizes Megatron-Core builds, capacity) depend on the scheduler's own knobs, which only
+    the planner that made the plan checks."""
+    if plan.dp_cp_size != dp_cp_size:
+        return f"the plan covers {plan.dp_cp_size} DPxCP ranks, the request {dp_cp_size}"
+    micro_batches = plan.micro_batches
+    columns = micro_batches.columns if isinstance(micro_batches, MicroBatches) else GroupColumns.of(micro_batches, num_samples)
+    if not columns.int_ranks or not _groups_tile_ranks(columns, dp_cp_size, frozenset(range(1, dp_cp_size + 1))):
+        return f"the CP groups of some micro-batch do not tile ranks 0..{dp_cp_size - 1} (each group at a multiple of its size, none empty)"
+    ids = _id_column(columns.sample_ids, num_samples) if set(map(type, columns.sample_ids)) <= {int} else None
+    if ids is None or not _each_sample_once(ids, num_samples):
+        return f"the CP groups do not hold each of the batch's {num_samples} samples exactly once"
+    return None
 
 
 def _raise_first_violation(plan: Plan, request: PlanRequest, valid_cp_sizes: frozenset[int]) -> None:

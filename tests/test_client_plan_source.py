@@ -1,9 +1,11 @@
 """trainer_client/plan_source.py: an answer from the service that is not a readable PlanResponse
-(bytes protobuf cannot parse, or columns that do not fit together) fails like the call: the step is
-planned in-process and counted as `malformed_response`, or with fallback off raises
-PlannerUnavailableError, which the broadcast hands to every rank; it is never raised on the asking
-rank alone. The service is a stand-in of the test's own on loopback (`UnreadableAnswerPlanner`):
-the real server never sends such bytes."""
+(bytes protobuf cannot parse, columns that do not fit together) or whose plan cannot be applied to
+the request's batch (another DPxCP size, groups that do not tile the ranks, a sample missing, twice
+or out of range) fails like the call: the step is planned in-process and counted as
+`malformed_response`, or with fallback off raises PlannerUnavailableError, which the broadcast hands
+to every rank; it never reaches `apply`, where one rank would fail alone or a sample go untrained.
+The service is a stand-in of the test's own on loopback (`UnreadableAnswerPlanner`): the real
+server never sends such answers."""
 
 from __future__ import annotations
 
@@ -15,25 +17,44 @@ import pytest
 from batch_planner.convert import plan_to_proto
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
-from batch_planner.v1 import planner_pb2 as pb
 from trainer_client.config import PlannerClientConfig
 from trainer_client.metrics import TrainerMetrics
-from trainer_client.plan_source import FALLBACK, MALFORMED_RESPONSE, PlannerUnavailableError, PlanSource
+from trainer_client.plan_source import FALLBACK, MALFORMED_RESPONSE, SERVICE, PlannerUnavailableError, PlanSource
 
 REQUEST = PlanRequest.of((4096, 2048, 1024, 512, 512, 256, 128, 64), 4, 2, 4096, job="plan-source")
 
 
-def _uneven_columns() -> bytes:
+def _answer(change) -> bytes:
+    """The real plan of REQUEST in the columns form, with `change(message)` applied."""
     message = plan_to_proto(plan_batch(REQUEST), columns=True)
-    message.columns.first_ranks.append(0)
+    change(message)
     return message.SerializeToString()
 
 
-ANSWERS = {"not protobuf": b"\xff\xff\xff", "columns that do not fit together": _uneven_columns()}
+def _set(column: str, index: int, value):
+    def change(message):
+        getattr(message.columns, column)[index] = value if not callable(value) else value(message.columns)
+    return change
+
+
+def _dp_cp_size(message):
+    message.dp_cp_size = 16
+
+
+ANSWERS = {
+    "not protobuf": b"\xff\xff\xff",
+    "columns that do not fit together": _answer(lambda m: m.columns.first_ranks.append(0)),
+    "a sample id past the batch": _answer(_set("sample_ids", -1, 99)),
+    "a sample twice, another missing": _answer(_set("sample_ids", -1, lambda c: c.sample_ids[0])),
+    "a group at a rank that is not its own": _answer(_set("first_ranks", -1, lambda c: c.first_ranks[-1] + 1)),
+    "a group of size 0": _answer(_set("sizes", -1, 0)),
+    "a group over every rank": _answer(_set("sizes", 0, 8)),
+    "another DPxCP size": _answer(_dp_cp_size),
+}
 
 
 class UnreadableAnswerPlanner:
-    """A stand-in service on loopback whose Plan answers with the given bytes."""
+    """A stand-in service on loopback whose Plan answers every call with the given bytes."""
 
     def __init__(self, answer: bytes):
         self.server = grpc.server(futures.ThreadPoolExecutor(2))
@@ -72,7 +93,18 @@ def test_an_unreadable_answer_is_planned_in_process_and_counted(unreadable):
 def test_with_fallback_off_an_unreadable_answer_raises_what_the_broadcast_hands_every_rank(unreadable):
     source = _source(unreadable, fallback=False)
     try:
-        with pytest.raises(PlannerUnavailableError, match=r"malformed_response.*not a readable PlanResponse"):
+        with pytest.raises(PlannerUnavailableError, match=r"malformed_response.*(not a readable PlanResponse|cannot be applied to this batch)"):
             source.plan(REQUEST)
     finally:
         source.close()
+
+
+def test_the_real_plans_answer_from_the_same_stand_in_is_used_as_sent():
+    planner = UnreadableAnswerPlanner(_answer(lambda message: None))
+    source = _source(planner, fallback=True)
+    try:
+        sourced = source.plan(REQUEST)
+        assert sourced.source == SERVICE and sourced.plan == plan_batch(REQUEST)
+    finally:
+        source.close()
+        planner.server.stop(None)

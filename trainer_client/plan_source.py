@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError
 
 from batch_planner.convert import MalformedPlanError, plan_from_proto, request_to_proto
 from batch_planner.errors import PlanningError
-from batch_planner.plan import Plan
+from batch_planner.plan import Plan, structure_problem
 from batch_planner.exact.verified import select_implementation
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
@@ -76,7 +76,7 @@ class PlanSource:
                 return self._fallback(request, CIRCUIT_OPEN)
         try:
             response = self.rpc.plan_bytes(request_to_proto(request, pb.PLAN_FORM_COLUMNS))
-            plan = _read(response)
+            plan = _read(response, request)
         except ServiceFailedError as failure:
             self._enter_outage(failure)
             return self._fallback(request, failure.reason)
@@ -117,11 +117,17 @@ class PlanSource:
         self.metrics.plans.labels(self.metrics.job, source).inc()
 
 
-def _read(response: bytes) -> Plan:
-    """The plan of the service's answer; an answer that is not a readable PlanResponse fails like
-    the call (ServiceFailedError), so this rank plans in-process, or with fallback off raises on
-    every rank, rather than raising here alone while its peers wait for the plan."""
+def _read(response: bytes, request: PlanRequest) -> Plan:
+    """The plan of the service's answer to `request`. An answer that is not a readable
+    PlanResponse, or whose plan cannot be applied to the request's batch (plan.structure_problem:
+    ranks not tiled, a sample missing or twice), fails like the call (ServiceFailedError): this
+    rank plans in-process, or with fallback off raises on every rank, rather than a rank failing
+    alone in `apply` while its peers wait in a collective, or a sample going untrained."""
     try:
-        return plan_from_proto(pb.PlanResponse.FromString(response))
+        plan = plan_from_proto(pb.PlanResponse.FromString(response))
     except (DecodeError, MalformedPlanError, KeyError, ValueError) as exc:
         raise ServiceFailedError(MALFORMED_RESPONSE, f"its answer is not a readable PlanResponse ({type(exc).__name__}: {exc})") from exc
+    problem = structure_problem(plan, request.num_samples, request.dp_cp_size)
+    if problem is not None:
+        raise ServiceFailedError(MALFORMED_RESPONSE, f"its plan cannot be applied to this batch: {problem}")
+    return plan
