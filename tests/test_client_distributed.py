@@ -130,6 +130,10 @@ def _run_rank(rank: int, world: int, tp: int, store_path: str, endpoint: str, ou
                 unpicklable = {k: (lambda: None) if k == min(outputs, default=None) else v for k, v in outputs.items()}
                 with pytest.raises(TypeError, match=r"the output of sample \d+, a function, cannot be pickled .* \(on rank \d+"):
                     client.restore_outputs(plan, unpicklable)
+                # An output that cannot be copied to the CPU (a meta tensor): the same, on every rank.
+                uncopyable = {k: torch.empty(2, device="meta") if k == min(outputs, default=None) else v for k, v in outputs.items()}
+                with pytest.raises(RuntimeError, match=r"could not be read or copied to the CPU .* \(on rank \d+"):
+                    client.restore_outputs(plan, uncopyable)
             client.close()
             report["steps"] += 1
         # One rank holds another batch (the plan was prefetched for rank 0's): every rank refuses.

@@ -31,8 +31,13 @@ def restore_outputs(
     local_outputs: Mapping[int, Any], num_samples: int, group: dist.ProcessGroup | None = None
 ) -> list[Any]:
     """All ranks call this; all get the outputs of samples 0..num_samples-1 in order."""
-    problem = _outputs_problem(local_outputs)
-    items = [] if problem else [(int(sample_id), _to_cpu(output)) for sample_id, output in local_outputs.items()]
+    problem: Exception | None = _outputs_problem(local_outputs)
+    items: list[tuple[int, Any]] = []
+    if problem is None:
+        try:
+            items = [(int(sample_id), _to_cpu(output)) for sample_id, output in local_outputs.items()]
+        except Exception as exc:  # noqa: BLE001 - a rank's own failure travels in the gather, as its other problems do
+            problem = RuntimeError(f"local_outputs: could not be read or copied to the CPU ({type(exc).__name__}: {str(exc):.160})")
     if is_distributed(group):
         payload, problem = (b"", problem) if problem else _pickled(items)
         gathered: list[Any] = [None] * dist.get_world_size(group)
