@@ -36,7 +36,6 @@ BOUND_TO_PROTO = {
     CapacityBound.PER_RANK_SUM: pb.CAPACITY_BOUND_PER_RANK_SUM,
 }
 BOUND_FROM_PROTO = {v: k for k, v in BOUND_TO_PROTO.items()}
-PLAN_FORMS = (pb.PLAN_FORM_MICRO_BATCHES, pb.PLAN_FORM_COLUMNS)
 
 
 def scheduler_label(value: int) -> str:
@@ -60,12 +59,8 @@ def dp_cp_ranks(layout: pb.ParallelLayout) -> int:
 
 
 def request_from_proto(message: pb.PlanRequest) -> PlanRequest:
-    """The request's planning fields; its plan_form (how the answer carries the plan, not part of
-    it: `wants_columns`) is checked here with the rest."""
+    """The request's planning fields (its plan_form is not one: `wants_columns`)."""
     _scheduler_of(message.scheduler, "scheduler")
-    if message.plan_form not in PLAN_FORMS:
-        allowed = ", ".join(pb.PlanForm.Name(v) for v in PLAN_FORMS)
-        raise InvalidRequestError(f"plan_form: {message.plan_form} is unknown; allowed: {allowed}", field="plan_form")
     if message.cp_layout not in LAYOUT_FROM_PROTO:
         raise InvalidRequestError(
             f"cp_layout: {message.cp_layout} is unknown; allowed: CP_LAYOUT_ZIGZAG, CP_LAYOUT_CONTIGUOUS",
@@ -81,7 +76,9 @@ def request_from_proto(message: pb.PlanRequest) -> PlanRequest:
 
 
 def wants_columns(message: pb.PlanRequest) -> bool:
-    """Whether the request asks for its plan in the columns form (PlanResponse.columns)."""
+    """Whether the request asks for its plan in the columns form (PlanResponse.columns). Any other
+    plan_form, one this server does not know included, is answered with micro_batches, which every
+    client reads: the field is a preference, so a newer client's form is not a refusal here."""
     return message.plan_form == pb.PLAN_FORM_COLUMNS
 
 
