@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError
 
 from batch_planner.convert import MalformedPlanError, plan_from_proto, request_to_proto
 from batch_planner.errors import PlanningError
-from batch_planner.plan import Plan, structure_problem
+from batch_planner.plan import MicroBatches, Plan, structure_problem
 from batch_planner.exact.verified import select_implementation
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
@@ -130,4 +130,6 @@ def _read(response: bytes, request: PlanRequest) -> Plan:
     problem = structure_problem(plan, request.num_samples, request.dp_cp_size)
     if problem is not None:
         raise ServiceFailedError(MALFORMED_RESPONSE, f"its plan cannot be applied to this batch: {problem}")
+    if isinstance(plan.micro_batches, MicroBatches):
+        plan.micro_batches.as_tuple()  # built here, on the thread that fetched it (plan-ahead's), not in the step
     return plan
