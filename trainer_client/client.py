@@ -170,6 +170,10 @@ class BatchPlannerClient:
                 own, self.last_source, response = fetched.sourced.plan, fetched.sourced.source, fetched.sourced.response
             except (PlanRejectedError, PlannerUnavailableError) as error:
                 own = error
+            except Exception as error:  # noqa: BLE001 - a TLS mismatch, a bug: every rank raises it, not this one alone
+                if not is_distributed(self.group):
+                    raise
+                own = _unavailable(error)
         plan = agree_on_plan(own, request, self.group, self.config.who_asks, response)
         if request is not None:  # (else agree_on_plan raised this rank's error)
             self.planned_batches.record(plan, request.sequence_lengths, step)
@@ -333,6 +337,15 @@ def _kind_of(value: Any) -> str:
         if odd is not None:
             return f"a {type(value).__name__} holding a {type(odd).__name__}"
     return f"a {type(value).__name__}"
+
+
+def _unavailable(error: Exception) -> PlannerUnavailableError:
+    """Any other failure of the asking rank (a TlsMismatchError, a bug in the in-process fallback)
+    as the error the broadcast hands to every rank of the group, naming it: raised on the asking
+    rank alone, it would leave the others waiting in the broadcast."""
+    unavailable = PlannerUnavailableError(f"could not plan this step: {type(error).__name__}: {error}")
+    unavailable.__cause__ = error
+    return unavailable
 
 
 def _check_record_step(micro_batches: Any, seconds: Any) -> None:
