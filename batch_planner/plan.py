@@ -229,7 +229,7 @@ class GroupColumns:
             real_tokens=list(map(attrgetter("real_tokens"), groups)),
             padded_tokens=list(map(attrgetter("padded_tokens"), groups)),
             sample_ids=flat,
-            sample_id_column=_id_column(flat, num_samples) if set(map(type, flat)) <= {int} else None,
+            sample_id_column=_checked_id_column(flat, num_samples),
             sample_offsets=run_offsets(map(len, ids), len(ids)),
             int_ranks=set(map(type, chain(map(attrgetter("first_rank"), groups), map(attrgetter("size"), groups)))) <= {int},
         )
@@ -305,6 +305,11 @@ def _run_starts(rank_sample_ids: Sequence[Sequence[int]]) -> list[int]:
         return []
     changed = map(ne, islice(rank_sample_ids, 1, None), rank_sample_ids)
     return [0, *compress(range(1, len(rank_sample_ids)), changed)]
+
+
+def _checked_id_column(ids: list, num_samples: int) -> np.ndarray | None:
+    """`_id_column` of ids of any type: None unless every one is an int (numpy would truncate a float)."""
+    return _id_column(ids, num_samples) if set(map(type, ids)) <= {int} else None
 
 
 def _id_column(ids: list[int], num_samples: int) -> np.ndarray | None:
@@ -397,7 +402,7 @@ def structure_problem(plan: Plan, num_samples: int, dp_cp_size: int) -> str | No
     columns = micro_batches.columns if isinstance(micro_batches, MicroBatches) else GroupColumns.of(micro_batches, num_samples)
     if not columns.int_ranks or not _groups_tile_ranks(columns, dp_cp_size, frozenset(range(1, dp_cp_size + 1))):
         return f"the CP groups of some micro-batch do not tile ranks 0..{dp_cp_size - 1} (each group at a multiple of its size, none empty)"
-    ids = _id_column(columns.sample_ids, num_samples) if set(map(type, columns.sample_ids)) <= {int} else None
+    ids = _checked_id_column(columns.sample_ids, num_samples)
     if ids is None or not _each_sample_once(ids, num_samples):
         return f"the CP groups do not hold each of the batch's {num_samples} samples exactly once"
     return None

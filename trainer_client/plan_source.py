@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from batch_planner.convert import MalformedPlanError, plan_from_proto, request_to_proto
+from batch_planner.convert import plan_from_proto, request_to_proto
 from batch_planner.errors import PlanningError
 from batch_planner.plan import MicroBatches, Plan, structure_problem
 from batch_planner.exact.verified import select_implementation
@@ -125,7 +125,7 @@ def _read(response: bytes, request: PlanRequest) -> Plan:
     alone in `apply` while its peers wait in a collective, or a sample going untrained."""
     try:
         plan = plan_from_proto(pb.PlanResponse.FromString(response))
-    except (DecodeError, MalformedPlanError, KeyError, ValueError) as exc:
+    except (DecodeError, KeyError, ValueError) as exc:  # ValueError: convert.MalformedPlanError among others
         raise ServiceFailedError(MALFORMED_RESPONSE, f"its answer is not a readable PlanResponse ({type(exc).__name__}: {exc})") from exc
     problem = structure_problem(plan, request.num_samples, request.dp_cp_size)
     if problem is not None:
