@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -209,6 +210,21 @@ def test_bad_measurements_are_dropped_counted_and_never_fitted():
     no_work = (0, features_of(_unit([], 1)), 1e-3)
     calibrator._clean([[no_work]], dropped)
     assert dropped["no_work"] == 1
+
+
+def test_timed_units_on_the_host_clock_are_kept_under_their_step_with_their_features():
+    calibrator, _ = _calibrator()
+    with pytest.raises(RuntimeError, match="no step is planned yet"):
+        calibrator.timed(_unit([100], 1))
+    calibrator.begin_step(3)
+    units = [_unit([300, 200], 2, micro_batch_index=0), _unit([900], 1, micro_batch_index=1)]
+    for unit in units:  # tokens on the CPU and CUDA never initialised: the monotonic clock
+        with calibrator.timed(unit):
+            time.sleep(0.002)
+    ((first, second),) = calibrator.timer.collect([3])
+    assert (first[0], first[1]) == (0, features_of(units[0])) and (second[0], second[1]) == (1, features_of(units[1]))
+    assert first[2] >= 0.002 and second[2] >= 0.002  # at least the body's time: the clock spans it
+    assert calibrator.timer.collect([3]) == [[]]  # collected once
 
 
 def test_preset_until_enough_units_then_the_fit_from_a_step_not_prefetched(caplog):

@@ -1,13 +1,16 @@
 """Closed-loop calibration on 4 real gloo ranks against a real planner on loopback.
 
-Every rank runs its units of each step's auto plan through a stand-in kernel, named as such: a
-`time.sleep` of a hidden cost function of the unit's features times noise (a GPU kernel whose
-duration is known), with now and then a stalled unit. The client times the units, gathers them over
-the group and fits; the fitted coefficients travel in the next requests to the server, which keeps
-no state. Shown: the fit recovers the hidden coefficients within 10% after a bounded number of
-steps, every rank holds the identical model, the server priced the plans with the job's fitted
-coefficients, and two hidden cost functions (CP cheap, CP expensive) make auto serve different
-plans for the same batch once calibrated."""
+Every rank runs its units of each step's auto plan through a stand-in kernel, named as such: a GPU
+kernel this machine cannot run, whose duration (a hidden cost function of the unit's features times
+noise, with now and then a stalled unit) the stand-in reports the way CUDA events would, by
+`client.record_unit`. Host time is not that duration: four ranks and a server share two cores here, so
+a wall clock would add their scheduling to the noise the fit must see through. The client gathers
+the timings over the group and fits; the fitted coefficients travel in the next requests to the
+server, which keeps no state. Shown: the fit recovers the hidden coefficients within 10% after a
+bounded number of steps, every rank holds the identical model, the server priced the plans with the
+job's fitted coefficients, and two hidden cost functions (CP cheap, CP expensive) make auto serve
+different plans for the same batch once calibrated. `client.timed`'s own clock is
+tests/test_calibration.py's."""
 
 from __future__ import annotations
 
@@ -15,7 +18,6 @@ import json
 import math
 import os
 import random
-import time
 import warnings
 
 import pytest
@@ -29,9 +31,6 @@ JOIN_DEADLINE_SECONDS = 150
 MAX_PER_RANK = 1024
 STEPS = 14  # calibration steps per job: the bound the recovery is asserted after
 TOLERANCE = 0.10
-SPIN_SECONDS = 5e-4
-# Unit times of 5-30 ms: the stand-in kernel waits out its last half millisecond, so its own jitter
-# stays far below that.
 HIDDEN = {
     "cp_cheap": CostModel(seconds_per_token=4.5e-6, seconds_per_attention_token_pair=3e-9,
                           cp_seconds_per_micro_batch=1.5e-3, cp_seconds_per_token=0.9e-6, seconds_per_pass=3e-3),
@@ -52,18 +51,15 @@ def batch_lengths(step: int) -> list[int]:
     return lengths_for(100 + step, 20) if step < STEPS + 2 else lengths_for(PROBE_SEED)
 
 
-def stand_in_kernel(hidden: CostModel, unit, rng: random.Random) -> None:
-    """CPU stand-in for a GPU kernel whose duration is known: sleeps the hidden cost of the unit's
-    features times log-normal noise (2%); one unit in 100 stalls (x4), as a straggler would."""
+def stand_in_kernel(hidden: CostModel, unit, rng: random.Random) -> float:
+    """Stand-in for a GPU kernel: the seconds its CUDA events would report, the hidden cost of the
+    unit's features times log-normal noise (2%); one unit in 100 stalls (x4), as a straggler would."""
     from trainer_client.calibration import features_of, price_vector
 
     seconds = price_vector(hidden, features_of(unit)) * math.exp(rng.gauss(0.0, 0.02))
     if rng.random() < 1 / 100:
         seconds *= 4.0
-    deadline = time.perf_counter() + seconds
-    time.sleep(max(0.0, seconds - SPIN_SECONDS))  # sleep overshoots; the last bit is waited out
-    while time.perf_counter() < deadline:
-        pass
+    return seconds
 
 
 def _batch(lengths):
@@ -99,8 +95,7 @@ def _run_job(name: str, hidden: CostModel, endpoint: str, rank: int) -> dict:
             out["probe_model"] = {n: getattr(in_force, n) for n in COEFFICIENT_NAMES}
             break
         for unit in client.micro_batches(plan, _batch(lengths)):
-            with client.timed(unit):
-                stand_in_kernel(hidden, unit, rng)
+            client.record_unit(unit, stand_in_kernel(hidden, unit, rng))
         report = client.end_step()
         if report is not None:
             out["fits"].append([step, report.fit.result, report.effective_step])
