@@ -254,9 +254,10 @@ def test_server_memory_stays_bounded_under_a_hostile_barrage(planner, channel):
                 assert code != grpc.StatusCode.INTERNAL
 
     # First touch is not a leak: a worker's heap grows once to what parsing a near-limit message
-    # needs (~28 MiB here) and stays resident for the next, and so does each handler thread's malloc
-    # arena for what one large message needs. One round sent with a request per worker and handler thread at once warms them all;
-    # what follows it must not grow with the number of rounds.
+    # needs (~28 MiB here) and keeps it resident for the next, and so does the malloc arena of each
+    # handler thread a large message lands on. Four near-limit requests at once (two per worker) and
+    # one round four at a time warm both workers and those threads; the rounds measured then go one
+    # at a time, on handler threads gRPC's executor reuses, and must not grow with their number.
     with ThreadPoolExecutor(4) as pool:
         assert all(code != grpc.StatusCode.INTERNAL for code, _ in pool.map(lambda p: call_raw(channel, p), [near_limit] * 4))
     one_round(concurrency=4)
