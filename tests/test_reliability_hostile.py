@@ -248,9 +248,9 @@ def test_server_memory_stays_bounded_under_a_hostile_barrage(planner, channel):
     over_limit = near_limit * 3
     barrage = [p for _, p in MALFORMED] + RANDOM_BLOBS[:20] + [near_limit, over_limit]
 
-    def one_round(concurrency: int) -> None:
+    def send(payloads: list[bytes], concurrency: int) -> None:
         with ThreadPoolExecutor(concurrency) as pool:
-            for code, _ in pool.map(lambda payload: call_raw(channel, payload), barrage):
+            for code, _ in pool.map(lambda payload: call_raw(channel, payload), payloads):
                 assert code != grpc.StatusCode.INTERNAL
 
     # First touch is not a leak: a worker's heap grows once to what parsing a near-limit message
@@ -258,12 +258,11 @@ def test_server_memory_stays_bounded_under_a_hostile_barrage(planner, channel):
     # handler thread a large message lands on. Four near-limit requests at once (two per worker) and
     # one round four at a time warm both workers and those threads; the rounds measured then go one
     # at a time, on handler threads gRPC's executor reuses, and must not grow with their number.
-    with ThreadPoolExecutor(4) as pool:
-        assert all(code != grpc.StatusCode.INTERNAL for code, _ in pool.map(lambda p: call_raw(channel, p), [near_limit] * 4))
-    one_round(concurrency=4)
+    send([near_limit] * 4, concurrency=4)
+    send(barrage, concurrency=4)
     baseline = tree_rss_bytes(pid)
     for _ in range(4):
-        one_round(concurrency=1)
+        send(barrage, concurrency=1)
     grown = tree_rss_bytes(pid) - baseline
     # Four rounds of ~80 hostile requests, eight of them near 4 MiB and four at 12 MiB: a leak of
     # even one message per request would add > 40 MiB.
