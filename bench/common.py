@@ -17,6 +17,7 @@ from typing import Generic, Iterable, Sequence, TypeVar
 from batch_planner.convert import JOB_METADATA_KEY
 from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
 from batch_planner.request import PlanRequest, SchedulerKind
+from bench.bare_grpc import CHANNEL_OPTIONS
 
 DISTRIBUTION_NAMES: tuple[str, ...] = tuple(DISTRIBUTIONS)
 
@@ -213,8 +214,5 @@ def planner_stub(address: str):
 
     from batch_planner.v1 import planner_pb2_grpc
 
-    channel = grpc.insecure_channel(
-        address,
-        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
-    )
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     return channel, planner_pb2_grpc.BatchPlannerStub(channel)

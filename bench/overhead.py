@@ -16,8 +16,13 @@ size, on the same input and interleaved run by run (the arms in a rotating order
   core; tests.planner_process) -> `plan_from_proto`: what a trainer waits for. The request asks
   for the columns form (PLAN_FORM_COLUMNS), as the trainer client's does; a baseline server that
   predates it answers with micro_batches, which `plan_from_proto` reads as well;
-- `GetCapabilities`: a round trip on the same channel that never reaches the planning pool: the
-  cost of gRPC on loopback alone.
+- `GetCapabilities`: a round trip on the same channel that never reaches the planning pool, right
+  after the Plan RPC;
+- `bare gRPC`: the same request bytes to a synchronous gRPC server in another process with no
+  handler of ours, which answers with as many bytes as the planner's response to that request: an
+  arm of its own in the rotation, so its server has idled as long as the planner's has. It is the
+  floor a Plan RPC cannot go below on this machine, and `added beyond bare gRPC` (rpc - bare gRPC
+  - run_scheduler, paired) is what our server and client add on top of it.
 Ratios are medians of the per-run ratios (each run's arms on the same request). Each run uses a
 fresh seed, so a server-side cache could not help.
 With `--baseline PATH` (a checkout of another commit of this repository) that checkout's server
@@ -44,6 +49,7 @@ from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest, SchedulerKind
 from batch_planner.schedulers import run_scheduler
 from batch_planner.v1 import planner_pb2 as pb
+from bench.bare_grpc import BareGrpc
 from bench.common import (
     Bar,
     BatchSize,
@@ -90,6 +96,7 @@ class ServerArm:
     ratio: Spread  # paired rpc / run_scheduler
     added: Spread  # paired rpc - run_scheduler, seconds
     transport: Spread
+    beyond_floor: Spread  # paired rpc - bare gRPC - run_scheduler, seconds
 
 
 def rpc_bars(size: BatchSize, arm: ServerArm) -> list[tuple[str, bool]]:
@@ -113,25 +120,31 @@ class SizeResult:
     ratio: Spread  # paired rpc / run_scheduler
     added: Spread  # paired rpc - run_scheduler, seconds
     transport: Spread  # GetCapabilities round trip: gRPC on loopback without the planning pool
+    floor: Spread  # bare gRPC: the request's bytes in, as many bytes out as its response, no handler of ours
+    beyond_floor: Spread  # paired rpc - bare gRPC - run_scheduler, seconds
     baseline: ServerArm | None = None  # the same runs against the baseline checkout's server
 
     @property
     def arm(self) -> ServerArm:
-        return ServerArm(self.rpc, self.ratio, self.added, self.transport)
+        return ServerArm(self.rpc, self.ratio, self.added, self.transport, self.beyond_floor)
 
     def bars(self) -> list[tuple[str, bool]]:
         core = [(f"plan_batch/run_scheduler p50 <= {CORE_RATIO_BAR:.2f}", self.core_ratio.p50 <= CORE_RATIO_BAR)]
         return (core if self.size in (MEDIUM, LARGE) else []) + rpc_bars(self.size, self.arm)
 
 
-def measure(stubs: list, size: BatchSize, runs: int) -> SizeResult:
-    """`stubs[0]` is this tree's server, `stubs[1]` (if any) the baseline's."""
+def measure(stubs: list, bare: BareGrpc, size: BatchSize, runs: int) -> SizeResult:
+    """`stubs[0]` is this tree's server, `stubs[1]` (if any) the baseline's; `bare`: the bare gRPC server."""
     requests = [make_request(DISTRIBUTION, size, seed=seed, scheduler=SCHEDULER) for seed in range(runs + 1)]
     # Warm every path (imports, channel, worker caches) on a request outside the measured ones.
     run_scheduler(requests[-1])
     for stub in stubs:
         plan_from_proto(stub.Plan(request_to_proto(requests[-1], PLAN_FORM), timeout=RPC_TIMEOUT_S, metadata=METADATA))
-    t: dict[str, list[float]] = {name: [] for name in ("scheduler", "plan_batch", "encode", "decode")}
+    # The bare gRPC arm answers with as many bytes as the server's response: the in-process plan's
+    # columns form, byte for byte what the server sends for the request.
+    response_bytes = {id(r): len(plan_to_proto(plan_batch(r), columns=True).SerializeToString(deterministic=True)) for r in requests}
+    bare.call(request_to_proto(requests[-1], PLAN_FORM).SerializeToString(), response_bytes[id(requests[-1])])
+    t: dict[str, list[float]] = {name: [] for name in ("scheduler", "plan_batch", "encode", "decode", "floor")}
     rpc: list[list[float]] = [[] for _ in stubs]
     transport: list[list[float]] = [[] for _ in stubs]
 
@@ -158,22 +171,26 @@ def measure(stubs: list, size: BatchSize, runs: int) -> SizeResult:
 
         return step
 
-    # Rotate through every order of the arms so that none always runs first or on a warmer cache
-    # (with one server: in process then RPC, RPC then in process).
-    orders = list(itertools.permutations([in_process, *(over_rpc(k) for k in range(len(stubs)))]))
+    def over_bare_grpc(request: PlanRequest) -> None:
+        timed("floor", bare.call, request_to_proto(request, PLAN_FORM).SerializeToString(), response_bytes[id(request)])
+
+    # Rotate through every order of the arms so that none always runs first or on a warmer cache.
+    orders = list(itertools.permutations([in_process, over_bare_grpc, *(over_rpc(k) for k in range(len(stubs)))]))
     for i, request in enumerate(requests[:runs]):
         for step in orders[i % len(orders)]:
             step(request)
-    sched = t["scheduler"]
+    sched, floor = t["scheduler"], t["floor"]
     arms = [
         ServerArm(Spread.of(r), Spread.of([a / s for a, s in zip(r, sched)]),
-                  Spread.of([a - s for a, s in zip(r, sched)]), Spread.of(g))
+                  Spread.of([a - s for a, s in zip(r, sched)]), Spread.of(g),
+                  Spread.of([a - f - s for a, f, s in zip(r, floor, sched)]))
         for r, g in zip(rpc, transport)
     ]
     new = arms[0]
     core = Spread.of([p / s for p, s in zip(t["plan_batch"], sched)])
     return SizeResult(size, Spread.of(sched), Spread.of(t["plan_batch"]), core, Spread.of(t["encode"]), Spread.of(t["decode"]),
-                      new.rpc, new.ratio, new.added, new.transport, arms[1] if len(arms) > 1 else None)
+                      new.rpc, new.ratio, new.added, new.transport, Spread.of(floor), new.beyond_floor,
+                      arms[1] if len(arms) > 1 else None)
 
 
 class _Context:
@@ -189,7 +206,7 @@ class _Context:
         return True
 
 
-def decompose_small(runs: int) -> list[list[str]]:
+def decompose_small(runs: int, bare: BareGrpc) -> list[list[str]]:
     """Where the added time goes at 64 samples, interleaved in this process on the same requests:
     the client's conversions, the servicer (a default server plans this size inline in its handler
     thread) and its parts, a worker's function called here and through the planning pool, and a
@@ -221,7 +238,8 @@ def decompose_small(runs: int) -> list[list[str]]:
                     rows[name].append(time.perf_counter() - started)
     finally:
         pool.shutdown()
-    rows["bare gRPC echo of the request's bytes (synchronous server in another process, no handler of ours)"] = _bare_grpc_echo(payloads)
+    rows["bare gRPC echo of the request's bytes, back to back (synchronous server in another process, no handler of ours)"] = \
+        bare.echo_seconds(payloads)
     ms = 1e3
     return [[what, len(v), Spread.of(v).fmt(ms, 3), f"{Spread.of(v).p99 * ms:.3f}"] for what, v in rows.items() if v]
 
@@ -282,47 +300,6 @@ def _noop() -> None:
     return None
 
 
-def _echo_server(port_out) -> None:
-    """A synchronous gRPC server whose one method returns its request's bytes: the transport's floor."""
-    from concurrent import futures
-
-    import grpc
-
-    handler = grpc.method_handlers_generic_handler(
-        "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request)}
-    )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    server.add_generic_rpc_handlers((handler,))
-    port_out.send(server.add_insecure_port("127.0.0.1:0"))
-    server.start()
-    server.wait_for_termination()
-
-
-def _bare_grpc_echo(payloads: list[bytes]) -> list[float]:
-    import multiprocessing
-
-    import grpc
-
-    receive, send = multiprocessing.Pipe(duplex=False)
-    process = multiprocessing.get_context("spawn").Process(target=_echo_server, args=(send,), daemon=True)
-    process.start()
-    try:
-        if not receive.poll(60):
-            return []
-        with grpc.insecure_channel(f"127.0.0.1:{receive.recv()}") as channel:
-            echo = channel.unary_unary("/bench.Echo/Echo")
-            echo(payloads[0], timeout=60)  # the connection
-            seconds = []
-            for payload in payloads:
-                t = time.perf_counter()
-                echo(payload, timeout=60)
-                seconds.append(time.perf_counter() - t)
-        return seconds
-    finally:
-        process.kill()
-        process.join(10)
-
-
 def plot(results: list[SizeResult], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -357,12 +334,14 @@ def results_table(results: list[SizeResult]) -> str:
             r.size.label, r.scheduler.runs, r.scheduler.fmt(ms), r.plan_batch.fmt(ms), f"{r.core_ratio.p50:.3f}",
             r.rpc.fmt(ms), f"{r.rpc.p99 * ms:.2f}", f"{r.ratio.p50:.3f} ({r.ratio.min:.3f}..{r.ratio.p99:.3f})",
             f"{r.added.p50 * ms:.2f} / {r.added.p99 * ms:.2f}", f"{r.encode.p50 * ms:.2f}", f"{r.decode.p50 * ms:.2f}",
-            r.transport.fmt(ms), "; ".join(bar for bar, _ in bars) or "none", _verdicts(bars),
+            r.transport.fmt(ms), r.floor.fmt(ms), f"{r.beyond_floor.p50 * ms:.2f} / {r.beyond_floor.p99 * ms:.2f}",
+            "; ".join(bar for bar, _ in bars) or "none", _verdicts(bars),
         ])
     return markdown_table(
         ["samples on ranks", "runs", "run_scheduler ms p50 (min..max)", "plan_batch ms p50 (min..max)",
          "plan_batch/run_scheduler p50", "rpc ms p50 (min..max)", "rpc ms p99", "rpc/run_scheduler p50 (min..p99)",
-         "added ms p50 / p99", "encode ms p50", "decode ms p50", "GetCapabilities ms p50 (min..max)", "bars", "verdict"],
+         "added ms p50 / p99", "encode ms p50", "decode ms p50", "GetCapabilities ms p50 (min..max)",
+         "bare gRPC ms p50 (min..max)", "added beyond bare gRPC ms p50 / p99", "bars", "verdict"],
         rows,
     )
 
@@ -379,12 +358,14 @@ def side_by_side_table(results: list[SizeResult]) -> str:
             f"{r.added.p50 * ms:.2f} / {r.added.p99 * ms:.2f}", f"{base.added.p50 * ms:.2f} / {base.added.p99 * ms:.2f}",
             f"{r.ratio.p50:.3f} / {base.ratio.p50:.3f}",
             f"{r.transport.p50 * ms:.2f} / {base.transport.p50 * ms:.2f}",
+            f"{r.beyond_floor.p50 * ms:.2f} / {base.beyond_floor.p50 * ms:.2f}",
             " / ".join(_verdicts(rpc_bars(r.size, arm)) for arm in (r.arm, base)),
         ])
     return markdown_table(
         ["samples on ranks", "runs", "new rpc ms p50 / p99", "baseline rpc ms p50 / p99", "new/baseline rpc p50",
          "new/baseline rpc p99", "new added ms p50 / p99", "baseline added ms p50 / p99",
-         "rpc/run_scheduler p50 new / baseline", "GetCapabilities ms p50 new / baseline", "RPC bar verdict new / baseline"],
+         "rpc/run_scheduler p50 new / baseline", "GetCapabilities ms p50 new / baseline",
+         "added beyond bare gRPC ms p50 new / baseline", "RPC bar verdict new / baseline"],
         rows,
     )
 
@@ -402,9 +383,12 @@ def run(out: Path, smoke: bool = False, address: str | None = None, baseline: Pa
         channels_stubs = [planner_stub(a) for a in addresses]
         for channel, _ in channels_stubs:
             stack.enter_context(channel)
+        bare = BareGrpc()
+        stack.callback(bare.close)
         for size in sizes:
             runs = 5 if smoke else (RUNS if len(trees) == 1 else SIDE_BY_SIDE_RUNS)[size.samples]
-            results.append(measure([stub for _, stub in channels_stubs], size, runs))
+            results.append(measure([stub for _, stub in channels_stubs], bare, size, runs))
+        small_parts = decompose_small(RUNS[SMALL.samples], bare) if not smoke and len(trees) == 1 else None
     name = ("overhead" if len(trees) == 1 else f"overhead_vs_{trees[1].commit}") + ("_smoke" if smoke else "")
     plot(results, out / f"{name}.png")
     intro = (__doc__ or "").split("\n\n", 2)[2].strip() + f"\n\nDistribution: `{DISTRIBUTION}`. `runs` says how many " \
@@ -417,12 +401,12 @@ def run(out: Path, smoke: bool = False, address: str | None = None, baseline: Pa
         intro += "\n\n" + side_by_side_intro(trees)
         sections = [("New and baseline side by side", side_by_side_table(results)),
                     ("New tree: Plan RPC and plan_batch vs run_scheduler in process", table)]
-    if not smoke and len(trees) == 1:  # starts a process pool of its own: worth it only in the full run
+    if small_parts is not None:  # starts a process pool of its own: worth it only in the full run
         sections.append((
             "Where the added time goes at 64 samples",
             "Interleaved, in this process, on the same 64-sample requests (compare with the "
             "`GetCapabilities` column above for gRPC on loopback alone):\n\n"
-            + markdown_table(["path", "runs", "ms p50 (min..max)", "ms p99"], decompose_small(RUNS[SMALL.samples])),
+            + markdown_table(["path", "runs", "ms p50 (min..max)", "ms p99"], small_parts),
         ))
     elif not smoke:
         sections.append((
