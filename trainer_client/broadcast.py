@@ -10,6 +10,10 @@ its first CP collective.
 A planning error on the asking rank is broadcast too, so every rank raises it instead of the
 others waiting forever in the broadcast: a refusal (PlanRejectedError) as a refusal with its code,
 a service that failed with fallback off (PlannerUnavailableError) as that.
+
+Where every TP rank plans the same batch (Megatron-Bridge), the ranks that lead the TP ranks'
+DPxCP groups form one TP group, and `share_over_tp` hands TP rank 0's answer, plan or error, to the
+others before each broadcasts it over its own DPxCP group: one request per step, not one per TP rank.
 """
 
 from __future__ import annotations
@@ -90,6 +94,22 @@ def agree_on_plan(
             f"ranks of the DPxCP group received different plans (plan ids by rank: {[p for p, _, _ in everyone]})"
         )
     return _unwrap(own)
+
+
+def share_over_tp(
+    own: Plan | RankError | None, response: bytes, source: str | None, group: dist.ProcessGroup
+) -> tuple[Plan | RankError, bytes, str | None]:
+    """TP rank 0's answer for every rank of the TP group `group` (all of them lead their DPxCP
+    groups; only TP rank 0 asked the planner): (its plan or error, the serialized PlanResponse,
+    where the plan came from). TP rank 0 passes its own and gets it back; the others pass None."""
+    first = dist.get_rank(group) == 0
+    holder: list[Any] = [(_encode(own, response), source) if first else None]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
+    if first:
+        assert own is not None
+        return own, response, source
+    payload, source = holder[0]
+    return _decode(payload), payload[1] if payload[0] == "plan" else b"", source
 
 
 def _encode(own: Plan | RankError | None, response: bytes = b"") -> tuple:

@@ -39,7 +39,7 @@ from trainer_client.megatron import (
     parallel_state_initialized,
 )
 from trainer_client.micro_batch import RankMicroBatch
-from trainer_client.broadcast import RankError, agree_on_plan
+from trainer_client.broadcast import RankError, agree_on_plan, share_over_tp
 from trainer_client.calibration import CalibrationReport, Calibrator
 from trainer_client.compatibility import check_dynamic_cp_support, schedulers_the_trainer_runs
 from trainer_client.config import PlannerClientConfig, WhoAsks
@@ -62,6 +62,10 @@ class BatchPlannerClient:
     layout and apply it as one of its ranks (tests, single-process tools).
     cp_groups: "megatron" (Megatron-Core's parallel_state groups, the default when initialised),
     None (no process groups; only ranks), or a callable size -> group.
+    tp_group: this rank's tensor-parallel group, when every TP rank plans the same batch (Megatron-
+    Bridge reads the data on every TP rank): the ranks that would ask the planner for the TP ranks'
+    DPxCP groups are then one TP group; TP rank 0 of it asks, and hands its answer (the plan, or
+    the error every rank raises) to the others, which do not ask. None: each DPxCP group asks.
     engine_config, model_config, transformer_config: the trainer's settings (dataclasses, objects
     or dicts; the transformer config is Megatron-Core's TransformerConfig), checked here and again
     with each batch and plan by `check_dynamic_cp_support` (docs: "Parity with the reference PR").
@@ -77,6 +81,7 @@ class BatchPlannerClient:
         cp_groups: str | CpGroupResolver | None = "auto",
         dp_cp_size: int | None = None,
         rank: int | None = None,
+        tp_group: Any = None,
         engine_config: Any = None,
         model_config: Any = None,
         transformer_config: Any = None,
@@ -108,6 +113,8 @@ class BatchPlannerClient:
         if cp_groups == "auto":
             cp_groups = "megatron" if megatron_ready else None
         self._cp_groups = cp_groups
+        # The TP group this rank shares the planner's answers over, and whether it receives them.
+        self._tp_sharing, self._tp_receives = _tp_sharing(tp_group, self.leads)
         self._options = PlanningOptions.of(config)
         if config.scheduler is SchedulerKind.AUTO:  # only candidates this trainer can run
             runs = schedulers_the_trainer_runs(config, **self._trainer_configs)
@@ -127,9 +134,15 @@ class BatchPlannerClient:
         ) if config.calibration else None
 
     @property
-    def asks(self) -> bool:
-        """Whether this rank calls the planner."""
+    def leads(self) -> bool:
+        """Whether this rank holds the answer its DPxCP group agrees on: rank 0 of the group, or
+        every rank with who_asks=all_ranks."""
         return self.config.who_asks is WhoAsks.ALL_RANKS or self.rank == 0
+
+    @property
+    def asks(self) -> bool:
+        """Whether this rank calls the planner: one that leads, unless TP rank 0 asks for it (tp_group)."""
+        return self.leads and not self._tp_receives
 
     def request_for(self, lengths: Sequence[int], step: int | None = None) -> PlanRequest:
         """The request for a batch of `step` (default: the next step), with the options in force
@@ -171,9 +184,13 @@ class BatchPlannerClient:
             except (PlanRejectedError, PlannerUnavailableError) as error:
                 own = error
             except Exception as error:  # noqa: BLE001 - a TLS mismatch, a bug: every rank raises it, not this one alone
-                if not is_distributed(self.group):
+                if not is_distributed(self.group) and self._tp_sharing is None:
                     raise
                 own = _unavailable(error)
+        if self._tp_sharing is not None:
+            shared = share_over_tp(own, response, self.last_source, self._tp_sharing)
+            if self._tp_receives and request is not None:  # a refused batch keeps its own error
+                own, response, self.last_source = shared
         plan = agree_on_plan(own, request, self.group, self.config.who_asks, response)
         if request is not None:  # (else agree_on_plan raised this rank's error)
             self.planned_batches.record(plan, request.sequence_lengths, step)
@@ -292,6 +309,25 @@ def checked_lengths(lengths: Any) -> tuple[int, ...]:
         return sequence_lengths_of(lengths)
     except InvalidRequestError as error:
         raise PlanRejectedError(error.code.value, str(error)) from None
+
+
+def _tp_sharing(tp_group: Any, leads: bool) -> tuple[Any, bool]:
+    """(the TP group to share the planner's answers over, or None; whether this rank receives
+    them): the group when every rank of it leads its DPxCP group, None when none does (a
+    collective over `tp_group`). ValueError on every rank of a group where only some lead."""
+    if tp_group is None or not is_distributed(tp_group):
+        return None, False
+    everyone: list[Any] = [None] * dist.get_world_size(tp_group)
+    dist.all_gather_object(everyone, leads, group=tp_group)
+    if not any(everyone):
+        return None, False
+    if not all(everyone):
+        raise ValueError(
+            f"tp_group: TP ranks {[r for r, lead in enumerate(everyone) if lead]} lead their DPxCP groups and "
+            f"{[r for r, lead in enumerate(everyone) if not lead]} do not, so the TP ranks of one DPxCP rank are not "
+            "one TP group; pass Megatron-Core's tensor-parallel group, or leave tp_group unset"
+        )
+    return tp_group, dist.get_rank(tp_group) != 0
 
 
 def _group_layout(group: Any, dp_cp_size: Any, rank: Any) -> tuple[int, int]:

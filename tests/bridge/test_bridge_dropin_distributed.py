@@ -80,7 +80,7 @@ def _train_and_evaluate(rank: int, store_path: str, out_dir: str, tp: int, cp: i
             "loss": float(losses["lm loss"]), "reference": reference, "plan_id": plan.plan_id,
             "in_process_plan_id": plan_batch(client.request_for([int(s["tokens"].shape[0]) for s in samples], step)).plan_id
             if ranks._has_dynamic_cp() else None,
-            "source": planned.last_step.source, "num_samples": len(samples), "micro_batches": len(plan.micro_batches),
+            "source": planned.last_step.source, "asks": client.asks, "num_samples": len(samples), "micro_batches": len(plan.micro_batches),
             "units": [ranks.unit_record(u) for u in planned.last_units],
             "handed": [ranks.params_record(p) for p in handed],
             "expected": [dict(ranks.unit_record(u), cp_group=None) for u in expected],
@@ -145,6 +145,12 @@ def test_dynamic_cp_through_bridge_train_step(layout, tmp_path):
     assert len({r["reruns"] for r in results}) == 1, [r["reruns"] for r in results]  # the state machine reruns all
     sources = [r["source"] for r in results[0]["steps"]]
     assert sources[0] == "service" and sources[-1] == ("fallback" if _trainer_has_dynamic_cp() else "service"), sources
+    # One rank asks the planner for the whole job: rank 0 of TP rank 0's DPxCP group. With TP2 the
+    # other TP rank's DPxCP group (led by rank 1) gets its answer over TP, where it came from too.
+    assert [r["asks"] for result in results for r in result["steps"]] == [rank == 0 for rank in range(WORLD) for _ in range(STEPS)]
+    for rank, result in enumerate(results):
+        if result["dp_cp_ranks"][0] == rank:  # leads its DPxCP group
+            assert [r["source"] for r in result["steps"]] == sources, (rank, result["steps"])
     _check_every_sample_once(results)
     for result in results:  # replicas of one DPxCP group hold the same weights after the updates
         peers = [results[r]["checksum"] for r in result["dp_cp_ranks"]]

@@ -45,7 +45,7 @@ class PlannedIterator:
     reruns: int = 0  # calls that re-ran the last step
 
     def __post_init__(self) -> None:
-        client = client_for(self.settings.planner, self.groups)
+        client = client_for(self.settings.planner, self.groups, every_tp_rank_plans=True)
         self.planner = StepPlanner(self._read_local, self.groups, client, checked_transformer_config(self.settings.model))
 
     def _read_local(self):
@@ -63,9 +63,11 @@ class PlannedIterator:
 
     def _agreed_over_tp(self) -> PlannedStep:
         """The next step, the same on every TP rank. Bridge loads the data on every TP rank, so each
-        TP rank's DPxCP group plans the step; one all-gather over the TP group (entered whether or not
-        planning failed) makes every TP rank raise the same error, or refuse plans that differ, before
-        any of them enters the model's TP collectives."""
+        TP rank's DPxCP group reads and routes the step; TP rank 0's asks the planner and hands the
+        answer to the others (`client_for`). One all-gather over the TP group (entered whether or not
+        planning failed) makes every TP rank raise the same error, or refuse plans that differ (a TP
+        rank whose batch differs fails its check against the plan), before any of them enters the
+        model's TP collectives."""
         step, problem = None, None
         try:
             step = self.planner.next_step()

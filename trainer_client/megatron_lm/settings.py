@@ -70,9 +70,11 @@ def _plain(value: Any) -> Any:
     return value.value if hasattr(value, "value") else value
 
 
-def client_for(config: PlannerClientConfig, groups: mcore.DataGroups) -> BatchPlannerClient:
-    """The planner client of one drop-in: planned and checked over the DPxCP group."""
-    return BatchPlannerClient(config, group=groups.dp_cp, cp_groups=None)
+def client_for(config: PlannerClientConfig, groups: mcore.DataGroups, every_tp_rank_plans: bool = False) -> BatchPlannerClient:
+    """The planner client of one drop-in: planned and checked over the DPxCP group.
+    `every_tp_rank_plans`: every TP rank reads and plans the same batch (Bridge); TP rank 0's
+    DPxCP group then asks the planner for all of them (BatchPlannerClient's tp_group)."""
+    return BatchPlannerClient(config, group=groups.dp_cp, cp_groups=None, tp_group=groups.tp if every_tp_rank_plans else None)
 
 
 def checked_transformer_config(config: Any) -> Any:
