@@ -1,24 +1,31 @@
-"""A synchronous gRPC server with no handler of ours, and a client of it: the transport's floor
+"""A synchronous gRPC server with no handler of ours, and a client of it: the transport's share
 that bench/overhead.py measures a Plan RPC against.
 
-The server runs in a process of its own, started by spawn; this module imports nothing of the
-planner's, so that process holds grpc and nothing else of ours.
+    python -m bench.bare_grpc    # serves on a free loopback port, prints it, runs until killed
+
+`BareGrpc` starts that command as a process of its own: this module imports nothing but grpc, so
+the server holds nothing of the planner's (a multiprocessing child would import the parent's main
+module again).
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import select
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 RPC_TIMEOUT_S = 300.0
 RESPONSE_BYTES_KEY = "bench-response-bytes"  # `Sized` answers with this many bytes
 # Every benchmark channel's (bench.common.planner_stub's too): large plans in and out.
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _serve(port_out) -> None:
+def serve() -> None:
     """`Echo` returns the request's bytes; `Sized` as many bytes as its metadata's
-    RESPONSE_BYTES_KEY says."""
+    RESPONSE_BYTES_KEY says. Prints the port, then serves until the process is killed."""
     from concurrent import futures
 
     import grpc
@@ -32,8 +39,9 @@ def _serve(port_out) -> None:
     })
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS)
     server.add_generic_rpc_handlers((handler,))
-    port_out.send(server.add_insecure_port("127.0.0.1:0"))
+    port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    print(port, flush=True)
     server.wait_for_termination()
 
 
@@ -43,13 +51,15 @@ class BareGrpc:
     def __init__(self, start_timeout: float = 120.0) -> None:
         import grpc
 
-        receive, send = multiprocessing.Pipe(duplex=False)
-        self._process = multiprocessing.get_context("spawn").Process(target=_serve, args=(send,), daemon=True)
-        self._process.start()
-        if not receive.poll(start_timeout):
+        self._process = subprocess.Popen([sys.executable, "-m", "bench.bare_grpc"], cwd=_ROOT, stdout=subprocess.PIPE, text=True)
+        assert self._process.stdout is not None
+        ready, _, _ = select.select([self._process.stdout], [], [], start_timeout)
+        line = self._process.stdout.readline() if ready else ""
+        if not line.strip().isdigit():
             self._process.kill()
-            raise RuntimeError(f"the bare gRPC server did not start within {start_timeout:.0f} s")
-        self._channel = grpc.insecure_channel(f"127.0.0.1:{receive.recv()}", options=CHANNEL_OPTIONS)
+            self._process.wait(10)
+            raise RuntimeError(f"the bare gRPC server did not start within {start_timeout:.0f} s (it printed {line!r})")
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{int(line)}", options=CHANNEL_OPTIONS)
         self._echo = self._channel.unary_unary("/bench.Bare/Echo")
         self._sized = self._channel.unary_unary("/bench.Bare/Sized")
         self._echo(b"", timeout=RPC_TIMEOUT_S)  # the connection
@@ -70,4 +80,10 @@ class BareGrpc:
     def close(self) -> None:
         self._channel.close()
         self._process.kill()
-        self._process.join(10)
+        self._process.wait(10)
+        if self._process.stdout is not None:
+            self._process.stdout.close()
+
+
+if __name__ == "__main__":
+    serve()

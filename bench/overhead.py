@@ -19,10 +19,13 @@ size, on the same input and interleaved run by run (the arms in a rotating order
 - `GetCapabilities`: a round trip on the same channel that never reaches the planning pool, right
   after the Plan RPC;
 - `bare gRPC`: the same request bytes to a synchronous gRPC server in another process with no
-  handler of ours, which answers with as many bytes as the planner's response to that request: an
-  arm of its own in the rotation, so its server has idled as long as the planner's has. It is the
-  floor a Plan RPC cannot go below on this machine, and `added beyond bare gRPC` (rpc - bare gRPC
-  - run_scheduler, paired) is what our server and client add on top of it.
+  handler of ours (bench/bare_grpc.py), which answers with as many bytes as this tree's columns
+  response to that request: an arm of its own in the rotation, so its server has idled as long as
+  the planner's has. It is what moving these bytes costs here with no planning at all: the
+  transport's share of a Plan RPC. `added beyond bare gRPC` (rpc - bare gRPC - run_scheduler,
+  paired) is what our server and client add on top of it; at the large sizes the scheduler's own
+  run-to-run spread is larger than the transport, so that difference can come out negative. A
+  baseline server that answers with micro_batches sends more bytes than the bare arm does.
 Ratios are medians of the per-run ratios (each run's arms on the same request). Each run uses a
 fresh seed, so a server-side cache could not help.
 With `--baseline PATH` (a checkout of another commit of this repository) that checkout's server

@@ -1,7 +1,9 @@
 """Sharing the planner's answer over TP (BatchPlannerClient's tp_group), on 4 real gloo ranks as
 Megatron-Core's parallel_state lays out TP2 x CP2 and a real planner: TP rank 0's DPxCP group asks
-once per step for both TP ranks, every rank holds the same plan, a refusal reaches every rank, and
-a group that is not the TP group of the leading ranks is refused on every rank."""
+once per step for both TP ranks, every rank holds the same plan, a refusal and an unreachable
+planner reach every rank, a TP rank whose batch differs from TP rank 0's refuses the plan made for
+another batch on every rank of its DPxCP group, and a group that is not the TP group of the leading
+ranks is refused on every rank."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch.distributed as dist
 from tests.megatron_init import initialize_dpxcp_groups, run_ranks
 from tests.planner_process import PlannerProcess
 from tests.reliability_support import sample_value
+from tests.test_client_service import unused_port
 from tests.test_planner_metrics import scrape
 
 WORLD, TP, CP = 4, 2, 2
@@ -28,13 +31,21 @@ JOBS = {"leader": "tp-sharing-leader", "all_ranks": "tp-sharing-all-ranks", "ref
 JOIN_DEADLINE_SECONDS = 240
 
 
-def _config(endpoint: str, job: str, who_asks: str = "leader"):
+def _config(endpoint: str, job: str, who_asks: str = "leader", **overrides):
     from trainer_client import PlannerClientConfig
 
     return PlannerClientConfig(
         planner_endpoint=endpoint, tls=False, max_seqlen_per_dp_cp_rank=MAX_PER_RANK, context_parallel_size=CP,
-        tensor_parallel_size=TP, scheduler="hybrid_cp", who_asks=who_asks, job=job,
+        tensor_parallel_size=TP, scheduler="hybrid_cp", who_asks=who_asks, job=job, **overrides,
     )
+
+
+def _outcome(client, step: int, lengths) -> str:
+    """What plan_step gave this rank: the plan's id, or the error it raised."""
+    try:
+        return client.plan_step(step, lengths).plan_id
+    except Exception as error:  # noqa: BLE001 - the test compares what each rank got
+        return f"{type(error).__name__}: {error}"
 
 
 def _steps(client) -> list[dict]:
@@ -52,7 +63,7 @@ def _steps(client) -> list[dict]:
     return held
 
 
-def _run_rank(rank: int, store_path: str, endpoint: str, out_dir: str) -> None:
+def _run_rank(rank: int, store_path: str, endpoint: str, unreachable: str, out_dir: str) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)  # forked: never enter the parent's OpenMP pool
     from megatron.core import parallel_state
@@ -76,6 +87,15 @@ def _run_rank(rank: int, store_path: str, endpoint: str, out_dir: str) -> None:
             client.plan_step(0, TOO_LONG)
         report["refused"] = [refused.value.code, str(refused.value)]
         client.close()
+        # TP rank 1 reads another batch than TP rank 0: its DPxCP group refuses the plan made for TP
+        # rank 0's batch (every rank of it), and TP rank 0's trains its own.
+        client = BatchPlannerClient(_config(endpoint, JOBS["leader"]), tp_group=tp_group)
+        report["differs"] = _outcome(client, 0, LENGTHS if report["tp_rank"] == 0 else LENGTHS[1:])
+        client.close()
+        # No planner, and fallback off: TP rank 0's failure reaches every rank.
+        client = BatchPlannerClient(_config(unreachable, JOBS["leader"], fallback=False, deadline_seconds=1.0), tp_group=tp_group)
+        report["unavailable"] = _outcome(client, 0, LENGTHS)
+        client.close()
         # The DPxCP group is not the TP group of the leading ranks: refused on every rank, by name.
         with pytest.raises(ValueError, match=r"tp_group: TP ranks \[0\] lead their DPxCP groups and \[1\] do not"):
             BatchPlannerClient(_config(endpoint, JOBS["leader"]), tp_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
@@ -94,7 +114,8 @@ def _requests(text: str, job: str, code: str = "OK") -> float:
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_tp_rank_0_asks_once_per_step_for_every_tp_rank(planner: PlannerProcess, tmp_path):
     before = scrape(planner.metrics_url)
-    run_ranks(_run_rank, (str(tmp_path / "store"), planner.address, str(tmp_path)), WORLD, JOIN_DEADLINE_SECONDS)
+    unreachable = f"127.0.0.1:{unused_port()}"
+    run_ranks(_run_rank, (str(tmp_path / "store"), planner.address, unreachable, str(tmp_path)), WORLD, JOIN_DEADLINE_SECONDS)
     after = scrape(planner.metrics_url)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
@@ -107,7 +128,8 @@ def test_tp_rank_0_asks_once_per_step_for_every_tp_rank(planner: PlannerProcess,
         assert len({h["plan_id"] for h in held}) == 1, held  # one plan for every rank of every TP rank
         assert all(h["samples"] == len(LENGTHS) - step for h in held)  # every sample planned once
         assert [h["source"] for h in held] == ["service", "service", None, None]  # the leaders know where it came from
-    assert _requests(after, JOBS["leader"]) - _requests(before, JOBS["leader"]) == STEPS  # not STEPS per TP rank
+    # STEPS, and the differing batch's step once (TP rank 0's): never once per TP rank.
+    assert _requests(after, JOBS["leader"]) - _requests(before, JOBS["leader"]) == STEPS + 1
 
     # who_asks=all_ranks: every rank leads, so each TP group shares its TP rank 0's answer.
     every = [r["all_ranks"] for r in reports]
@@ -121,3 +143,10 @@ def test_tp_rank_0_asks_once_per_step_for_every_tp_rank(planner: PlannerProcess,
     assert code == "INVALID_ARGUMENT" and "sample 0 has length 5000" in message, message
     assert _requests(after, JOBS["refused"], "INVALID_ARGUMENT") - _requests(before, JOBS["refused"], "INVALID_ARGUMENT") == 1
     assert all(r["mixed_group_refused"] for r in reports)
+
+    differs = [r["differs"] for r in reports]
+    assert differs[0] == differs[2] == leader[0]["steps"][0]["plan_id"], differs  # TP rank 0's DPxCP group: its plan
+    for rank in (1, 3):  # TP rank 1's DPxCP group: leader and member alike
+        assert differs[rank].startswith("PlanMismatchError: this TP rank's batch differs from TP rank 0's"), differs[rank]
+    unavailable = {r["unavailable"] for r in reports}
+    assert len(unavailable) == 1 and unavailable.pop().startswith("PlannerUnavailableError: "), [r["unavailable"] for r in reports]

@@ -35,12 +35,14 @@ from trainer_client.distributed import is_distributed
 from trainer_client.plan_source import PlannerUnavailableError
 from trainer_client.rpc_client import PlanRejectedError
 
-# What a rank may hold instead of a plan; every rank of the group raises it.
-RankError = PlanRejectedError | PlannerUnavailableError
 
 
 class PlanMismatchError(RuntimeError):
     """Ranks of one DPxCP group hold different plans or different batches."""
+
+
+# What a rank may hold instead of a plan; every rank of the group raises it.
+RankError = PlanRejectedError | PlannerUnavailableError | PlanMismatchError
 
 
 def canonical_digest(request: PlanRequest) -> str:
@@ -97,19 +99,42 @@ def agree_on_plan(
 
 
 def share_over_tp(
-    own: Plan | RankError | None, response: bytes, source: str | None, group: dist.ProcessGroup
+    own: Plan | RankError | None, request: PlanRequest | None, response: bytes, source: str | None, group: dist.ProcessGroup
 ) -> tuple[Plan | RankError, bytes, str | None]:
     """TP rank 0's answer for every rank of the TP group `group` (all of them lead their DPxCP
     groups; only TP rank 0 asked the planner): (its plan or error, the serialized PlanResponse,
-    where the plan came from). TP rank 0 passes its own and gets it back; the others pass None."""
+    where the plan came from). TP rank 0 passes its own and gets it back, with the bytes it sent;
+    the others pass None and their own `request`. A rank whose batch is not TP rank 0's gets a
+    PlanMismatchError instead of a plan made for another batch; one whose batch was refused before
+    planning (`request` None) keeps `own`, its refusal."""
     first = dist.get_rank(group) == 0
-    holder: list[Any] = [(_encode(own, response), source) if first else None]
+    sent = _encode(own, response) if first else None
+    holder: list[Any] = [(sent, source, _batch_digest(request)) if first else None]
     dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
     if first:
-        assert own is not None
-        return own, response, source
-    payload, source = holder[0]
+        assert own is not None and sent is not None
+        return own, sent[1] if sent[0] == "plan" else b"", source
+    payload, source, digest = holder[0]
+    if request is None:
+        assert own is not None, "a rank without a request holds its refusal"
+        return own, b"", source
+    mine = _batch_digest(request)
+    if digest is not None and digest != mine:
+        return PlanMismatchError(
+            f"this TP rank's batch differs from TP rank 0's (batch digests {mine} and {digest}), which the planner planned; "
+            "every TP rank must read the same global batch"
+        ), b"", source
     return _decode(payload), payload[1] if payload[0] == "plan" else b"", source
+
+
+def _batch_digest(request: PlanRequest | None) -> str | None:
+    """A fingerprint of the batch alone (its lengths and layout), not of the options: TP ranks may
+    calibrate their cost models apart, and the plan TP rank 0's asked for serves them all."""
+    if request is None:
+        return None
+    digest = hashlib.blake2b(array.array("q", request.sequence_lengths).tobytes(), digest_size=8)
+    digest.update(f"{request.data_parallel_size}x{request.context_parallel_size}".encode())
+    return digest.hexdigest()
 
 
 def _encode(own: Plan | RankError | None, response: bytes = b"") -> tuple:
@@ -119,6 +144,8 @@ def _encode(own: Plan | RankError | None, response: bytes = b"") -> tuple:
         return ("rejected", own.code, own.server_message)
     if isinstance(own, PlannerUnavailableError):
         return ("unavailable", str(own))
+    if isinstance(own, PlanMismatchError):
+        return ("mismatch", str(own))
     raise RuntimeError("rank 0 of the DPxCP group must plan when who_asks=leader")
 
 
@@ -127,11 +154,13 @@ def _decode(payload: tuple, prefix: str = "") -> Plan | RankError:
         return plan_from_proto(pb.PlanResponse.FromString(payload[1]))
     if payload[0] == "rejected":
         return PlanRejectedError(payload[1], prefix + payload[2])
+    if payload[0] == "mismatch":
+        return PlanMismatchError(prefix + payload[1])
     return PlannerUnavailableError(prefix + payload[1])
 
 
 def _unwrap(own: Plan | RankError | None) -> Plan:
-    if isinstance(own, (PlanRejectedError, PlannerUnavailableError)):
+    if isinstance(own, (PlanRejectedError, PlannerUnavailableError, PlanMismatchError)):
         raise own
     if own is None:
         raise RuntimeError("no plan: this rank did not plan and there is no group to receive one from")

@@ -188,9 +188,7 @@ class BatchPlannerClient:
                     raise
                 own = _unavailable(error)
         if self._tp_sharing is not None:
-            shared = share_over_tp(own, response, self.last_source, self._tp_sharing)
-            if self._tp_receives and request is not None:  # a refused batch keeps its own error
-                own, response, self.last_source = shared
+            own, response, self.last_source = share_over_tp(own, request, response, self.last_source, self._tp_sharing)
         plan = agree_on_plan(own, request, self.group, self.config.who_asks, response)
         if request is not None:  # (else agree_on_plan raised this rank's error)
             self.planned_batches.record(plan, request.sequence_lengths, step)

@@ -12,6 +12,8 @@ have sent, and every sample is trained exactly once."""
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 
 import pytest
 
@@ -123,6 +125,7 @@ def test_dynamic_cp_through_bridge_train_step(layout, tmp_path):
                   WORLD, DEADLINE_SECONDS)
     finally:
         planner.stop()
+    assert planner.output_closed.wait(60), "the planner's output did not end"  # every request's log line read
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for rank, result in enumerate(results):
         for step, record in enumerate(result["steps"]):
@@ -147,6 +150,11 @@ def test_dynamic_cp_through_bridge_train_step(layout, tmp_path):
     assert sources[0] == "service" and sources[-1] == ("fallback" if _trainer_has_dynamic_cp() else "service"), sources
     # One rank asks the planner for the whole job: rank 0 of TP rank 0's DPxCP group. With TP2 the
     # other TP rank's DPxCP group (led by rank 1) gets its answer over TP, where it came from too.
+    # The planner's request log: each plan asked for once (without the sharing, once per TP rank),
+    # every step served by the service among them.
+    asked = Counter(re.findall(r"\bplan plan_id=(\S+) .*status=OK", planner.log))
+    assert asked and set(asked.values()) == {1}, asked
+    assert {r["plan_id"] for r in results[0]["steps"] if r["source"] == "service"} <= set(asked), (asked, results[0]["steps"])
     assert [r["asks"] for result in results for r in result["steps"]] == [rank == 0 for rank in range(WORLD) for _ in range(STEPS)]
     for rank, result in enumerate(results):
         if result["dp_cp_ranks"][0] == rank:  # leads its DPxCP group

@@ -64,10 +64,10 @@ class PlannedIterator:
     def _agreed_over_tp(self) -> PlannedStep:
         """The next step, the same on every TP rank. Bridge loads the data on every TP rank, so each
         TP rank's DPxCP group reads and routes the step; TP rank 0's asks the planner and hands the
-        answer to the others (`client_for`). One all-gather over the TP group (entered whether or not
-        planning failed) makes every TP rank raise the same error, or refuse plans that differ (a TP
-        rank whose batch differs fails its check against the plan), before any of them enters the
-        model's TP collectives."""
+        answer to the others (`client_for`; a TP rank's DPxCP group whose batch is not TP rank 0's
+        raises PlanMismatchError instead). One all-gather over the TP group (entered whether or not
+        planning failed) makes every TP rank raise the same error, or refuse plans that differ,
+        before any of them enters the model's TP collectives."""
         step, problem = None, None
         try:
             step = self.planner.next_step()
