@@ -3,7 +3,8 @@ Megatron-Core's parallel_state lays out TP2 x CP2 and a real planner: TP rank 0'
 once per step for both TP ranks, every rank holds the same plan, a refusal and an unreachable
 planner reach every rank, a TP rank whose batch differs from TP rank 0's refuses the plan made for
 another batch on every rank of its DPxCP group, and a group that is not the TP group of the leading
-ranks is refused on every rank."""
+ranks is refused on every rank. Before a step is planned the TP ranks agree that each read it
+(`agree_on_read`, 2 gloo ranks): all plan it, or all raise."""
 
 from __future__ import annotations
 
@@ -150,3 +151,49 @@ def test_tp_rank_0_asks_once_per_step_for_every_tp_rank(planner: PlannerProcess,
         assert differs[rank].startswith("PlanMismatchError: this TP rank's batch differs from TP rank 0's"), differs[rank]
     unavailable = {r["unavailable"] for r in reports}
     assert len(unavailable) == 1 and unavailable.pop().startswith("PlannerUnavailableError: "), [r["unavailable"] for r in reports]
+
+
+# What each of 2 TP ranks' reads of a step gave (None: read), per case: `agree_on_read`, which the
+# Bridge drop-in runs before it plans a step, so that no TP rank enters the TP broadcast alone.
+READS = {
+    "both_read": (None, None),
+    "both_ended": ("end", "end"),
+    "one_ended": (None, "end"),
+    "one_failed": ("bad", None),
+}
+
+
+def _read_agreement_rank(rank: int, store_path: str, out_dir: str) -> None:
+    from trainer_client.megatron_lm.checks import DropInInputError, agree_on_read
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    outcomes = {}
+    try:
+        for case, reads in READS.items():
+            failure = {None: None, "end": StopIteration(), "bad": DropInInputError("step 1: sample 3 has no tokens")}[reads[rank]]
+            try:
+                agree_on_read(failure, dist.group.WORLD)
+                outcomes[case] = "plans"
+            except StopIteration:
+                outcomes[case] = "StopIteration"
+            except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
+                outcomes[case] = f"{type(error).__name__}: {error}"
+        with open(os.path.join(out_dir, f"reads{rank}.json"), "w") as f:
+            json.dump(outcomes, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_tp_ranks_plan_a_step_all_or_none(tmp_path):
+    run_ranks(_read_agreement_rank, (str(tmp_path / "reads-store"), str(tmp_path)), 2, JOIN_DEADLINE_SECONDS)
+    first, second = (json.loads((tmp_path / f"reads{r}.json").read_text()) for r in range(2))
+    assert first["both_read"] == second["both_read"] == "plans"
+    assert first["both_ended"] == second["both_ended"] == "StopIteration"
+    # A rank whose data ended while the other read on: an error on both, not StopIteration on one.
+    ended = "PlanMismatchError: TP rank 1 could not read this step (its data ended, the others read on); no TP rank plans it"
+    assert first["one_ended"] == second["one_ended"] == ended
+    assert first["one_failed"] == "DropInInputError: step 1: sample 3 has no tokens"  # its own error
+    assert second["one_failed"] == (
+        "PlanMismatchError: TP rank 0 could not read this step (DropInInputError: step 1: sample 3 has no tokens); no TP rank plans it"
+    )

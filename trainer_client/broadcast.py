@@ -36,9 +36,9 @@ from trainer_client.plan_source import PlannerUnavailableError
 from trainer_client.rpc_client import PlanRejectedError
 
 
-
 class PlanMismatchError(RuntimeError):
-    """Ranks of one DPxCP group hold different plans or different batches."""
+    """Ranks that must train one plan hold different plans or different batches: ranks of one
+    DPxCP group, or TP ranks where TP rank 0 asks for all of them."""
 
 
 # What a rank may hold instead of a plan; every rank of the group raises it.
@@ -119,7 +119,7 @@ def share_over_tp(
         assert own is not None, "a rank without a request holds its refusal"
         return own, b"", source
     mine = _batch_digest(request)
-    if digest is not None and digest != mine:
+    if digest != mine:  # (None: TP rank 0's batch was refused before planning, so it is another one)
         return PlanMismatchError(
             f"this TP rank's batch differs from TP rank 0's (batch digests {mine} and {digest}), which the planner planned; "
             "every TP rank must read the same global batch"

@@ -23,6 +23,7 @@ from batch_planner.request import SchedulerKind
 from trainer_client import megatron as mcore
 from trainer_client.broadcast import PlanMismatchError
 from trainer_client.config import ConfigError
+from trainer_client.distributed import is_distributed
 from trainer_client.megatron_lm.read_ahead import PlannedStep, StepPlanner
 from trainer_client.megatron_lm.settings import checked_transformer_config, client_for
 from trainer_client.megatron_bridge.micro_batches import PlannedMicroBatches, rank_micro_batches, read_local_batch
@@ -46,7 +47,9 @@ class PlannedIterator:
 
     def __post_init__(self) -> None:
         client = client_for(self.settings.planner, self.groups, every_tp_rank_plans=True)
-        self.planner = StepPlanner(self._read_local, self.groups, client, checked_transformer_config(self.settings.model))
+        # The client shares the planner's answers over TP: every TP rank plans each step or none.
+        agreement = self.groups.tp if is_distributed(self.groups.tp) else None
+        self.planner = StepPlanner(self._read_local, self.groups, client, checked_transformer_config(self.settings.model), agreement)
 
     def _read_local(self):
         return read_local_batch([next(self.data_iterator) for _ in range(self.num_microbatches)])

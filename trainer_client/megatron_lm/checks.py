@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_client import megatron as mcore
+from trainer_client.broadcast import PlanMismatchError
 
 # Keys of a packed sample that describe it rather than hold one value per token.
 HYBRID_METADATA_KEYS = ("cu_seqlens", "batch_idx", "max_seqlen")
@@ -137,6 +138,28 @@ def agree_on_step(step: int, local: LocalBatch | None, error: str | None, groups
     if all(entry["exhausted"] for entry in everyone):
         return ReadStep(step, exhausted=True)
     return ReadStep(step, local, _layout(everyone, groups.dp.size()))
+
+
+def agree_on_read(failure: BaseException | None, group: Any) -> None:
+    """One all-gather over `group` (the Bridge drop-in's TP group) before a step is planned: every
+    rank of it plans the step, or none does. `failure`: what this rank's read of the step raised,
+    StopIteration at the end of its data. All ended: StopIteration on every rank. Otherwise a rank
+    that failed raises its own error, and every other rank a PlanMismatchError naming the first
+    rank that failed (a rank whose data ended while others read on is such a failure)."""
+    mine = None if failure is None else "end" if isinstance(failure, StopIteration) else f"{type(failure).__name__}: {failure}"
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    if all(entry == "end" for entry in everyone):
+        raise StopIteration
+    if failure is not None and not isinstance(failure, StopIteration):
+        raise failure
+    failed = [(rank, entry) for rank, entry in enumerate(everyone) if entry is not None]
+    if failed:
+        rank, what = failed[0]
+        raise PlanMismatchError(
+            f"TP rank {rank} could not read this step ({'its data ended, the others read on' if what == 'end' else what}); "
+            "no TP rank plans it"
+        )
 
 
 def _group_problem(everyone: list[dict]) -> str | None:

@@ -15,7 +15,7 @@ from batch_planner.plan import Plan
 from trainer_client import megatron as mcore
 from trainer_client.client import BatchPlannerClient
 from trainer_client.compatibility import check_dynamic_cp_support
-from trainer_client.megatron_lm.checks import DropInInputError, GlobalLayout, LocalBatch, ReadStep, agree_on_step
+from trainer_client.megatron_lm.checks import DropInInputError, GlobalLayout, LocalBatch, ReadStep, agree_on_read, agree_on_step
 from trainer_client.megatron_lm.routing import Traffic, route_samples, sample_id_groups
 
 
@@ -41,10 +41,29 @@ class StepPlanner:
     groups: mcore.DataGroups
     client: BatchPlannerClient
     transformer_config: Any = None
+    # A process group whose ranks all plan each step or none (`agree_on_read`): the TP group where
+    # the client shares the planner's answer over TP (Bridge), whose collective a rank that failed
+    # to read the step would otherwise leave its TP peers waiting in. None: no such agreement.
+    read_agreement: Any = None
     _ahead: ReadStep | None = field(default=None, init=False)
     _step: int = field(default=0, init=False)
 
     def next_step(self) -> PlannedStep:
+        if self.read_agreement is None:
+            return self._plan_and_route(self._next_read())
+        try:
+            current, failure = self._next_read(), None
+        except StopIteration as end:
+            current, failure = None, end
+        except Exception as error:  # noqa: BLE001 - agreed on over the group first, then raised
+            current, failure = None, error
+        agree_on_read(failure, self.read_agreement)
+        assert current is not None
+        return self._plan_and_route(current)
+
+    def _next_read(self) -> ReadStep:
+        """The step to plan now, with the step after it read ahead; StopIteration at the end of the
+        data, DropInInputError for a step that cannot run."""
         current = self._ahead if self._ahead is not None else self._read(self._step)
         self._ahead = None
         if current.exhausted:
@@ -54,7 +73,7 @@ class StepPlanner:
         self._step = current.step + 1
         if current.error is not None:
             raise DropInInputError(current.error)
-        return self._plan_and_route(current)
+        return current
 
     def _read(self, step: int) -> ReadStep:
         local, error = None, None
