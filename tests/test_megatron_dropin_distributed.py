@@ -160,8 +160,17 @@ def _bad_inputs(endpoint: str, groups, dp_rank: int) -> dict:
     if dp_rank == 0:
         limit = MAX_SEQLEN_PER_RANK * groups.dp_cp.size()
         too_long.append(_long_sample(limit + 1))
-    cases = {"cu_seqlens": good + [broken], "empty": [empty], "too_long": good + [too_long]}
+    cases = {"cu_seqlens": good + [broken], "empty": [empty], "too_long": good + [too_long],
+             "loader": _loader_failing_on_dp_rank_1(good + [local_packed_batch(1, dp_rank)], dp_rank)}
     return {name: _first_error(wrapper(batches)) for name, batches in cases.items()}
+
+
+def _loader_failing_on_dp_rank_1(batches: list, dp_rank: int):
+    """The batches, but on DP rank 1 the data iterator itself raises when asked for the second."""
+    yield batches[0]
+    if dp_rank == 1:
+        raise OSError("the data loader's worker died")
+    yield from batches[1:]
 
 
 def _long_sample(length: int) -> dict:
@@ -271,6 +280,8 @@ def test_four_ranks_dp2_cp2_hybrid_and_packing_with_fallback_and_bad_input(tmp_p
         ("cu_seqlens", 1, "DropInInputError", "cu_seqlens decreases"),
         ("empty", 0, "DropInInputError", "local batch is empty"),
         ("too_long", 1, "PlanRejectedError", str(MAX_SEQLEN_PER_RANK * 4 + 1)),
+        # The iterator's own error on one rank (read one step ahead): every rank stops, none waits.
+        ("loader", 1, "DropInInputError", "the data iterator raised OSError: the data loader's worker died"),
     ):
         got = {(b[case]["step"], b[case]["type"], b[case]["message"]) for b in bad}
         assert len(got) == 1, (case, got)  # every rank: the same step, the same error

@@ -75,7 +75,7 @@ class PlannedIterator:
         try:
             step = self.planner.next_step()
         except StopIteration:
-            raise  # every TP rank reads the same data, so every one ends here
+            raise  # only when every TP rank's data ended (the planner's agree_on_read), so all end here
         except Exception as error:  # noqa: BLE001 - travels to the other TP ranks, then raised
             problem = error
         mine = (step.plan.plan_id if step is not None else None, f"{type(problem).__name__}: {problem}" if problem else None)

@@ -6,6 +6,7 @@ two local batches (this rank's share of steps k and k+1) per rank, never a globa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -17,6 +18,9 @@ from trainer_client.client import BatchPlannerClient
 from trainer_client.compatibility import check_dynamic_cp_support
 from trainer_client.megatron_lm.checks import DropInInputError, GlobalLayout, LocalBatch, ReadStep, agree_on_read, agree_on_step
 from trainer_client.megatron_lm.routing import Traffic, route_samples, sample_id_groups
+from trainer_client.rpc_client import PlanRejectedError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,14 +72,16 @@ class StepPlanner:
         self._ahead = None
         if current.exhausted:
             raise StopIteration
+        self._step = current.step + 1
         if current.error is None:
             self._ahead = self._read(current.step + 1)  # one global batch ahead: its plan is made while this step trains
-        self._step = current.step + 1
         if current.error is not None:
             raise DropInInputError(current.error)
         return current
 
     def _read(self, step: int) -> ReadStep:
+        """This rank's part of `step`, agreed on over the DPxCP group (`agree_on_step`), whatever
+        the data iterator raised: a rank that raised alone would leave the others in that gather."""
         local, error = None, None
         try:
             local = self.read_local()
@@ -83,9 +89,15 @@ class StepPlanner:
             pass
         except DropInInputError as problem:
             error = str(problem)
+        except Exception as problem:  # noqa: BLE001 - every rank of the group raises it, as DropInInputError
+            log.error("reading step %d from the data iterator failed", step, exc_info=True)
+            error = f"the data iterator raised {type(problem).__name__}: {problem}"
         read = agree_on_step(step, local, error, self.groups)
         if read.layout is not None:
-            self.client.prefetch(step, list(read.layout.padded))
+            try:
+                self.client.prefetch(step, list(read.layout.padded))
+            except PlanRejectedError:
+                pass  # lengths the planner refuses: plan_step refuses them again in this step's turn, on every rank
         return read
 
     def _plan_and_route(self, current: ReadStep) -> PlannedStep:
