@@ -18,7 +18,6 @@ others before each broadcasts it over its own DPxCP group: one request per step,
 
 from __future__ import annotations
 
-import array
 import hashlib
 import json
 from typing import Any
@@ -30,6 +29,7 @@ from batch_planner.plan import Plan
 from batch_planner.identity import canonical_request
 from batch_planner.request import PlanRequest
 from batch_planner.v1 import planner_pb2 as pb
+from trainer_client.batch import lengths_key
 from trainer_client.config import WhoAsks
 from trainer_client.distributed import is_distributed
 from trainer_client.plan_source import PlannerUnavailableError
@@ -49,7 +49,7 @@ def canonical_digest(request: PlanRequest) -> str:
     """A short fingerprint of everything the plan id covers of a request (`canonical_request`),
     cheap for thousands of samples: the lengths are hashed as an int64 array's bytes, not as text."""
     canonical = canonical_request(request)
-    digest = hashlib.blake2b(array.array("q", canonical.pop("lengths")).tobytes(), digest_size=8)
+    digest = hashlib.blake2b(lengths_key(canonical.pop("lengths")), digest_size=8)
     digest.update(json.dumps(canonical, sort_keys=True).encode())
     return digest.hexdigest()
 
@@ -113,7 +113,7 @@ def share_over_tp(
     dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
     if first:
         assert own is not None and sent is not None
-        return own, sent[1] if sent[0] == "plan" else b"", source
+        return own, _response_of(sent), source
     payload, source, digest = holder[0]
     if request is None:
         assert own is not None, "a rank without a request holds its refusal"
@@ -124,17 +124,19 @@ def share_over_tp(
             f"this TP rank's batch differs from TP rank 0's (batch digests {mine} and {digest}), which the planner planned; "
             "every TP rank must read the same global batch"
         ), b"", source
-    return _decode(payload), payload[1] if payload[0] == "plan" else b"", source
+    return _decode(payload), _response_of(payload), source
 
 
 def _batch_digest(request: PlanRequest | None) -> str | None:
-    """A fingerprint of the batch alone (its lengths and layout), not of the options: TP ranks may
-    calibrate their cost models apart, and the plan TP rank 0's asked for serves them all."""
-    if request is None:
-        return None
-    digest = hashlib.blake2b(array.array("q", request.sequence_lengths).tobytes(), digest_size=8)
-    digest.update(f"{request.data_parallel_size}x{request.context_parallel_size}".encode())
-    return digest.hexdigest()
+    """A fingerprint of the batch alone, its lengths, not of the options: TP ranks may calibrate
+    their cost models apart, and the plan TP rank 0's asked for serves them all (their layout is
+    one by construction: the same DPxCP size and CP size)."""
+    return None if request is None else hashlib.blake2b(lengths_key(request.sequence_lengths), digest_size=8).hexdigest()
+
+
+def _response_of(payload: tuple) -> bytes:
+    """The serialized PlanResponse an `_encode`d plan carries; b"" for an error."""
+    return payload[1] if payload[0] == "plan" else b""
 
 
 def _encode(own: Plan | RankError | None, response: bytes = b"") -> tuple:
