@@ -1,11 +1,10 @@
 """The client against a real planner server: service plans equal in-process plans, fallback plans
-are identical, rejected requests are not retried, and planning ahead hides planning time."""
+are identical, rejected requests are not retried, and a step planned ahead finds its plan ready."""
 
 from __future__ import annotations
 
 import logging
 import socket
-import time
 
 import pytest
 
@@ -77,35 +76,35 @@ def test_invalid_argument_is_raised_not_retried_and_not_planned_in_process(plann
     assert metric(client, "batch_planner_client_plans_total", source="fallback") == 0
 
 
-def test_planning_one_step_ahead_hides_planning_time_from_a_slow_step(planner):
-    # A request big enough that planning takes visible time: 1,024 samples on 64 ranks.
+def test_a_step_planned_one_step_ahead_finds_its_plan_ready_and_makes_no_rpc(planner):
+    # A request big enough that planning takes visible time: 1,024 samples on 64 ranks. How much
+    # wait this hides is a speed, measured in bench/ (plan-ahead wait); here the events are checked.
     lengths = [sample_lengths("long_tail_16k", 1024, seed=step) for step in range(4)]
     client = BatchPlannerClient(
         PlannerClientConfig(planner_endpoint=planner.address, tls=False, max_seqlen_per_dp_cp_rank=16384,
                             deadline_seconds=30.0, job="test", scheduler=best_local_scheduler()),
         dp_cp_size=64, rank=0,
     )
-    waits = []
+    rpcs_during_plan_step = []
     try:
         for step in range(4):
-            started = time.perf_counter()
-            client.plan_step(step, lengths[step])
-            waits.append(time.perf_counter() - started)
+            rpcs_before = metric(client, "batch_planner_client_rpc_latency_seconds_count")
+            plan = client.plan_step(step, lengths[step])
+            rpcs_during_plan_step.append(metric(client, "batch_planner_client_rpc_latency_seconds_count") - rpcs_before)
             assert client.last_source == SERVICE
+            assert sorted(i for mb in plan.micro_batches for g in mb.cp_groups for i in g.sample_ids) == list(range(1024))
             if step + 1 < 4:
                 client.prefetch(step + 1, lengths[step + 1])
-            # The "training step": it lasts until the next step's plan has come back from the
-            # service and been read (decoded, checked, its groups built: the client then counts it
-            # in plans_total), as a step longer than planning does.
-            if step + 1 < 4:
+                # The "training step": it lasts until the next step's plan has come back from the
+                # service and been read (decoded, checked, its groups built: the client then counts
+                # it in plans_total), as a step longer than planning does.
                 wait_until(lambda read=step + 2: metric(client, "batch_planner_client_plans_total", source=SERVICE) >= read,
                            60, f"step {step + 1}'s plan")
     finally:
         client.close()
-    unplanned_wait, ahead_waits = waits[0], waits[1:]
-    rpc_count = metric(client, "batch_planner_client_rpc_latency_seconds_count")
-    rpc_mean = metric(client, "batch_planner_client_rpc_latency_seconds_sum") / rpc_count
-    assert rpc_count == 4
-    assert max(ahead_waits) < 0.25 * rpc_mean, (waits, rpc_mean)
-    assert unplanned_wait >= rpc_mean * 0.5
+    # Only the first step, which nothing planned ahead, asked the service itself and waited for it.
+    assert rpcs_during_plan_step == [1, 0, 0, 0]
+    assert metric(client, "batch_planner_client_rpc_latency_seconds_count") == 4
+    assert metric(client, "batch_planner_client_late_plans_total") == 1
+    assert metric(client, "batch_planner_client_plan_lead_seconds_count") == 4
     assert metric(client, "batch_planner_client_plan_wait_seconds_count") == 4
