@@ -101,7 +101,7 @@ class ServerArm:
     rpc: Spread
     ratio: Spread  # paired rpc / run_scheduler
     added: Spread  # paired rpc - run_scheduler, seconds
-    transport: Spread
+    transport: Spread  # GetCapabilities round trip: gRPC on loopback without the planning pool
     beyond_floor: Spread  # paired rpc - bare gRPC - run_scheduler, seconds
 
 
@@ -122,21 +122,13 @@ class SizeResult:
     core_ratio: Spread  # paired plan_batch / run_scheduler
     encode: Spread  # plan_to_proto + SerializeToString(deterministic=True) of plan_batch's plan
     decode: Spread  # PlanResponse.FromString + plan_from_proto of those bytes
-    rpc: Spread
-    ratio: Spread  # paired rpc / run_scheduler
-    added: Spread  # paired rpc - run_scheduler, seconds
-    transport: Spread  # GetCapabilities round trip: gRPC on loopback without the planning pool
     floor: Spread  # bare gRPC: the request's bytes in, as many bytes out as its response, no handler of ours
-    beyond_floor: Spread  # paired rpc - bare gRPC - run_scheduler, seconds
+    server: ServerArm  # this tree's server
     baseline: ServerArm | None = None  # the same runs against the baseline checkout's server
-
-    @property
-    def arm(self) -> ServerArm:
-        return ServerArm(self.rpc, self.ratio, self.added, self.transport, self.beyond_floor)
 
     def bars(self) -> list[tuple[str, bool]]:
         core = [(f"plan_batch/run_scheduler p50 <= {CORE_RATIO_BAR:.2f}", self.core_ratio.p50 <= CORE_RATIO_BAR)]
-        return (core if self.size in (MEDIUM, LARGE) else []) + rpc_bars(self.size, self.arm)
+        return (core if self.size in (MEDIUM, LARGE) else []) + rpc_bars(self.size, self.server)
 
 
 def measure(stubs: list, bare: BareGrpc, size: BatchSize, runs: int) -> SizeResult:
@@ -192,11 +184,9 @@ def measure(stubs: list, bare: BareGrpc, size: BatchSize, runs: int) -> SizeResu
                   Spread.of([a - f - s for a, f, s in zip(r, floor, sched)]))
         for r, g in zip(rpc, transport)
     ]
-    new = arms[0]
     core = Spread.of([p / s for p, s in zip(t["plan_batch"], sched)])
     return SizeResult(size, Spread.of(sched), Spread.of(t["plan_batch"]), core, Spread.of(t["encode"]), Spread.of(t["decode"]),
-                      new.rpc, new.ratio, new.added, new.transport, Spread.of(floor), new.beyond_floor,
-                      arms[1] if len(arms) > 1 else None)
+                      Spread.of(floor), arms[0], arms[1] if len(arms) > 1 else None)
 
 
 class _Context:
@@ -312,7 +302,7 @@ def plot(results: list[SizeResult], path: Path) -> None:
     labels = [r.size.label for r in results]
     x = range(len(results))
     for offset, (name, spreads, color) in enumerate((
-        ("Plan RPC / run_scheduler", [r.ratio for r in results], "#4c72b0"),
+        ("Plan RPC / run_scheduler", [r.server.ratio for r in results], "#4c72b0"),
         ("plan_batch / run_scheduler", [r.core_ratio for r in results], "#55a868"),
     )):
         ax.bar([i + (offset - 0.5) * 0.4 for i in x], [s.p50 for s in spreads], width=0.4, color=color, label=f"{name}, p50 (bars: min..p99)",
@@ -335,12 +325,12 @@ def _verdicts(bars: list[tuple[str, bool]]) -> str:
 def results_table(results: list[SizeResult]) -> str:
     ms, rows = 1e3, []
     for r in results:
-        bars = r.bars()
+        bars, s = r.bars(), r.server
         rows.append([
             r.size.label, r.scheduler.runs, r.scheduler.fmt(ms), r.plan_batch.fmt(ms), f"{r.core_ratio.p50:.3f}",
-            r.rpc.fmt(ms), f"{r.rpc.p99 * ms:.2f}", f"{r.ratio.p50:.3f} ({r.ratio.min:.3f}..{r.ratio.p99:.3f})",
-            f"{r.added.p50 * ms:.2f} / {r.added.p99 * ms:.2f}", f"{r.encode.p50 * ms:.2f}", f"{r.decode.p50 * ms:.2f}",
-            r.transport.fmt(ms), r.floor.fmt(ms), f"{r.beyond_floor.p50 * ms:.2f} / {r.beyond_floor.p99 * ms:.2f}",
+            s.rpc.fmt(ms), f"{s.rpc.p99 * ms:.2f}", f"{s.ratio.p50:.3f} ({s.ratio.min:.3f}..{s.ratio.p99:.3f})",
+            f"{s.added.p50 * ms:.2f} / {s.added.p99 * ms:.2f}", f"{r.encode.p50 * ms:.2f}", f"{r.decode.p50 * ms:.2f}",
+            s.transport.fmt(ms), r.floor.fmt(ms), f"{s.beyond_floor.p50 * ms:.2f} / {s.beyond_floor.p99 * ms:.2f}",
             "; ".join(bar for bar, _ in bars) or "none", _verdicts(bars),
         ])
     return markdown_table(
@@ -355,17 +345,17 @@ def results_table(results: list[SizeResult]) -> str:
 def side_by_side_table(results: list[SizeResult]) -> str:
     ms, rows = 1e3, []
     for r in results:
-        base = r.baseline
+        new, base = r.server, r.baseline
         assert base is not None
-        p50, p99 = spread_ratios(r.rpc, base.rpc)
+        p50, p99 = spread_ratios(new.rpc, base.rpc)
         rows.append([
-            r.size.label, r.rpc.runs, f"{r.rpc.p50 * ms:.2f} / {r.rpc.p99 * ms:.2f}",
+            r.size.label, new.rpc.runs, f"{new.rpc.p50 * ms:.2f} / {new.rpc.p99 * ms:.2f}",
             f"{base.rpc.p50 * ms:.2f} / {base.rpc.p99 * ms:.2f}", p50, p99,
-            f"{r.added.p50 * ms:.2f} / {r.added.p99 * ms:.2f}", f"{base.added.p50 * ms:.2f} / {base.added.p99 * ms:.2f}",
-            f"{r.ratio.p50:.3f} / {base.ratio.p50:.3f}",
-            f"{r.transport.p50 * ms:.2f} / {base.transport.p50 * ms:.2f}",
-            f"{r.beyond_floor.p50 * ms:.2f} / {base.beyond_floor.p50 * ms:.2f}",
-            " / ".join(_verdicts(rpc_bars(r.size, arm)) for arm in (r.arm, base)),
+            f"{new.added.p50 * ms:.2f} / {new.added.p99 * ms:.2f}", f"{base.added.p50 * ms:.2f} / {base.added.p99 * ms:.2f}",
+            f"{new.ratio.p50:.3f} / {base.ratio.p50:.3f}",
+            f"{new.transport.p50 * ms:.2f} / {base.transport.p50 * ms:.2f}",
+            f"{new.beyond_floor.p50 * ms:.2f} / {base.beyond_floor.p50 * ms:.2f}",
+            " / ".join(_verdicts(rpc_bars(r.size, arm)) for arm in (new, base)),
         ])
     return markdown_table(
         ["samples on ranks", "runs", "new rpc ms p50 / p99", "baseline rpc ms p50 / p99", "new/baseline rpc p50",

@@ -63,9 +63,9 @@ def test_overhead_smoke(tmp_path, planner):
     assert report.rows[0].scheduler.runs == 5
     assert [(bar.case, bar.target) for bar in report.bars] == [("64 on 8", "added (rpc - run_scheduler) p50 <= 1 ms")]
     row = report.rows[0]
-    assert row.plan_batch.runs == row.encode.runs == row.decode.runs == row.rpc.runs == row.floor.runs == 5
+    assert row.plan_batch.runs == row.encode.runs == row.decode.runs == row.server.rpc.runs == row.floor.runs == 5
     # The bare gRPC arm is the floor of the Plan RPC: rpc - floor - run_scheduler > -run_scheduler.
-    assert row.floor.min > 0 and row.beyond_floor.p50 + row.scheduler.p50 > 0
+    assert row.floor.min > 0 and row.server.beyond_floor.p50 + row.scheduler.p50 > 0
     assert "added beyond bare gRPC" in report.path.read_text()
     assert_bars_stored(report)
 
@@ -76,7 +76,7 @@ def test_overhead_side_by_side_smoke(tmp_path, planner):
     report = overhead.run(tmp_path, smoke=True, address=planner.address, baseline=side_by_side.ROOT)
     assert_report(report, 1)
     row = report.rows[0]
-    assert row.baseline is not None and row.baseline.rpc.runs == row.rpc.runs == 5
+    assert row.baseline is not None and row.baseline.rpc.runs == row.server.rpc.runs == 5
     baseline = side_by_side.trees(side_by_side.ROOT)[1]
     assert report.path.name == f"overhead_vs_{baseline.commit}_smoke.md"
     text = report.path.read_text()
