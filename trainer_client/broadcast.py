@@ -162,7 +162,7 @@ def _decode(payload: tuple, prefix: str = "") -> Plan | RankError:
 
 
 def _unwrap(own: Plan | RankError | None) -> Plan:
-    if isinstance(own, (PlanRejectedError, PlannerUnavailableError, PlanMismatchError)):
+    if isinstance(own, RankError):
         raise own
     if own is None:
         raise RuntimeError("no plan: this rank did not plan and there is no group to receive one from")
