@@ -13,6 +13,7 @@ left to right); they are built with `np.add.accumulate` or in Python.
 
 from __future__ import annotations
 
+import threading
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -40,19 +41,20 @@ class _Lengths:
             self.shortest, self.longest = min(lengths), max(lengths)
 
 
-# The last request's lengths: a plan's stages ask for their column several times. Kept for tuples
-# only (immutable, so the same object always has the same lengths), by identity.
-_last: _Lengths | None = None
+# The last request's lengths of each thread: a plan's stages ask for their column several times.
+# Kept for tuples only (immutable, so the same object always has the same lengths), by identity, and
+# per thread, so that threads planning side by side (a trainer's plan-ahead threads, the server's
+# gRPC threads) neither share nor replace each other's.
+_last = threading.local()
 
 
 def _lengths(lengths: Sequence[int]) -> _Lengths:
-    global _last
-    last = _last
+    last: _Lengths | None = getattr(_last, "lengths", None)
     if last is not None and last.lengths is lengths:
         return last
     found = _Lengths(lengths)
     if type(lengths) is tuple:
-        _last = found
+        _last.lengths = found
     return found
 
 

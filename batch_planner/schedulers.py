@@ -28,7 +28,7 @@ from batch_planner.errors import (
 )
 from batch_planner.exact import dynamic_cp as exact_dynamic_cp
 from batch_planner.exact import hybrid_cp as exact_hybrid_cp
-from batch_planner.exact.verified import exact_path_status
+from batch_planner.exact.verified import SchedulerImplementation, exact_path_status
 from batch_planner.request import CapacityBound, PlanRequest, SchedulerKind
 
 log = logging.getLogger(__name__)
@@ -160,8 +160,8 @@ class _DpCpGroupSize:
         return self._size
 
 
-def _run_hybrid_cp(cls, request: PlanRequest, seqlens: list[tuple[int, int]]) -> RankAssignment:
-    if exact_path_status(SchedulerKind.HYBRID_CP).active:
+def _run_hybrid_cp(cls, request: PlanRequest, seqlens: list[tuple[int, int]], implementation: SchedulerImplementation | None) -> RankAssignment:
+    if exact_path_status(SchedulerKind.HYBRID_CP, implementation).active:
         sample_id_groups = exact_hybrid_cp.get_groups_and_subsamples(
             seqlens, max_seq_len_per_rank=request.max_seqlen_per_dp_cp_rank, total_ranks=request.dp_cp_size
         )
@@ -202,8 +202,8 @@ def align_cp_groups(rank_ids: list[list[int]]) -> list[list[int]]:
     return [ids for run in ordered for ids in run]
 
 
-def _run_dynamic_cp(cls, request: PlanRequest, seqlens: list[tuple[int, int]]) -> RankAssignment:
-    if exact_path_status(SchedulerKind.DYNAMIC_CP).active:
+def _run_dynamic_cp(cls, request: PlanRequest, seqlens: list[tuple[int, int]], implementation: SchedulerImplementation | None) -> RankAssignment:
+    if exact_path_status(SchedulerKind.DYNAMIC_CP, implementation).active:
         utils = _quiet_import("megatron.core.datasets.data_schedule_utils")
         return exact_dynamic_cp.get_groups_and_subsamples(
             seqlens,
@@ -224,7 +224,7 @@ def _run_dynamic_cp(cls, request: PlanRequest, seqlens: list[tuple[int, int]]) -
     return scheduler.get_groups_and_subsamples(seqlens)
 
 
-def _run_static_packing(cls, request: PlanRequest, seqlens: list[tuple[int, int]]) -> RankAssignment:
+def _run_static_packing(cls, request: PlanRequest, seqlens: list[tuple[int, int]], _: SchedulerImplementation | None) -> RankAssignment:
     scheduler = cls(
         request.max_seqlen_per_dp_cp_rank,
         request.context_parallel_size,
@@ -244,8 +244,9 @@ _RUNNERS: dict[SchedulerKind, Callable[..., RankAssignment]] = {
 }
 
 
-def run_scheduler(request: PlanRequest) -> RankAssignment:
-    """Calls Megatron-Core's scheduler on a validated request.
+def run_scheduler(request: PlanRequest, implementation: SchedulerImplementation | None = None) -> RankAssignment:
+    """Calls Megatron-Core's scheduler on a validated request, through the exact path where
+    `implementation` (None: this process's setting, batch_planner/exact/verified.py) allows it.
 
     One of upstream's own refusals of the batch (batch_planner/domain.py, BATCH_LIMITS) becomes a
     BatchNotPlannableError (OUT_OF_RANGE) naming upstream's reason; any other upstream exception a
@@ -256,7 +257,7 @@ def run_scheduler(request: PlanRequest) -> RankAssignment:
     cls = _load_class(request.scheduler)
     seqlens = [(sample_id, int(length)) for sample_id, length in enumerate(request.sequence_lengths)]
     try:
-        return _RUNNERS[request.scheduler](cls, request, seqlens)
+        return _RUNNERS[request.scheduler](cls, request, seqlens, implementation)
     except Exception as exc:  # noqa: BLE001 - translate every upstream failure
         limit = batch_limit(request.scheduler, exc)
         if limit is not None:

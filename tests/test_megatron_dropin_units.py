@@ -10,7 +10,7 @@ from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest, SchedulerKind
 from tests.dropin_support import megatron_config
 from trainer_client.config import ConfigError, PlannerClientConfig
-from trainer_client.megatron_lm import check_packed_sample, planner_config_for, sample_id_groups
+from trainer_client.dropin import check_packed_sample, planner_config_for, sample_id_groups
 
 
 def test_sizes_and_scheduler_come_from_megatron_and_the_planner_keeps_its_own_settings():

@@ -9,6 +9,10 @@ Memory is bounded: at most `depth + 1` plans are held (the current step's and `d
 step the trainer has passed is dropped, and a prefetch beyond the bound is refused (`plan_step`
 then plans that step when it comes). For every step `get` reports the lead: how long the plan had
 been waiting for the trainer (0 when the trainer had to wait for it), docs/trainer-client.md.
+
+Batches without a step (verl plans each mini-batch several times: log-probs, then each PPO epoch)
+are kept by key instead, the request's digest (`prefetch_cached`, `get_cached`): a batch planned
+again reuses its plan, least recently used out past `cache_size`; a failure is not kept.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -48,16 +53,23 @@ class Fetched:
 
 
 class PlanAhead:
-    """Keeps the plans of at most `depth + 1` steps, at most `depth` of them in flight, by step."""
+    """Keeps the plans of at most `depth + 1` steps, at most `depth` of them in flight, by step;
+    and those of at most `cache_size` batches by key."""
 
-    def __init__(self, plan_fn: Callable[[PlanRequest], SourcedPlan], depth: int = 1):
+    def __init__(self, plan_fn: Callable[[PlanRequest], SourcedPlan], depth: int = 1, cache_size: int = 64):
         if depth < 1:
             raise ValueError(f"plan-ahead depth must be >= 1, got {depth}")
+        if type(cache_size) is not int or cache_size < 1:
+            raise ValueError(f"cache_size: {cache_size!r} is not allowed; expected an integer >= 1")
         self._plan_fn = plan_fn
         self.depth = depth
         self._executor = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="plan-ahead")
         self._pending: dict[int, _Pending] = {}
         self._max_pending = depth + 1
+        self._cached: OrderedDict[str, _Pending] = OrderedDict()
+        self.cache_size = cache_size
+        self.hits = 0  # get_cached calls that found the batch planned or in flight
+        self.misses = 0  # ... that had to plan it
         self._lock = threading.Lock()
 
     def prefetch(self, step: int, request: PlanRequest, source: object = None) -> bool:
@@ -109,10 +121,43 @@ class PlanAhead:
         if pending is None:
             sourced = self._plan_fn(request)
             return Fetched(sourced, time.perf_counter() - started, 0.0)
-        ready = pending.future.done()
-        sourced = pending.future.result()
-        lead = max(started - pending.arrived[0], 0.0) if ready and pending.arrived else 0.0
-        return Fetched(sourced, time.perf_counter() - started, lead)
+        return _fetched(pending, started)
+
+    def prefetch_cached(self, key: str, request: PlanRequest) -> None:
+        """Starts planning the batch of `key` (its request's digest) unless it is kept already."""
+        self._entry(key, request)
+
+    def get_cached(self, key: str, request: PlanRequest) -> Fetched:
+        """The plan of the batch of `key`: kept, in flight, or planned now (and kept)."""
+        started = time.perf_counter()
+        pending = self._entry(key, request, count=True)
+        try:
+            return _fetched(pending, started)
+        except BaseException:
+            with self._lock:
+                if self._cached.get(key) is pending:
+                    del self._cached[key]  # a failure is not kept: the next call asks again
+            raise
+
+    def cached(self) -> int:
+        """How many batches' plans are kept or in flight."""
+        with self._lock:
+            return len(self._cached)
+
+    def _entry(self, key: str, request: PlanRequest, count: bool = False) -> _Pending:
+        with self._lock:
+            found = self._cached.get(key)
+            if count:
+                self.hits += found is not None
+                self.misses += found is None
+            if found is not None:
+                self._cached.move_to_end(key)
+                return found
+            found = self._cached[key] = self._submit(request)
+            while len(self._cached) > self.cache_size:
+                _, oldest = self._cached.popitem(last=False)
+                oldest.future.cancel()
+            return found
 
     def _take(self, step: int) -> _Pending | None:
         """Pops `step` and drops every older step (the trainer has passed them)."""
@@ -123,7 +168,16 @@ class PlanAhead:
 
     def close(self) -> None:
         with self._lock:
-            for pending in self._pending.values():
+            for pending in (*self._pending.values(), *self._cached.values()):
                 pending.future.cancel()
             self._pending.clear()
+            self._cached.clear()
         self._executor.shutdown(wait=True)
+
+
+def _fetched(pending: _Pending, started: float) -> Fetched:
+    """`pending`'s plan once it has arrived, with how long the caller waited and the plan's lead."""
+    ready = pending.future.done()
+    sourced = pending.future.result()
+    lead = max(started - pending.arrived[0], 0.0) if ready and pending.arrived else 0.0
+    return Fetched(sourced, time.perf_counter() - started, lead)

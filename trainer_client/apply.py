@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from batch_planner.padding import padded_length
 from batch_planner.plan import CpGroup, Plan
 from batch_planner.request import CapacityBound, CpLayout
-from batch_planner.shards import unit_shard
+from batch_planner.shards import padded_unit_shard
 from trainer_client.batch import BatchMismatchError, GlobalBatch, JaggedField, unbind_batch
 from trainer_client.megatron import CpGroupResolver, packed_seq_params
 from trainer_client.micro_batch import RankMicroBatch
@@ -107,7 +107,8 @@ class _Unit:
 
     index: int  # of the plan's micro-batch
     last: bool  # of that micro-batch
-    group: CpGroup
+    group: CpGroup | None
+    cp_size: int
     cp_rank: int
     process_group: Any
     sample_ids: tuple[int, ...]
@@ -126,15 +127,17 @@ class _Unit:
         cls, plan: Plan, batch: GlobalBatch, rank: int, index: int, last: bool, group: CpGroup,
         sample_ids: tuple[int, ...], process_group: Any,
     ) -> "_Unit":
-        cp_rank = rank - group.first_rank
         tp, layout = plan.tensor_parallel_size, plan.cp_layout
         lengths = tuple(batch.lengths[i] for i in sample_ids)
         padded = tuple(padded_length(n, group.size, tp, layout) for n in lengths)
-        unit = cls(index, last, group, cp_rank, process_group, sample_ids, lengths, padded, layout)
-        unit.shard_counts = [0] * len(sample_ids)
-        for r in unit_shard(lengths, group.size, cp_rank, tp, layout):
-            unit._add_range(r.index, sample_ids[r.index], lengths[r.index], r.start, r.stop)
-        return unit
+        return cls(index, last, group, group.size, rank - group.first_rank, process_group, sample_ids, lengths, padded, layout).sharded()
+
+    def sharded(self) -> "_Unit":
+        """This unit with the rows of its rank's shard laid out (batch_planner/shards.py)."""
+        self.shard_counts = [0] * len(self.sample_ids)
+        for r in padded_unit_shard(self.padded, self.cp_size, self.cp_rank, self.layout):
+            self._add_range(r.index, self.sample_ids[r.index], self.lengths[r.index], r.start, r.stop)
+        return self
 
     def _add_range(self, index: int, sample_id: int, length: int, start: int, stop: int) -> None:
         self.shard_counts[index] += stop - start
@@ -158,17 +161,15 @@ class _Unit:
         sample_fields: dict[str, torch.Tensor],
         global_real_tokens: int,
     ) -> RankMicroBatch:
-        padding_mask = torch.ones(self.tokens, dtype=torch.bool)
-        for start, stop in self.padding_runs:
-            padding_mask[start:stop] = False
+        padding_mask = self.real_rows(self.tokens)
         max_seqlen = max(self.padded)
         return RankMicroBatch(
             micro_batch_index=self.index,
             last_of_micro_batch=self.last,
             sample_ids=self.sample_ids,
-            local_cp_size=self.group.size,
+            local_cp_size=self.cp_size,
             cp_rank=self.cp_rank,
-            cp_group_ranks=tuple(self.group.ranks),
+            cp_group_ranks=tuple(self.group.ranks) if self.group is not None else (),
             is_cp_leader=self.cp_rank == 0,
             cp_group=self.process_group,
             token_fields={
@@ -186,10 +187,28 @@ class _Unit:
             real_local_tokens=self.real_tokens,
             global_real_tokens=global_real_tokens,
             packed_seq_params=packed_seq_params(
-                cu_seqlens, cu_seqlens_padded, max_seqlen, self.group.size, self.process_group, self.layout
+                cu_seqlens, cu_seqlens_padded, max_seqlen, self.cp_size, self.process_group, self.layout
             ),
             global_batch=batch,
         )
+
+
+    def real_rows(self, rows: int) -> torch.Tensor:
+        """Bool mask over `rows` rows of this rank's shard (at least the shard's own): True where a
+        row holds a real token, False where it is padding (rows past the shard's are padding)."""
+        mask = torch.zeros(rows, dtype=torch.bool)
+        mask[: self.tokens] = True
+        for start, stop in self.padding_runs:
+            mask[start:stop] = False
+        return mask
+
+
+def shard_padding_mask(lengths: Sequence[int], padded: Sequence[int], cp_size: int, cp_rank: int, layout: CpLayout) -> torch.Tensor:
+    """The padding rule of an execution unit, for a drop-in that builds its own micro-batches
+    (verl): rank `cp_rank`'s shard of sequences of real `lengths` padded to `padded` rows (each a
+    multiple of `cp_size`), as `sum(padded) // cp_size` rows; True where a row is padding."""
+    unit = _Unit(0, True, None, cp_size, cp_rank, None, tuple(range(len(lengths))), tuple(lengths), tuple(padded), layout)
+    return ~unit.sharded().real_rows(sum(padded) // cp_size)
 
 
 def _gather_rows(jagged: JaggedField, pieces: list[tuple[int, int, int] | int], pad_value: int | float) -> torch.Tensor:

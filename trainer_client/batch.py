@@ -17,10 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-
-class BatchMismatchError(ValueError):
-    """The batch does not match the plan (sample count, lengths, field shapes)."""
+from trainer_client.errors import BatchMismatchError
 
 
 BATCH_ACCEPTED = (
@@ -103,7 +100,6 @@ def unbind_batch(batch: Mapping[str, Any]) -> GlobalBatch:
 def lengths_key(lengths: tuple[int, ...]) -> bytes:
     """Per-sample lengths as int64 bytes: equal keys, equal lengths."""
     return array.array("q", lengths).tobytes()
-
 
 
 def _kind(value: Any) -> str:

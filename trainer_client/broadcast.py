@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
-
 import torch.distributed as dist
 
 from batch_planner.convert import plan_from_proto, plan_to_proto
@@ -32,13 +30,8 @@ from batch_planner.v1 import planner_pb2 as pb
 from trainer_client.batch import lengths_key
 from trainer_client.config import WhoAsks
 from trainer_client.distributed import is_distributed
-from trainer_client.plan_source import PlannerUnavailableError
-from trainer_client.rpc_client import PlanRejectedError
-
-
-class PlanMismatchError(RuntimeError):
-    """Ranks that must train one plan hold different plans or different batches: ranks of one
-    DPxCP group, or TP ranks where TP rank 0 asks for all of them."""
+from trainer_client.errors import PlanMismatchError, PlannerUnavailableError, PlanRejectedError
+from trainer_client.together import fail_together, share_from_first
 
 
 # What a rank may hold instead of a plan; every rank of the group raises it.
@@ -62,38 +55,35 @@ def agree_on_plan(
     response: bytes = b"",
 ) -> Plan:
     """Every rank calls this with its own result (`None` on ranks that did not ask) and the request
-    for its own batch, and gets the group's plan back, or raises the asking rank's RankError.
-    A rank whose batch was refused before planning passes its error and no request: every rank
-    then raises, a refusal as a PlanRejectedError with the refusing rank's code. Without a process
-    group of several ranks there is no one to agree with: no digest, no collective. `response`:
-    the serialized PlanResponse `own` was read from, when the service sent it (broadcast as is)."""
+    for its own batch, and gets the group's plan back, or every rank raises the same error
+    (`trainer_client.together`): the asking rank's, or the first rank's whose batch was refused
+    before planning (it passes its error and no request). Without a process group of several ranks
+    there is no one to agree with: no digest, no collective. `response`: the serialized
+    PlanResponse `own` was read from, when the service sent it (broadcast as is; rank 0 keeps the
+    plan it already decoded)."""
     if not is_distributed(group):
         return _unwrap(own)
     if who_asks is WhoAsks.LEADER:
-        holder: list[Any] = [_encode(own, response) if dist.get_rank(group) == 0 else None]
-        dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-        if request is not None or dist.get_rank(group) == 0:  # a refused batch keeps its own error
-            own = _decode(holder[0])
+        first = dist.get_rank(group) == 0
+        received = share_from_first(_outgoing(own, response) if first else None, group)
+        if isinstance(received, BaseException):
+            raise received  # the asking rank's error, on every rank (a refused batch's own error too)
+        if not first and request is not None:  # a refused batch keeps its own error
+            own = plan_from_proto(pb.PlanResponse.FromString(received))
     digest = canonical_digest(request) if request is not None else "refused"
-    mine = (own.plan_id if isinstance(own, Plan) else None, digest, None if isinstance(own, Plan) else _encode(own))
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    errors = [(rank, entry[2]) for rank, entry in enumerate(everyone) if entry[2] is not None]
-    if errors:
-        if not isinstance(own, Plan):
-            return _unwrap(own)
-        rank, payload = errors[0]
-        raise _decode(payload, f"rank {rank} of the DPxCP group could not plan: ")  # type: ignore[misc]
-    batches = {digest for _, digest, _ in everyone}
-    if len(batches) > 1:
+    failure = None if isinstance(own, Plan) else own if isinstance(own, BaseException) else _no_plan()
+    everyone = fail_together(
+        failure, group, (own.plan_id if isinstance(own, Plan) else None, digest),
+        context="rank {rank} of the DPxCP group could not plan: {message}",
+    )
+    if len({digest for _, digest in everyone}) > 1:
         raise PlanMismatchError(
             "ranks of the DPxCP group hold different batches (request digests by rank: "
-            f"{[digest for _, digest, _ in everyone]}); every rank must hold the same global batch"
+            f"{[digest for _, digest in everyone]}); every rank must hold the same global batch"
         )
-    plan_ids = {plan_id for plan_id, _, _ in everyone}
-    if len(plan_ids) > 1:
+    if len({plan_id for plan_id, _ in everyone}) > 1:
         raise PlanMismatchError(
-            f"ranks of the DPxCP group received different plans (plan ids by rank: {[p for p, _, _ in everyone]})"
+            f"ranks of the DPxCP group received different plans (plan ids by rank: {[p for p, _ in everyone]})"
         )
     return _unwrap(own)
 
@@ -106,25 +96,26 @@ def share_over_tp(
     where the plan came from). TP rank 0 passes its own and gets it back, with the bytes it sent;
     the others pass None and their own `request`. A rank whose batch is not TP rank 0's gets a
     PlanMismatchError instead of a plan made for another batch; one whose batch was refused before
-    planning (`request` None) keeps `own`, its refusal."""
-    first = dist.get_rank(group) == 0
-    sent = _encode(own, response) if first else None
-    holder: list[Any] = [(sent, source, _batch_digest(request)) if first else None]
-    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
-    if first:
-        assert own is not None and sent is not None
-        return own, _response_of(sent), source
-    payload, source, digest = holder[0]
+    planning (`request` None) keeps `own`, its refusal. An error is returned, not raised: each rank
+    hands it on to its own DPxCP group (`agree_on_plan`), whose ranks would otherwise wait."""
+    if dist.get_rank(group) == 0:
+        sent = _outgoing(own, response)
+        share_from_first(sent if isinstance(sent, BaseException) else (sent, source, _batch_digest(request)), group)
+        return own, b"" if isinstance(sent, BaseException) else sent, source  # type: ignore[return-value]
+    received = share_from_first(None, group)
     if request is None:
         assert own is not None, "a rank without a request holds its refusal"
-        return own, b"", source
+        return own, b"", None
+    if isinstance(received, BaseException):
+        return received, b"", None  # type: ignore[return-value]
+    payload, source, digest = received
     mine = _batch_digest(request)
-    if digest != mine:  # (None: TP rank 0's batch was refused before planning, so it is another one)
+    if digest != mine:
         return PlanMismatchError(
             f"this TP rank's batch differs from TP rank 0's (batch digests {mine} and {digest}), which the planner planned; "
             "every TP rank must read the same global batch"
         ), b"", source
-    return _decode(payload), _response_of(payload), source
+    return plan_from_proto(pb.PlanResponse.FromString(payload)), payload, source
 
 
 def _batch_digest(request: PlanRequest | None) -> str | None:
@@ -134,35 +125,20 @@ def _batch_digest(request: PlanRequest | None) -> str | None:
     return None if request is None else hashlib.blake2b(lengths_key(request.sequence_lengths), digest_size=8).hexdigest()
 
 
-def _response_of(payload: tuple) -> bytes:
-    """The serialized PlanResponse an `_encode`d plan carries; b"" for an error."""
-    return payload[1] if payload[0] == "plan" else b""
-
-
-def _encode(own: Plan | RankError | None, response: bytes = b"") -> tuple:
+def _outgoing(own: Plan | RankError | None, response: bytes) -> bytes | BaseException:
+    """What the asking rank sends its peers: the serialized PlanResponse (the service's own bytes,
+    or the fallback plan's), or its error."""
     if isinstance(own, Plan):
-        return ("plan", response or plan_to_proto(own, columns=True).SerializeToString())
-    if isinstance(own, PlanRejectedError):
-        return ("rejected", own.code, own.server_message)
-    if isinstance(own, PlannerUnavailableError):
-        return ("unavailable", str(own))
-    if isinstance(own, PlanMismatchError):
-        return ("mismatch", str(own))
-    raise RuntimeError("rank 0 of the DPxCP group must plan when who_asks=leader")
+        return response or plan_to_proto(own, columns=True).SerializeToString()
+    return own if own is not None else _no_plan()
 
 
-def _decode(payload: tuple, prefix: str = "") -> Plan | RankError:
-    if payload[0] == "plan":
-        return plan_from_proto(pb.PlanResponse.FromString(payload[1]))
-    if payload[0] == "rejected":
-        return PlanRejectedError(payload[1], prefix + payload[2])
-    if payload[0] == "mismatch":
-        return PlanMismatchError(prefix + payload[1])
-    return PlannerUnavailableError(prefix + payload[1])
+def _no_plan() -> RuntimeError:
+    return RuntimeError("rank 0 of the DPxCP group must plan when who_asks=leader")
 
 
 def _unwrap(own: Plan | RankError | None) -> Plan:
-    if isinstance(own, RankError):
+    if isinstance(own, BaseException):
         raise own
     if own is None:
         raise RuntimeError("no plan: this rank did not plan and there is no group to receive one from")

@@ -47,6 +47,7 @@ from batch_planner.errors import InvalidRequestError
 from batch_planner.plan import Plan
 from batch_planner.request import PlanningOptions
 from trainer_client.distributed import is_distributed
+from trainer_client.together import fail_together
 
 log = logging.getLogger(__name__)
 
@@ -346,7 +347,7 @@ class Calibrator:
         mine = self.timer.collect(steps)
         latest = self._schedule[-1]
         payload = (steps, mine, model_digest(latest[1]), [getattr(latest[1], n) for n in COEFFICIENT_NAMES])
-        everyone = _all_gather(payload, self.group)
+        everyone = fail_together(None, self.group, payload)
         report = CalibrationReport()
         self._check_models(everyone)
         first_rank = not is_distributed(self.group) or dist.get_rank(self.group) == 0
@@ -495,9 +496,3 @@ def _coefficients_text(model: CostModel) -> str:
     return ", ".join(f"{name}={getattr(model, name):.4g}" for name in COEFFICIENT_NAMES)
 
 
-def _all_gather(payload: Any, group: Any) -> list[Any]:
-    if not is_distributed(group):
-        return [payload]
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, payload, group=group)
-    return everyone

@@ -19,7 +19,7 @@ import math
 import numbers
 import time
 from dataclasses import replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry, start_http_server
@@ -39,7 +39,7 @@ from trainer_client.megatron import (
     parallel_state_initialized,
 )
 from trainer_client.micro_batch import RankMicroBatch
-from trainer_client.broadcast import RankError, agree_on_plan, share_over_tp
+from trainer_client.broadcast import RankError, agree_on_plan, canonical_digest, share_over_tp
 from trainer_client.calibration import CalibrationReport, Calibrator
 from trainer_client.compatibility import check_dynamic_cp_support, schedulers_the_trainer_runs
 from trainer_client.config import PlannerClientConfig, WhoAsks
@@ -48,6 +48,7 @@ from trainer_client.metrics import TrainerMetrics
 from trainer_client.outputs import restore_outputs
 from trainer_client.plan_source import PlannerUnavailableError, PlanSource
 from trainer_client.rpc_client import PlanRejectedError
+from trainer_client.together import fail_together
 from trainer_client.token_outputs import TokenPiece, restore_token_outputs
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class BatchPlannerClient:
         dp_cp_size: int | None = None,
         rank: int | None = None,
         tp_group: Any = None,
+        plan_cache_size: int = 64,
         engine_config: Any = None,
         model_config: Any = None,
         transformer_config: Any = None,
@@ -122,7 +124,7 @@ class BatchPlannerClient:
                 runs = tuple(k for k in config.auto_schedulers if not runs or k in runs)
             self._options = replace(self._options, auto_schedulers=runs)
         self.source = PlanSource(config, self.metrics)
-        self.ahead = PlanAhead(self.source.plan, depth=config.plan_ahead_depth)
+        self.ahead = PlanAhead(self.source.plan, depth=config.plan_ahead_depth, cache_size=plan_cache_size)
         self.metrics.plan_ahead_depth.labels(self.metrics.job).set(config.plan_ahead_depth)
         self.last_source: str | None = None
         # The lengths and step of the plans handed out, so that micro_batches checks the batch.
@@ -168,17 +170,41 @@ class BatchPlannerClient:
 
     def plan_step(self, step: int, lengths: Sequence[int]) -> Plan:
         """The plan for `step`, the same on every rank of the group (a collective: all ranks call it)."""
-        started = time.perf_counter()
         _check_step(step)
+        return self._agreed_plan(lengths, step, lambda request: self.ahead.get(step, request))
+
+    def plan(self, lengths: Sequence[int], *, cache: bool = False) -> Plan:
+        """The plan for one batch that is not a training step of its own, the same on every rank
+        of the group (a collective: all ranks call it). cache=True: the asking rank keeps the
+        plans of the last `plan_cache_size` batches by their request's digest, so a batch planned
+        again (verl's log-prob passes and PPO epochs over the same mini-batches) asks nothing,
+        and one given to `prefetch_batches` is planned already; every rank still enters the same
+        collectives, hit or miss. cache=False: planned now."""
+        if cache:
+            return self._agreed_plan(lengths, None, lambda request: self.ahead.get_cached(canonical_digest(request), request))
+        return self._agreed_plan(lengths, None, lambda request: Fetched(self.source.plan(request), 0.0, 0.0))
+
+    def prefetch_batches(self, batches_lengths: Sequence[Sequence[int]]) -> None:
+        """Starts planning each batch in the background for `plan(..., cache=True)` (on the asking
+        rank; not a collective: any rank may call it). Lengths the planner refuses raise here."""
+        requests = [self.request_for(lengths) for lengths in batches_lengths]
+        if self.asks:
+            for request in requests:
+                self.ahead.prefetch_cached(canonical_digest(request), request)
+
+    def _agreed_plan(self, lengths: Sequence[int], step: int | None, fetch: Callable[[PlanRequest], Fetched]) -> Plan:
+        """Asks (on the rank that asks) through `fetch`, then agrees on the plan over the TP and
+        DPxCP groups; every rank raises the same error when the asking rank could not plan."""
+        started = time.perf_counter()
         own: Plan | RankError | None = None
         response = b""  # the serialized PlanResponse, when the service sent `own`
         try:
-            request: PlanRequest | None = self._request_for_step(step, lengths)
+            request: PlanRequest | None = self._request_for_step(step, lengths) if step is not None else self.request_for(lengths)
         except PlanRejectedError as error:  # still enters the collectives, so every rank raises
             request, own = None, error
         if self.asks and request is not None:
             try:
-                fetched = self.ahead.get(step, request)
+                fetched = fetch(request)
                 self._record_lead(fetched)
                 own, self.last_source, response = fetched.sourced.plan, fetched.sourced.source, fetched.sourced.response
             except (PlanRejectedError, PlannerUnavailableError) as error:
@@ -194,7 +220,7 @@ class BatchPlannerClient:
             self.planned_batches.record(plan, request.sequence_lengths, step)
         self.metrics.plan_wait.labels(self.metrics.job).observe(time.perf_counter() - started)
         self.metrics.micro_batches.labels(self.metrics.job).set(len(plan.micro_batches))
-        if self.calibration is not None:
+        if self.calibration is not None and step is not None:
             self.calibration.begin_step(step, plan)
         return plan
 
@@ -315,8 +341,7 @@ def _tp_sharing(tp_group: Any, leads: bool) -> tuple[Any, bool]:
     collective over `tp_group`). ValueError on every rank of a group where only some lead."""
     if tp_group is None or not is_distributed(tp_group):
         return None, False
-    everyone: list[Any] = [None] * dist.get_world_size(tp_group)
-    dist.all_gather_object(everyone, leads, group=tp_group)
+    everyone = fail_together(None, tp_group, leads)
     if not any(everyone):
         return None, False
     if not all(everyone):

@@ -22,17 +22,10 @@ from functools import cached_property
 from typing import Any, Callable, Mapping
 
 from batch_planner.request import CpLayout, SchedulerKind
+from trainer_client.errors import UnsupportedCombinationError
 
 PACKING_SCHEDULERS = (SchedulerKind.DYNAMIC_CP, SchedulerKind.STATIC_PACKING)
 MULTIMODAL_BATCH_FIELDS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "multi_modal_inputs")
-
-
-class UnsupportedCombinationError(ValueError):
-    """A feature dynamic CP cannot run with; `.option` names it, `.rule` is the row that refused it."""
-
-    def __init__(self, option: str, value: Any, fix: str, rule: Rule | None = None):
-        self.option, self.value, self.fix, self.rule = option, value, fix, rule
-        super().__init__(f"dynamic CP does not support {option}={value!r}: {fix}")
 
 
 @dataclass(frozen=True)

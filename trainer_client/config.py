@@ -27,6 +27,7 @@ from batch_planner.cost_spec import spec_from_mapping
 from batch_planner.errors import InvalidRequestError
 from batch_planner.exact.verified import SchedulerImplementation
 from batch_planner.request import Count, PlanningOptions, SchedulerKind
+from trainer_client.errors import ConfigError
 
 
 class WhoAsks(str, Enum):
@@ -34,10 +35,6 @@ class WhoAsks(str, Enum):
 
     LEADER = "leader"  # rank 0 asks and broadcasts the plan; the default
     ALL_RANKS = "all_ranks"  # every rank asks; the plan ids are then compared
-
-
-class ConfigError(ValueError):
-    """A setting with a bad value or an unknown name; the message names the key and what is allowed."""
 
 
 # Plans held in memory are bounded by the depth: a 16,384-sample plan is a few MB.

@@ -5,7 +5,7 @@ output is any picklable object (a tensor of any shape, a scalar, a dict). Every 
 back exactly once; a missing or duplicated id raises OutputRestoreError naming it, on every rank.
 Arguments of the wrong type, and an output that cannot be pickled, raise TypeError, on every rank
 too: a rank's problem travels in the gather, so no rank raises alone while the others wait in it
-(`raise_gathered_problem`). Each rank pickles its outputs itself before the gather for that reason:
+(`trainer_client.together`). Each rank pickles its outputs itself before the gather for that reason:
 inside `all_gather_object` a pickling error would stop that rank alone, before the collective.
 """
 
@@ -21,10 +21,8 @@ import torch
 import torch.distributed as dist
 
 from trainer_client.distributed import is_distributed
-
-
-class OutputRestoreError(RuntimeError):
-    """Some sample's output is missing or came back more than once."""
+from trainer_client.together import fail_together, naming_rank
+from trainer_client.errors import OutputRestoreError
 
 
 def restore_outputs(
@@ -40,13 +38,12 @@ def restore_outputs(
             problem = RuntimeError(f"local_outputs: could not be read or copied to the CPU ({type(exc).__name__}: {str(exc):.160})")
     if is_distributed(group):
         payload, problem = (b"", problem) if problem else _pickled(items)
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (problem, payload), group=group)
-        raise_gathered_problem([p for p, _ in gathered])
-        parts = [pickle.loads(part) for _, part in gathered]
+        gathered = fail_together(naming_rank(problem, group), group, payload, context="{message}")
+        parts = [pickle.loads(part) for part in gathered]
         items = [(sample_id, output, rank) for rank, part in enumerate(parts) for sample_id, output in part]
     else:
-        raise_gathered_problem([problem])
+        if problem is not None:
+            raise problem
         items = [(sample_id, output, 0) for sample_id, output in items]
     return order_outputs(items, num_samples)
 
@@ -78,15 +75,6 @@ def _pickled(items: list[tuple[int, Any]]) -> tuple[bytes, TypeError | None]:
                     "or lists, tuples and dicts of them"
                 )
         return b"", TypeError(f"local_outputs: cannot be pickled ({type(whole).__name__}: {str(whole):.120})")
-
-
-def raise_gathered_problem(problems: list[Exception | None]) -> None:
-    """Raises the first rank's problem, if any rank had one: every rank calls it with the same
-    gathered list, so every rank raises the same error."""
-    found = [(rank, problem) for rank, problem in enumerate(problems) if problem is not None]
-    if found:
-        rank, problem = found[0]
-        raise problem if len(problems) == 1 else type(problem)(f"{problem} (on rank {rank} of the group)")
 
 
 def order_outputs(items: list[tuple[int, Any, int]], num_samples: int) -> list[Any]:

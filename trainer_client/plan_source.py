@@ -23,13 +23,13 @@ from google.protobuf.message import DecodeError
 from batch_planner.convert import plan_from_proto, request_to_proto
 from batch_planner.errors import PlanningError
 from batch_planner.plan import MicroBatches, Plan, structure_problem
-from batch_planner.exact.verified import select_implementation
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
 from batch_planner.v1 import planner_pb2 as pb
 from trainer_client.config import PlannerClientConfig
 from trainer_client.metrics import TrainerMetrics
 from trainer_client.rpc_client import PlannerRpcClient, PlanRejectedError, ServiceFailedError
+from trainer_client.errors import PlannerUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +41,6 @@ FALLBACK = "fallback"
 CIRCUIT_OPEN = "circuit_open"
 NO_ENDPOINT = "no_endpoint"
 MALFORMED_RESPONSE = "malformed_response"
-
-
-class PlannerUnavailableError(RuntimeError):
-    """The service failed and fallback is off."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +55,6 @@ class PlanSource:
         self.config = config
         self.metrics = metrics
         self.rpc = PlannerRpcClient(config, metrics) if config.planner_endpoint else None
-        select_implementation(config.scheduler_implementation)  # what the in-process fallback runs
         self._lock = threading.Lock()
         self._outage_reason: str | None = None
         self._retry_service_at = 0.0
@@ -106,7 +101,7 @@ class PlanSource:
         if reason != NO_ENDPOINT:
             self.metrics.fallbacks.labels(self.metrics.job, reason).inc()
         try:
-            plan = plan_batch(request)
+            plan = plan_batch(request, implementation=self.config.scheduler_implementation)  # this client's own setting
         except PlanningError as error:
             # The trainer's own Megatron-Core cannot plan it either: say both sides' reasons.
             raise PlanRejectedError(error.code.value, str(error)) from error

@@ -21,29 +21,9 @@ import grpc
 from batch_planner.convert import JOB_METADATA_KEY
 from batch_planner.errors import CLIENT_ACTION, ClientAction, ErrorCode
 from batch_planner.v1 import planner_pb2 as pb
-from trainer_client.config import ConfigError, PlannerClientConfig, endpoint_target
+from trainer_client.config import PlannerClientConfig, endpoint_target
 from trainer_client.metrics import TrainerMetrics
-
-class PlanRejectedError(ValueError):
-    """The planner (or the in-process planner) refused the request itself; retrying cannot help."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"the batch planner rejected the request ({code}): {message}")
-        self.code = code
-        self.server_message = message
-
-
-class ServiceFailedError(RuntimeError):
-    """The service did not produce a plan after all attempts; `reason` is a bounded metric label."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(f"batch planner service failed ({reason}): {message}")
-        self.reason = reason
-
-
-class TlsMismatchError(ConfigError):
-    """The client's `tls` setting does not match the server's: a configuration error that no retry
-    or fallback would fix, so it is raised (with the fix) instead of planning in-process for ever."""
+from trainer_client.errors import PlanRejectedError, ServiceFailedError, TlsMismatchError
 
 
 class PlannerRpcClient:

@@ -13,11 +13,7 @@ from typing import Any, MutableMapping, Sequence
 
 import torch
 
-from trainer_client.batch import BatchMismatchError
-
-
-class RouterReplayAlignmentError(BatchMismatchError):
-    """Recorded routes of a sample have neither L-1 nor L rows for an input of L tokens."""
+from trainer_client.errors import RouterReplayAlignmentError
 
 
 def _per_sample(value: Any) -> list[torch.Tensor]:

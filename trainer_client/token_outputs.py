@@ -21,7 +21,8 @@ from batch_planner.errors import InvalidRequestError
 from batch_planner.validation import sequence_lengths_of
 from trainer_client.distributed import is_distributed
 from trainer_client.micro_batch import RankMicroBatch
-from trainer_client.outputs import OutputRestoreError, raise_gathered_problem
+from trainer_client.outputs import OutputRestoreError
+from trainer_client.together import fail_together, naming_rank
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,10 @@ def restore_token_outputs(
     if isinstance(checked, ValueError):
         problem, local = checked, []
     if is_distributed(group):
-        gathered: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (problem, local), group=group)
-        raise_gathered_problem([p for p, _ in gathered])
-        local = [piece for _, part in gathered for piece in part]
-    else:
-        raise_gathered_problem([problem])
+        gathered = fail_together(naming_rank(problem, group), group, local, context="{message}")
+        local = [piece for part in gathered for piece in part]
+    elif problem is not None:
+        raise problem
     assert not isinstance(checked, ValueError)  # raised above
     return _restored(local, checked)
 

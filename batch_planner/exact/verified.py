@@ -113,7 +113,9 @@ _selected: SchedulerImplementation | None = None
 
 
 def select_implementation(value: SchedulerImplementation | str | None) -> None:
-    """Sets this process's choice (None: back to the environment variable's, else EXACT)."""
+    """Sets this process's choice (None: back to the environment variable's, else EXACT): for a
+    process that plans with one setting, the server (`--scheduler-implementation`), a script or a
+    test. A caller with a setting of its own passes it to `plan_batch(implementation=...)` instead."""
     global _selected
     _selected = None if value is None else parse_implementation(value, "scheduler_implementation")
     exact_path_status.cache_clear()
@@ -137,11 +139,13 @@ def selected_implementation() -> SchedulerImplementation:
 
 
 @lru_cache(maxsize=None)
-def exact_path_status(scheduler: SchedulerKind) -> ExactPathStatus:
-    """Whether `scheduler` runs on the exact path in this process (the server logs it at start-up)."""
+def exact_path_status(scheduler: SchedulerKind, implementation: SchedulerImplementation | None = None) -> ExactPathStatus:
+    """Whether `scheduler` runs on the exact path (the server logs it at start-up): under
+    `implementation`, a caller's own setting (a trainer client's `scheduler_implementation`), or
+    when None this process's (`selected_implementation`)."""
     if scheduler not in UPSTREAM_OBJECTS:
         return ExactPathStatus(scheduler, False, "no exact path: Megatron-Core's own code plans it")
-    if selected_implementation() is SchedulerImplementation.UPSTREAM:
+    if (implementation or selected_implementation()) is SchedulerImplementation.UPSTREAM:
         return ExactPathStatus(scheduler, False, "Megatron-Core's own code, as the scheduler_implementation setting asks")
     try:
         found = fingerprint(scheduler)

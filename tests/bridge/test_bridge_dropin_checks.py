@@ -168,7 +168,7 @@ def test_enable_and_disable_replace_and_restore_bridges_functions():
     ({**ranks.micro_batch(0, 0, 0), "labels": torch.zeros(1, 3, dtype=torch.long)}, "share one"),
 ])
 def test_bad_micro_batches_name_what_is_wrong(bad, message):
-    from trainer_client.megatron_lm import DropInInputError
+    from trainer_client.errors import DropInInputError
     from trainer_client.megatron_bridge import unpack_micro_batch
 
     with pytest.raises(DropInInputError, match=message):

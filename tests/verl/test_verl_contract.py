@@ -18,8 +18,16 @@ from tests.verl.support import mini_batch
 from trainer_client.config import ConfigError
 from trainer_client.verl import DynamicCPScheduler
 from trainer_client.verl.micro_batches import rank_micro_batches
-from trainer_client.verl.padding_mask import local_padding_mask
+from trainer_client.apply import shard_padding_mask
 from trainer_client.verl.settings import planner_settings, verl_planner_config
+
+
+def _planned(assignment, lengths, tp_size=1, layout=CpLayout.ZIGZAG):
+    """A plan's micro-batches with the groups of `assignment` (Megatron-Core's sample_id_groups)."""
+    from batch_planner.padding import PlanPadding
+    from batch_planner.plan import micro_batches_from_assignment
+
+    return micro_batches_from_assignment(assignment, PlanPadding(lengths, tp_size, layout))[0]
 
 
 class _Group:
@@ -47,7 +55,7 @@ def test_an_assignment_becomes_each_ranks_micro_batch():
     ]
     for rank, (sample_ids, cp_size, leader, local_tokens, padding_mask) in enumerate(expected):
         micro_batches = rank_micro_batches(
-            batch, [[[0], [0], [1], [2]]], [7, 3, 5], rank, tp_size=1, cp_layout=CpLayout.ZIGZAG, min_local_rows=None
+            batch, _planned([[[0], [0], [1], [2]]], [7, 3, 5]), [7, 3, 5], rank, tp_size=1, cp_layout=CpLayout.ZIGZAG, min_local_rows=None
         )
         assert len(micro_batches) == 1
         mb = micro_batches[0]
@@ -78,7 +86,8 @@ def test_local_token_counts_partition_the_real_tokens(cp_size, tp_size, layout, 
     assignment = [[[0, 1, 2]] * cp_size]
     counts = []
     for rank in range(cp_size):
-        (mb,) = rank_micro_batches(batch, assignment, lengths, rank, tp_size=tp_size, cp_layout=layout, min_local_rows=min_local_rows)
+        planned = _planned(assignment, lengths, tp_size, layout)
+        (mb,) = rank_micro_batches(batch, planned, lengths, rank, tp_size=tp_size, cp_layout=layout, min_local_rows=min_local_rows)
         mask = tu.get_non_tensor_data(mb, DCP_PADDING_MASK, None)
         counts.append(tu.get_non_tensor_data(mb, DCP_LOCAL_NUM_TOKENS, None))
         assert counts[-1] == mask.numel() - int(mask.sum())
@@ -105,7 +114,7 @@ def test_scheduler_rejects_invalid_topology(kwargs, field):
 def test_an_unaligned_cp_group_is_refused():
     with pytest.raises(RuntimeError, match="not aligned"):
         rank_micro_batches(
-            mini_batch([3, 5, 7], seed=2), [[[0], [1], [1], [2]]], [3, 5, 7], 1,
+            mini_batch([3, 5, 7], seed=2), _planned([[[0], [1], [1], [2]]], [3, 5, 7]), [3, 5, 7], 1,
             tp_size=1, cp_layout=CpLayout.ZIGZAG, min_local_rows=None,
         )
 
@@ -113,7 +122,7 @@ def test_an_unaligned_cp_group_is_refused():
 def test_a_rank_without_a_sample_is_refused():
     with pytest.raises(RuntimeError, match=r"ranks \[1\] have no sample"):
         rank_micro_batches(
-            mini_batch([3, 5], seed=2), [[[0], [], [1], [1]]], [3, 5], 0,
+            mini_batch([3, 5], seed=2), _planned([[[0], [], [1], [1]]], [3, 5]), [3, 5], 0,
             tp_size=1, cp_layout=CpLayout.ZIGZAG, min_local_rows=None,
         )
 
@@ -135,8 +144,8 @@ def test_schedule_refuses_bad_input_before_planning(call, message):
 
 def test_padding_mask_zigzag_halves():
     # 10 tokens on CP2 zigzag pad to 12: rank 0 holds rows 0-2 and 9-11, rank 1 rows 3-8.
-    assert local_padding_mask([10], 2, 0, 1, CpLayout.ZIGZAG).tolist() == [False] * 3 + [False, True, True]
-    assert local_padding_mask([10], 2, 1, 1, CpLayout.ZIGZAG).tolist() == [False] * 6
+    assert shard_padding_mask([10], [12], 2, 0, CpLayout.ZIGZAG).tolist() == [False] * 3 + [False, True, True]
+    assert shard_padding_mask([10], [12], 2, 1, CpLayout.ZIGZAG).tolist() == [False] * 6
 
 
 # The drop-in's settings: the client's config format, from the environment.

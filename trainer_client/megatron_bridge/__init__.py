@@ -9,7 +9,7 @@ One concern per module: `version` (the releases it was checked against), `settin
 config and the planner settings say), `checks` (the one function that refuses what the drop-in
 cannot honour), `micro_batches` (Bridge's micro-batches in, planned units out), `schedule` (the
 forward-backward function over the planned units, read ahead per data iterator) and `enable`.
-Reading ahead, routing and the planner client are the Megatron-LM drop-in's (trainer_client/megatron_lm).
+Reading ahead, routing and the settings are the drop-in core's (trainer_client/dropin).
 """
 
 from trainer_client.megatron_bridge.checks import BRIDGE_RULES, check_bridge_support

@@ -17,8 +17,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from trainer_client import megatron as mcore
 from trainer_client.config import PlannerClientConfig
 from trainer_client.megatron_bridge.checks import check_bridge_support
@@ -120,8 +118,7 @@ def get_batch(data_iterator: Any, cfg: Any, use_mtp: bool = False, *, pg_collect
     if not isinstance(data_iterator, PlannedMicroBatches):
         original = _originals[(STEP_MODULE, "get_batch")]
         return original(data_iterator, cfg, use_mtp, pg_collection=pg_collection, vp_stage=vp_stage)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return bridge_batch(next(data_iterator), device)
+    return bridge_batch(next(data_iterator), data_iterator.device)
 
 
 def get_packed_seq_params(metadata: Any) -> Any:

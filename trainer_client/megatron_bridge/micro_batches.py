@@ -20,7 +20,8 @@ import torch
 
 from trainer_client.apply import micro_batches_for_rank
 from trainer_client.batch import GlobalBatch, JaggedField
-from trainer_client.megatron_lm.checks import DropInInputError, GlobalLayout, LocalBatch, check_packed_sample
+from trainer_client.dropin.step_input import GlobalLayout, LocalBatch, check_packed_sample
+from trainer_client.errors import DropInInputError
 from trainer_client.micro_batch import RankMicroBatch
 
 # The per-token fields Bridge's gpt_step reads from a micro-batch.
@@ -107,10 +108,12 @@ def rank_micro_batches(plan, samples, layout: GlobalLayout, dp_cp_rank: int, cp_
 
 
 class PlannedMicroBatches(Iterator[RankMicroBatch]):
-    """The iterator the schedule is given instead of Bridge's: one planned unit per `next()`."""
+    """The iterator the schedule is given instead of Bridge's: one planned unit per `next()`;
+    `device`, where `get_batch` puts the unit's tensors (trainer_client.dropin.data_device)."""
 
-    def __init__(self, units: list[RankMicroBatch]):
+    def __init__(self, units: list[RankMicroBatch], device: torch.device | None = None):
         self.units = units
+        self.device = device or torch.device("cpu")
         self._next = 0
 
     def __next__(self) -> RankMicroBatch:

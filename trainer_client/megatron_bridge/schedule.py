@@ -3,7 +3,7 @@
 Bridge's `train_step` and `evaluate` call `forward_backward_func(data_iterator=..., num_microbatches=...)`
 with Bridge's data iterator and the configured micro-batch count. `PlannedForwardBackward` wraps the
 function Bridge got from `get_forward_backward_func`: per call it takes one step from the read-ahead
-planner of that data iterator (`StepPlanner`, shared with the Megatron-LM drop-in: it reads this DP
+planner of that data iterator (`StepPlanner`, the drop-in core's: it reads this DP
 rank's `num_microbatches` micro-batches of the step after, all-gathers the lengths, plans ahead and
 routes each sample to the ranks that run it), and calls the wrapped function with an iterator over
 this rank's planned units and their count.
@@ -17,15 +17,13 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-import torch.distributed as dist
-
 from batch_planner.request import SchedulerKind
 from trainer_client import megatron as mcore
-from trainer_client.broadcast import PlanMismatchError
 from trainer_client.config import ConfigError
 from trainer_client.distributed import is_distributed
-from trainer_client.megatron_lm.read_ahead import PlannedStep, StepPlanner
-from trainer_client.megatron_lm.settings import checked_transformer_config, client_for
+from trainer_client.dropin.device import data_device
+from trainer_client.dropin.settings import checked_transformer_config, client_for
+from trainer_client.dropin.step_planner import PlannedStep, StepPlanner
 from trainer_client.megatron_bridge.micro_batches import PlannedMicroBatches, rank_micro_batches, read_local_batch
 from trainer_client.megatron_bridge.settings import BridgeSettings
 from trainer_client.micro_batch import RankMicroBatch
@@ -46,8 +44,9 @@ class PlannedIterator:
     reruns: int = 0  # calls that re-ran the last step
 
     def __post_init__(self) -> None:
+        # Every TP rank reads and plans each step: TP rank 0 asks the planner for all of them (the
+        # client's tp_group), and the TP ranks agree that each read the step and holds its plan.
         client = client_for(self.settings.planner, self.groups, every_tp_rank_plans=True)
-        # The client shares the planner's answers over TP: every TP rank plans each step or none.
         agreement = self.groups.tp if is_distributed(self.groups.tp) else None
         self.planner = StepPlanner(self._read_local, self.groups, client, checked_transformer_config(self.settings.model), agreement)
 
@@ -58,40 +57,11 @@ class PlannedIterator:
         if rerun and self.last_step is not None:
             self.reruns += 1
             return self.last_units
-        step = self.last_step = self._agreed_over_tp()
+        step = self.last_step = self.planner.next_step()
         resolver = self._cp_group_resolver(step)
         self.last_units = rank_micro_batches(step.plan, step.samples, step.layout, self.groups.dp_cp.rank(), resolver)
         self.steps += 1
         return self.last_units
-
-    def _agreed_over_tp(self) -> PlannedStep:
-        """The next step, the same on every TP rank. Bridge loads the data on every TP rank, so each
-        TP rank's DPxCP group reads and routes the step; TP rank 0's asks the planner and hands the
-        answer to the others (`client_for`; a TP rank's DPxCP group whose batch is not TP rank 0's
-        raises PlanMismatchError instead). One all-gather over the TP group (entered whether or not
-        planning failed) makes every TP rank raise the same error, or refuse plans that differ,
-        before any of them enters the model's TP collectives."""
-        step, problem = None, None
-        try:
-            step = self.planner.next_step()
-        except StopIteration:
-            raise  # only when every TP rank's data ended (the planner's agree_on_read), so all end here
-        except Exception as error:  # noqa: BLE001 - travels to the other TP ranks, then raised
-            problem = error
-        mine = (step.plan.plan_id if step is not None else None, f"{type(problem).__name__}: {problem}" if problem else None)
-        everyone: list[Any] = [mine]
-        if dist.get_world_size(self.groups.tp) > 1:
-            everyone = [None] * dist.get_world_size(self.groups.tp)
-            dist.all_gather_object(everyone, mine, group=self.groups.tp)
-        if problem is not None:
-            raise problem
-        failed = [(rank, error) for rank, (_, error) in enumerate(everyone) if error]
-        if failed:
-            raise PlanMismatchError(f"TP rank {failed[0][0]} could not plan this step ({failed[0][1]}); no TP rank runs it")
-        if len({plan_id for plan_id, _ in everyone}) > 1:
-            raise PlanMismatchError(f"the TP ranks hold different plans for this step: {[p for p, _ in everyone]}")
-        assert step is not None
-        return step
 
     def _cp_group_resolver(self, step: PlannedStep) -> Callable[[int], Any]:
         if self.settings.scheduler is SchedulerKind.STATIC_PACKING:
@@ -122,7 +92,7 @@ class PlannedForwardBackward:
         planned = self.dropin.planned_iterator(data_iterator, kwargs["num_microbatches"], kwargs.get("pg_collection"))
         rerun = not kwargs.get("forward_only", False) and mcore.in_rerun()
         units = planned.units_for(rerun)
-        kwargs.update(data_iterator=PlannedMicroBatches(units), num_microbatches=len(units))
+        kwargs.update(data_iterator=PlannedMicroBatches(units, data_device(planned.groups.dp_cp)), num_microbatches=len(units))
         with _packed_schedule(kwargs["model"]):
             return self.inner(**kwargs)
 

@@ -1,7 +1,7 @@
 """The drop-in's settings: what Megatron-Bridge's own `ConfigContainer` says (the scheduler, the
 sizes, `max_seqlen_per_dp_cp_rank`, `min_dynamic_context_parallel_size`), plus the planner's own
-(endpoint, TLS, deadlines, fallback) from `planner=` or `$BATCH_PLANNER_CONFIG`, as for the
-Megatron-LM drop-in (trainer_client/megatron_lm/settings.py, which this reuses)."""
+(endpoint, TLS, deadlines, fallback) from `planner=` or `$BATCH_PLANNER_CONFIG`, as for every
+drop-in (trainer_client/dropin/settings.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from typing import Any
 
 from batch_planner.request import SchedulerKind
 from trainer_client.config import ConfigError, PlannerClientConfig
-from trainer_client.megatron_lm.packing import PACKING_SCHEDULERS
-from trainer_client.megatron_lm.settings import given_planner_settings, planner_config_for
+from trainer_client.dropin.settings import PACKING_SCHEDULERS, given_planner_settings, planner_config_for
 
 # The schedulers whose plans the drop-in runs: both pack a CP group's samples into one THD
 # micro-batch, so each planned micro-batch is one forward pass on every rank.

@@ -6,9 +6,9 @@ from batch_planner.request import SchedulerKind
 from trainer_client import megatron as mcore
 from trainer_client.client import BatchPlannerClient
 from trainer_client.config import PlannerClientConfig
-from trainer_client.megatron_lm.checks import LocalBatch, raise_on_bad_packed_sample
-from trainer_client.megatron_lm.read_ahead import PlannedStep, StepPlanner
-from trainer_client.megatron_lm.settings import checked_transformer_config, client_for, planner_config_for
+from trainer_client.dropin.settings import checked_transformer_config, client_for, planner_config_for
+from trainer_client.dropin.step_input import LocalBatch, raise_on_bad_packed_sample
+from trainer_client.dropin.step_planner import PlannedStep, StepPlanner
 
 
 class HybridCPDataLoaderWrapper:

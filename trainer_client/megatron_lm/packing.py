@@ -11,16 +11,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from batch_planner.request import SchedulerKind
 from trainer_client import megatron as mcore
 from trainer_client.config import ConfigError
-from trainer_client.megatron_lm.checks import LENGTH_KEYS, DropInInputError, GlobalLayout, LocalBatch, raise_on_bad_packed_sample
-from trainer_client.megatron_lm.read_ahead import PlannedStep, StepPlanner
-from trainer_client.megatron_lm.settings import checked_transformer_config, client_for, planner_config_for
-
-PACKING_SCHEDULERS = {"default_dynamic_cp": SchedulerKind.DYNAMIC_CP, "dp_balanced": SchedulerKind.STATIC_PACKING}
+from trainer_client.dropin.device import data_device
+from trainer_client.dropin.settings import PACKING_SCHEDULERS, checked_transformer_config, client_for, planner_config_for
+from trainer_client.dropin.step_input import LENGTH_KEYS, GlobalLayout, LocalBatch, raise_on_bad_packed_sample
+from trainer_client.dropin.step_planner import PlannedStep, StepPlanner
+from trainer_client.errors import DropInInputError
 
 
 @dataclass
@@ -54,7 +53,7 @@ class PackingDropIn:
                 "ramp-up): the drop-in reads one global batch ahead with the old count; turn ramp-up off"
             )
         step = self.last_step = self.planner.next_step()
-        device = _device(self.groups)
+        device = data_device(self.groups.dp_cp)
         dynamic = self.scheduler is SchedulerKind.DYNAMIC_CP
         samples = {i: {**fields, **_length_tensors(step.layout, i, device)} for i, fields in step.samples.items()}
         packed = mcore.build_packed_microbatches(samples, step.sample_id_groups, self.groups.dp_cp.rank(), device, dynamic)
@@ -115,7 +114,7 @@ def wrap_data_iterator(data_iterator, config, num_microbatches, pg_collection=No
             "hand out per-VPP-stage iterators yet; use Megatron-Core's wrap_data_iterator for VPP"
         )
     if data_iterator is None:
-        values = mcore.broadcast_scalars([0, 0.0, 0.0], groups.tp, _device(groups))
+        values = mcore.broadcast_scalars([0, 0.0, 0.0], groups.tp, data_device(groups.dp_cp))
         return None, int(values[0]), values[1], values[2]
     wrapper = _wrapper_of(data_iterator)
     if wrapper is None:
@@ -143,9 +142,3 @@ def _length_tensors(layout: GlobalLayout, sample_id: int, device) -> dict[str, t
         "original_seq_len": torch.tensor([layout.original[sample_id]], device=device),
         "padded_seq_len": torch.tensor([layout.padded[sample_id]], device=device),
     }
-
-
-def _device(groups: mcore.DataGroups) -> torch.device:
-    if dist.get_backend(groups.dp_cp) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

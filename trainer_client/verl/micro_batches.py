@@ -3,8 +3,8 @@
 Per micro-batch of the plan, this rank's samples selected from the replicated mini-batch with
 verl's own `index_select_tensor_dict`, and the non-tensor keys verl's engine and its
 `postprocess_dynamic_cp_batch` read: `local_cp_size`, `_dcp_sample_ids`, `_dcp_group_leader`,
-`_dcp_padding_mask`, `_dcp_local_num_tokens`. A CP group is the run of ranks holding the same
-sample list; verl's engine needs it to be an aligned run (Megatron-Core's dynamic-CP groups).
+`_dcp_padding_mask`, `_dcp_local_num_tokens`. The CP groups are the plan's own; the padding mask
+is the execution units' padding rule (`trainer_client.apply.shard_padding_mask`).
 """
 
 from __future__ import annotations
@@ -20,29 +20,15 @@ from verl.utils.dynamic_cp_scheduler import (
     DCP_SAMPLE_IDS,
 )
 
+from batch_planner.padding import padded_length
+from batch_planner.plan import MicroBatch
 from batch_planner.request import CpLayout
-from trainer_client.verl.padding_mask import local_padding_mask
-
-
-def cp_group_of(assignment: Sequence[Sequence[int]], rank: int) -> list[int]:
-    """The DPxCP ranks of `rank`'s CP group in one micro-batch: those holding its sample list,
-    which must be a run starting at a multiple of its size (RuntimeError otherwise)."""
-    mine = list(assignment[rank])
-    members = [peer for peer, ids in enumerate(assignment) if list(ids) == mine]
-    size = len(members)
-    if members != list(range(members[0], members[0] + size)):
-        raise RuntimeError(f"dynamic CP group {members} (sample ids {mine}): members must be contiguous ranks")
-    if members[0] % size:
-        raise RuntimeError(
-            f"dynamic CP group {members} (sample ids {mine}) is not aligned: its first rank {members[0]} "
-            f"must be a multiple of its size {size}"
-        )
-    return members
+from trainer_client.apply import shard_padding_mask
 
 
 def rank_micro_batches(
     batch: TensorDict,
-    sample_id_groups: Sequence[Sequence[Sequence[int]]],
+    micro_batches: Sequence[MicroBatch],
     lengths: Sequence[int],
     rank: int,
     *,
@@ -50,25 +36,43 @@ def rank_micro_batches(
     cp_layout: CpLayout,
     min_local_rows: int | None,
 ) -> list[TensorDict]:
-    """This rank's micro-batches for `sample_id_groups[micro_batch][dp_cp_rank] -> sample ids`."""
-    micro_batches = []
-    for index, assignment in enumerate(sample_id_groups):
-        empty = [r for r, ids in enumerate(assignment) if not ids]
+    """This rank's micro-batches of the plan's `micro_batches`, with the plan's CP groups."""
+    out = []
+    for index, micro_batch in enumerate(micro_batches):
+        empty = [r for g in micro_batch.cp_groups if not g.sample_ids for r in range(g.first_rank, g.first_rank + g.size)]
         if empty:
+            ranks = sum(g.size for g in micro_batch.cp_groups)
             raise RuntimeError(
                 f"micro-batch {index}: DPxCP ranks {empty} have no sample; verl's engine needs every one of the "
-                f"{len(assignment)} ranks to run one in every micro-batch"
+                f"{ranks} ranks to run one in every micro-batch"
             )
-        sample_ids = [int(i) for i in assignment[rank]]
-        members = cp_group_of(assignment, rank)
-        mask = local_padding_mask(
-            [lengths[i] for i in sample_ids], len(members), members.index(rank), tp_size, cp_layout, min_local_rows
-        )
-        micro_batch = tu.index_select_tensor_dict(batch, sample_ids)
-        tu.assign_non_tensor_data(micro_batch, "local_cp_size", len(members))
-        tu.assign_non_tensor_data(micro_batch, DCP_SAMPLE_IDS, sample_ids)
-        tu.assign_non_tensor_data(micro_batch, DCP_GROUP_LEADER, rank == members[0])
-        tu.assign_non_tensor_data(micro_batch, DCP_PADDING_MASK, mask)
-        tu.assign_non_tensor_data(micro_batch, DCP_LOCAL_NUM_TOKENS, mask.numel() - int(mask.sum().item()))
-        micro_batches.append(micro_batch)
-    return micro_batches
+        group = micro_batch.group_of_rank(rank)
+        if group.first_rank % group.size:
+            raise RuntimeError(
+                f"dynamic CP group {list(range(group.first_rank, group.first_rank + group.size))} (sample ids "
+                f"{list(group.sample_ids)}) is not aligned: its first rank {group.first_rank} must be a multiple of its size {group.size}"
+            )
+        sample_ids = [int(i) for i in group.sample_ids]
+        group_lengths = [lengths[i] for i in sample_ids]
+        padded = padded_lengths(group_lengths, group.size, tp_size, cp_layout, min_local_rows)
+        mask = shard_padding_mask(group_lengths, padded, group.size, rank - group.first_rank, cp_layout)
+        selected = tu.index_select_tensor_dict(batch, sample_ids)
+        tu.assign_non_tensor_data(selected, "local_cp_size", group.size)
+        tu.assign_non_tensor_data(selected, DCP_SAMPLE_IDS, sample_ids)
+        tu.assign_non_tensor_data(selected, DCP_GROUP_LEADER, rank == group.first_rank)
+        tu.assign_non_tensor_data(selected, DCP_PADDING_MASK, mask)
+        tu.assign_non_tensor_data(selected, DCP_LOCAL_NUM_TOKENS, mask.numel() - int(mask.sum().item()))
+        out.append(selected)
+    return out
+
+
+def padded_lengths(
+    lengths: Sequence[int], cp_size: int, tensor_parallel_size: int, layout: CpLayout, min_local_rows: int | None
+) -> list[int]:
+    """Each sample's padded length in the group's THD buffer: the plan's padding
+    (batch_planner/padding.py), and with verl's `min_local_rows` the last sample padded further
+    until the buffer holds at least `cp_size * min_local_rows` rows (a kernel's minimum window)."""
+    padded = [padded_length(n, cp_size, tensor_parallel_size, layout) for n in lengths]
+    if min_local_rows is not None and sum(padded) < cp_size * min_local_rows:
+        padded[-1] += cp_size * min_local_rows - sum(padded)
+    return padded

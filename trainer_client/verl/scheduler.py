@@ -18,7 +18,6 @@ import torch
 from tensordict import TensorDict
 
 from batch_planner.request import CpLayout
-from trainer_client.megatron_lm.routing import sample_id_groups
 from trainer_client.verl.micro_batches import rank_micro_batches
 from trainer_client.verl.planning import CachedPlanner, planner_for
 from trainer_client.verl.settings import planner_settings, verl_planner_config
@@ -55,7 +54,7 @@ class DynamicCPScheduler:
         plan = planner.plan(lengths)
         planner.client.check_planned_batch(plan, lengths)  # the batch split is the one planned
         return rank_micro_batches(
-            batch, sample_id_groups(plan), lengths, dcp_group.rank(),
+            batch, plan.micro_batches, lengths, dcp_group.rank(),
             tp_size=tp_size, cp_layout=layout, min_local_rows=min_local_rows,
         )
 

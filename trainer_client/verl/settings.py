@@ -16,7 +16,7 @@ from typing import Any
 
 from batch_planner.request import CpLayout, SchedulerKind
 from trainer_client.config import ConfigError, PlannerClientConfig
-from trainer_client.megatron_lm.settings import CONFIG_ENV, given_planner_settings
+from trainer_client.dropin.settings import CONFIG_ENV, given_planner_settings, merged_settings
 
 ENDPOINT_ENV = "BATCH_PLANNER_ENDPOINT"
 # verl's engine runs the dynamic-CP contract: every rank of the DPxCP group gets a sample list in
@@ -52,13 +52,7 @@ def verl_planner_config(
         "tensor_parallel_size": tp_size,
         "cp_layout": cp_layout.value,
     }
-    for key, value in derived.items():
-        if key in settings and settings[key] != value:
-            raise ConfigError(
-                f"{key}: the planner settings say {settings[key]!r} but verl's engine runs {value!r}; drop {key} "
-                "from the planner settings (the verl drop-in takes it from the engine)"
-            )
-    values = {**settings, **derived}
+    values = merged_settings(settings, derived, "verl's engine")
     scheduler = values.setdefault("scheduler", SchedulerKind.DYNAMIC_CP.value)
     if getattr(scheduler, "value", scheduler) not in [k.value for k in _ALLOWED]:
         raise ConfigError(

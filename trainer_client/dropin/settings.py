@@ -1,5 +1,6 @@
 """The drop-ins' planner settings: the planner's own (endpoint, TLS, deadlines) from `planner=` or
-`$BATCH_PLANNER_CONFIG`, plus the sizes and the scheduler Megatron runs, read from its config."""
+`$BATCH_PLANNER_CONFIG`, plus the sizes and the scheduler the trainer runs, read from its config
+(`merged_settings`: a size in both must agree)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from trainer_client.config import ConfigError, PlannerClientConfig
 log = logging.getLogger(__name__)
 
 CONFIG_ENV = "BATCH_PLANNER_CONFIG"
+# Megatron-Core's `sequence_packing_scheduler` names (Megatron-LM's arguments, Bridge's model config)
+# and the planner's schedulers they are.
+PACKING_SCHEDULERS = {"default_dynamic_cp": SchedulerKind.DYNAMIC_CP, "dp_balanced": SchedulerKind.STATIC_PACKING}
 
 
 def planner_config_for(
@@ -35,13 +39,19 @@ def planner_config_for(
         derived["min_cp_size"] = getattr(megatron_config, "min_dynamic_context_parallel_size", None)
     if scheduler is SchedulerKind.STATIC_PACKING:
         derived["max_seqs_per_micro_batch"] = mcore.max_real_seqs_per_micro_batch(megatron_config)
+    return PlannerClientConfig.from_dict(merged_settings(given, derived, "Megatron"))
+
+
+def merged_settings(given: dict[str, Any], derived: dict[str, Any], trainer: str) -> dict[str, Any]:
+    """The user's planner settings with the values the trainer runs (`derived`, read from the
+    trainer's own config) put in: a key set in both must have one value (ConfigError names both)."""
     for key, value in derived.items():
         if key in given and given[key] != value:
             raise ConfigError(
-                f"{key}: the planner settings say {given[key]!r} but Megatron runs {value!r}; drop {key} "
-                "from the planner settings (the drop-in takes it from Megatron's arguments)"
+                f"{key}: the planner settings say {given[key]!r} but {trainer} runs {value!r}; drop {key} "
+                "from the planner settings (the drop-in takes it from the trainer's own settings)"
             )
-    return PlannerClientConfig.from_dict({**given, **derived})
+    return {**given, **derived}
 
 
 def given_planner_settings(planner: PlannerClientConfig | dict | None) -> dict[str, Any]:

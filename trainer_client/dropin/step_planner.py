@@ -2,7 +2,12 @@
 
 While step k is handed out, the local part of step k+1 is already read from the wrapped iterator
 and its lengths are all-gathered, so the plan for k+1 is made while step k trains. Memory: at most
-two local batches (this rank's share of steps k and k+1) per rank, never a global one."""
+two local batches (this rank's share of steps k and k+1) per rank, never a global one.
+
+Where every TP rank reads and plans the same batch (Megatron-Bridge), `tp_agreement` is the TP
+group: its ranks first agree that each read the step (`agree_on_read`), then that each holds the
+same plan for it, or every one of them raises the same error, before any enters the model's TP
+collectives."""
 
 from __future__ import annotations
 
@@ -16,9 +21,10 @@ from batch_planner.plan import Plan
 from trainer_client import megatron as mcore
 from trainer_client.client import BatchPlannerClient
 from trainer_client.compatibility import check_dynamic_cp_support
-from trainer_client.megatron_lm.checks import DropInInputError, GlobalLayout, LocalBatch, ReadStep, agree_on_read, agree_on_step
-from trainer_client.megatron_lm.routing import Traffic, route_samples, sample_id_groups
-from trainer_client.rpc_client import PlanRejectedError
+from trainer_client.dropin.routing import Traffic, route_samples, sample_id_groups
+from trainer_client.dropin.step_input import GlobalLayout, LocalBatch, ReadStep, agree_on_read, agree_on_step
+from trainer_client.errors import DropInInputError, PlanMismatchError, PlanRejectedError
+from trainer_client.together import fail_together
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +51,15 @@ class StepPlanner:
     groups: mcore.DataGroups
     client: BatchPlannerClient
     transformer_config: Any = None
-    # A process group whose ranks all plan each step or none (`agree_on_read`): the TP group where
-    # the client shares the planner's answer over TP (Bridge), whose collective a rank that failed
-    # to read the step would otherwise leave its TP peers waiting in. None: no such agreement.
-    read_agreement: Any = None
+    # The TP group when every TP rank reads and plans each step (Bridge; the client then shares the
+    # planner's answer over TP): all of them plan a step or none, and all hold the same plan.
+    # None: only TP rank 0 reads (Megatron-LM), no agreement over TP.
+    tp_agreement: Any = None
     _ahead: ReadStep | None = field(default=None, init=False)
     _step: int = field(default=0, init=False)
 
     def next_step(self) -> PlannedStep:
-        if self.read_agreement is None:
+        if self.tp_agreement is None:
             return self._plan_and_route(self._next_read())
         try:
             current, failure = self._next_read(), None
@@ -61,9 +67,21 @@ class StepPlanner:
             current, failure = None, end
         except Exception as error:  # noqa: BLE001 - agreed on over the group first, then raised
             current, failure = None, error
-        agree_on_read(failure, self.read_agreement)
+        agree_on_read(failure, self.tp_agreement)
         assert current is not None
-        return self._plan_and_route(current)
+        planned, failure = None, None
+        try:
+            planned = self._plan_and_route(current)
+        except Exception as error:  # noqa: BLE001 - travels to the other TP ranks, then raised on all
+            failure = error
+        plan_ids = fail_together(
+            failure, self.tp_agreement, planned.plan.plan_id if planned else None,
+            context="TP rank {rank} could not plan this step: {message}",
+        )
+        if len(set(plan_ids)) > 1:
+            raise PlanMismatchError(f"the TP ranks hold different plans for this step: {plan_ids}")
+        assert planned is not None
+        return planned
 
     def _next_read(self) -> ReadStep:
         """The step to plan now, with the step after it read ahead; StopIteration at the end of the

@@ -3,7 +3,7 @@
 Bad input (inconsistent `cu_seqlens`, an empty local batch, CP siblings that loaded different data,
 fields that differ between ranks) is found while reading and raised as `DropInInputError` on every
 rank at the step that holds it: one all-gather of lengths or errors, so no rank waits in a
-collective that another rank never enters."""
+collective that another rank never enters (`trainer_client.together`)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from trainer_client import megatron as mcore
-from trainer_client.broadcast import PlanMismatchError
-
+from trainer_client.errors import DropInInputError, PlanMismatchError
+from trainer_client.together import fail_together
 # Keys of a packed sample that describe it rather than hold one value per token.
 HYBRID_METADATA_KEYS = ("cu_seqlens", "batch_idx", "max_seqlen")
 LENGTH_KEYS = ("original_seq_len", "padded_seq_len")
-
-
-class DropInInputError(ValueError):
-    """A step's input cannot be planned or routed; raised on every rank of the DPxCP group."""
 
 
 @dataclass
@@ -119,19 +114,21 @@ def raise_on_bad_packed_sample(sample: dict[str, torch.Tensor], index: int) -> N
 
 
 def agree_on_step(step: int, local: LocalBatch | None, error: str | None, groups: mcore.DataGroups) -> ReadStep:
-    """One all-gather over the DPxCP group: every rank learns every rank's lengths, or every rank's
-    error, so all of them stop at the same step with the same message."""
+    """One all-gather over the DPxCP group: every rank learns every rank's lengths, or every rank
+    gets the first failed rank's error, so all of them stop at the same step with the same message."""
     if error is None and local is not None:
         error = local.problem()
+    failure = DropInInputError(f"step {step}: DPxCP rank {groups.dp_cp.rank()} (DP rank {groups.dp.rank()}): {error}") if error else None
     mine = {
         "dp_rank": groups.dp.rank(),
-        "exhausted": local is None and error is None,
-        "error": error,
-        "lengths": None if (local is None or error) else (local.rows, local.padded, local.original),
-        "fields": None if (local is None or error) else local.field_spec(),
+        "exhausted": local is None,
+        "lengths": None if local is None else (local.rows, local.padded, local.original),
+        "fields": None if local is None else local.field_spec(),
     }
-    everyone: list[Any] = [None] * groups.dp_cp.size()
-    dist.all_gather_object(everyone, mine, group=groups.dp_cp)
+    try:
+        everyone = fail_together(failure, groups.dp_cp, mine if failure is None else None, context="{message}")
+    except DropInInputError as agreed:
+        return ReadStep(step, error=str(agreed))
     problem = _group_problem(everyone)
     if problem:
         return ReadStep(step, error=f"step {step}: {problem}")
@@ -143,29 +140,18 @@ def agree_on_step(step: int, local: LocalBatch | None, error: str | None, groups
 def agree_on_read(failure: BaseException | None, group: Any) -> None:
     """One all-gather over `group` (the Bridge drop-in's TP group) before a step is planned: every
     rank of it plans the step, or none does. `failure`: what this rank's read of the step raised,
-    StopIteration at the end of its data. All ended: StopIteration on every rank. Otherwise a rank
-    that failed raises its own error, and every other rank a PlanMismatchError naming the first
-    rank that failed (a rank whose data ended while others read on is such a failure)."""
-    mine = None if failure is None else "end" if isinstance(failure, StopIteration) else f"{type(failure).__name__}: {failure}"
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    if all(entry == "end" for entry in everyone):
+    StopIteration at the end of its data. A rank that failed: its error on every rank. All ended:
+    StopIteration on every rank. Some ended while others read on: a PlanMismatchError on every rank."""
+    ended = isinstance(failure, StopIteration)
+    everyone = fail_together(None if ended else failure, group, ended, context="TP rank {rank} could not read this step: {message}")
+    if all(everyone):
         raise StopIteration
-    if failure is not None and not isinstance(failure, StopIteration):
-        raise failure
-    failed = [(rank, entry) for rank, entry in enumerate(everyone) if entry is not None]
-    if failed:
-        rank, what = failed[0]
-        raise PlanMismatchError(
-            f"TP rank {rank} could not read this step ({'its data ended, the others read on' if what == 'end' else what}); "
-            "no TP rank plans it"
-        )
+    if any(everyone):
+        first = everyone.index(True)
+        raise PlanMismatchError(f"TP rank {first} could not read this step (its data ended, the others read on); no TP rank plans it")
 
 
 def _group_problem(everyone: list[dict]) -> str | None:
-    for rank, entry in enumerate(everyone):
-        if entry["error"]:
-            return f"DPxCP rank {rank} (DP rank {entry['dp_rank']}): {entry['error']}"
     ended = [rank for rank, entry in enumerate(everyone) if entry["exhausted"]]
     if ended and len(ended) < len(everyone):
         return f"the data iterator ended on DPxCP ranks {ended} but not on the others"

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from batch_planner.plan import Plan
-from trainer_client.megatron_lm.checks import GlobalLayout, LocalBatch
+from trainer_client.dropin.device import data_device
+from trainer_client.dropin.step_input import GlobalLayout, LocalBatch
 
 
 def sample_id_groups(plan: Plan) -> list[list[list[int]]]:
@@ -43,7 +44,7 @@ def route_samples(
     mine = range(layout.offsets[my_dp], layout.offsets[my_dp + 1])
     send = [[i for i in runs[lane[d]] if i in mine] for d in range(len(lane))]
     receive = [[i for i in runs[me] if layout.offsets[d] <= i < layout.offsets[d + 1]] for d in range(len(lane))]
-    device = _transport_device(groups.dp, local)
+    device = data_device(groups.dp)
     received: dict[int, dict[str, torch.Tensor]] = {i: {} for d in receive for i in d}
     for name, dtype, trailing in layout.fields:
         width = math.prod(trailing)
@@ -67,10 +68,3 @@ def _exchange(payload: torch.Tensor, send_sizes: list[int], receive_sizes: list[
     incoming = payload.new_empty(sum(receive_sizes))
     dist.all_to_all_single(incoming, payload, receive_sizes, send_sizes, group=dp_group)
     return incoming
-
-
-def _transport_device(group: Any, local: LocalBatch) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    first = next(iter(local.subsamples[0].values()))
-    return first.device

@@ -1,0 +1,125 @@
+"""Every error the trainer client raises of its own, under one base class.
+
+    try:
+        plan = client.plan_step(step, lengths)
+    except PlannerClientError as refused:   # anything the planner client refused or could not do
+        ...
+
+Each error is also the builtin it has always been (ValueError for what the caller passed,
+RuntimeError for what went wrong between ranks or with the service), so an existing `except
+ValueError` keeps catching it. The hierarchy (docs/trainer-client.md, "Errors"):
+
+    PlannerClientError
+    ├── ConfigError (ValueError)                  a setting's value or name
+    │   └── TlsMismatchError                      the client's TLS setting against the server's
+    ├── UnsupportedCombinationError (ValueError)  a feature dynamic CP cannot run with
+    ├── PlanRejectedError (ValueError)            the planner refused the request itself
+    ├── BatchMismatchError (ValueError)           the batch is not the one the plan was made for
+    │   └── RouterReplayAlignmentError            recorded MoE routes that do not fit the sample
+    ├── DropInInputError (ValueError)             a drop-in's step input cannot be planned or routed
+    ├── ServiceFailedError (RuntimeError)         the service gave no plan after all attempts
+    ├── PlannerUnavailableError (RuntimeError)    ... and fallback to in-process planning is off
+    ├── PlanMismatchError (RuntimeError)          ranks that must train one plan hold different ones
+    ├── OutputRestoreError (RuntimeError)         a sample's output missing or twice
+    └── RankFailedError (RuntimeError)            another rank failed with an error of no class here
+
+Every one of them travels between ranks (`trainer_client.together`): pickled with its message and
+attributes whatever its constructor takes, so that every rank of a group raises the same error.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+
+class PlannerClientError(Exception):
+    """The base of every error the trainer client raises of its own."""
+
+    def __reduce__(self) -> tuple:
+        # Exception's own reduce calls cls(*args), which fails for a constructor of other arguments
+        # (PlanRejectedError(code, message)); this rebuilds the same object from its args and state.
+        return (_restore, (type(self), self.args, _picklable(self.__dict__)))
+
+
+def _restore(cls: type[PlannerClientError], args: tuple, state: dict[str, Any]) -> PlannerClientError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
+def _picklable(state: dict[str, Any]) -> dict[str, Any]:
+    """The attributes that can travel (UnsupportedCombinationError's `rule` holds functions)."""
+    kept = {}
+    for name, value in state.items():
+        try:
+            pickle.dumps(value)
+        except Exception:  # noqa: BLE001 - pickle raises several types
+            continue
+        kept[name] = value
+    return kept
+
+
+class ConfigError(PlannerClientError, ValueError):
+    """A setting with a bad value or an unknown name; the message names the key and what is allowed."""
+
+
+class TlsMismatchError(ConfigError):
+    """The client's `tls` setting does not match the server's: a configuration error that no retry
+    or fallback would fix, so it is raised (with the fix) instead of planning in-process for ever."""
+
+
+class UnsupportedCombinationError(PlannerClientError, ValueError):
+    """A feature dynamic CP cannot run with; `.option` names it, `.rule` is the row that refused it."""
+
+    def __init__(self, option: str, value: Any, fix: str, rule: Any = None):
+        self.option, self.value, self.fix, self.rule = option, value, fix, rule
+        super().__init__(f"dynamic CP does not support {option}={value!r}: {fix}")
+
+
+class PlanRejectedError(PlannerClientError, ValueError):
+    """The planner (or the in-process planner) refused the request itself; retrying cannot help."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"the batch planner rejected the request ({code}): {message}")
+        self.code = code
+        self.server_message = message
+
+
+class BatchMismatchError(PlannerClientError, ValueError):
+    """The batch does not match the plan (sample count, lengths, field shapes)."""
+
+
+class RouterReplayAlignmentError(BatchMismatchError):
+    """Recorded routes of a sample have neither L-1 nor L rows for an input of L tokens."""
+
+
+class DropInInputError(PlannerClientError, ValueError):
+    """A step's input cannot be planned or routed; raised on every rank of the DPxCP group."""
+
+
+class ServiceFailedError(PlannerClientError, RuntimeError):
+    """The service did not produce a plan after all attempts; `reason` is a bounded metric label."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(f"batch planner service failed ({reason}): {message}")
+        self.reason = reason
+
+
+class PlannerUnavailableError(PlannerClientError, RuntimeError):
+    """The service failed and fallback is off (or the asking rank could not plan for another reason)."""
+
+
+class PlanMismatchError(PlannerClientError, RuntimeError):
+    """Ranks that must train one plan hold different plans or different batches: ranks of one
+    DPxCP group, TP ranks where TP rank 0 asks for all of them, or pipeline stages."""
+
+
+class OutputRestoreError(PlannerClientError, RuntimeError):
+    """Some sample's output is missing or came back more than once."""
+
+
+class RankFailedError(PlannerClientError, RuntimeError):
+    """Another rank of the group failed with an error that is not one of the client's own (a bug,
+    an error of the data iterator): its type and message, as that rank raised it."""
