@@ -73,7 +73,7 @@ def _plan_step_whose_leader_fails(rank: int) -> str:
     from trainer_client import BatchPlannerClient, PlannerClientConfig
     from trainer_client.plan_source import PlannerUnavailableError
 
-    def broken_plan_batch(request):
+    def broken_plan_batch(request, **_):
         raise RuntimeError("a bug in the fallback")
 
     plan_source.plan_batch = broken_plan_batch  # no endpoint: the asking rank plans in-process

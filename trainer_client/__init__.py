@@ -1,19 +1,42 @@
 """What a Megatron trainer imports to get its batches planned by the batch planner service."""
 
-from trainer_client.batch import BatchMismatchError
 from trainer_client.batch_check import check_batch_is_planned
 from trainer_client.client import BatchPlannerClient
-from trainer_client.compatibility import UnsupportedCombinationError, check_dynamic_cp_support
-from trainer_client.config import ConfigError, PlannerClientConfig, WhoAsks
-from trainer_client.side_data import RouterReplayAlignmentError, align_router_replay, attach_router_replay
+from trainer_client.compatibility import check_dynamic_cp_support
+from trainer_client.config import PlannerClientConfig, WhoAsks
+from trainer_client.errors import (
+    BatchMismatchError,
+    ConfigError,
+    DropInInputError,
+    OutputRestoreError,
+    PlanMismatchError,
+    PlannerClientError,
+    PlannerUnavailableError,
+    PlanRejectedError,
+    RankFailedError,
+    RouterReplayAlignmentError,
+    ServiceFailedError,
+    TlsMismatchError,
+    UnsupportedCombinationError,
+)
+from trainer_client.side_data import align_router_replay, attach_router_replay
 from trainer_client.token_outputs import TokenPiece, restore_token_outputs, token_pieces
 
 __all__ = [
     "BatchMismatchError",
     "BatchPlannerClient",
     "ConfigError",
+    "DropInInputError",
+    "OutputRestoreError",
+    "PlanMismatchError",
+    "PlanRejectedError",
     "PlannerClientConfig",
+    "PlannerClientError",
+    "PlannerUnavailableError",
+    "RankFailedError",
     "RouterReplayAlignmentError",
+    "ServiceFailedError",
+    "TlsMismatchError",
     "TokenPiece",
     "UnsupportedCombinationError",
     "WhoAsks",

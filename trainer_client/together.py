@@ -63,7 +63,7 @@ def share_from_first(outcome: Any, group: Any) -> Any:
     first = dist.get_rank(group) == 0
     failure = outcome if isinstance(outcome, BaseException) else None
     holder: list[Any] = [_entry(failure, None if failure else outcome) if first else None]
-    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
+    dist.broadcast_object_list(holder, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
     if first:
         return outcome
     kind, data = holder[0]
