@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import cache, cached_property, partial
 from typing import Any, Callable, Literal, Mapping, NamedTuple
 
 from batch_planner.request import CpLayout, SchedulerKind
@@ -436,10 +436,17 @@ def check(sources: Mapping[str, Any], installed: InstalledMegatron | None = None
     """Raises UnsupportedCombinationError for the first rule of `RULES` that refuses what `sources`
     (by name, from `SOURCES`) hold; `installed` is detected when a rule needs it."""
     inputs = Inputs(sources, installed)
-    for rule in RULES:
+    for rule in _rules_reading(frozenset(name for name in SOURCES if inputs.given(name))):
         error = rule.refusal(inputs)
         if error is not None:
             raise error
+
+
+@cache
+def _rules_reading(given: frozenset[str]) -> tuple[Rule, ...]:
+    """The rules, in table order, with a place in `given` and all they need there (a drop-in checks
+    its own source on every step: this keeps that to its own rows)."""
+    return tuple(r for r in RULES if set(r.needs) <= given and any(p.source in given for p in r.places))
 
 
 def check_dynamic_cp_support(
