@@ -52,3 +52,21 @@ def test_plan_in_megatron_cores_shape():
     groups = sample_id_groups(plan)
     assert len(groups) == len(plan.micro_batches) and all(len(mb) == 4 for mb in groups)
     assert sorted(i for mb in groups for ids in {tuple(r) for r in mb} for i in ids) == list(range(8))
+
+
+def test_virtual_pipeline_parallelism_and_batch_size_ramp_up_are_refused_by_the_refusal_table():
+    """wrap_data_iterator refuses VPP before it touches a process group, and a step whose
+    num_microbatches changed (batch-size ramp-up); both are rows of the one table."""
+    from trainer_client.compatibility import RULES, UnsupportedCombinationError
+    from trainer_client.megatron_lm.packing import PackingDropIn, wrap_data_iterator
+
+    with pytest.raises(UnsupportedCombinationError, match="virtual_pipeline_model_parallel_size=2.*one per virtual pipeline stage") as vpp:
+        wrap_data_iterator(iter([]), megatron_config(virtual_pipeline_model_parallel_size=2), 2)
+    wrapper = PackingDropIn(None, megatron_config(), 2, None, SchedulerKind.DYNAMIC_CP)
+    with pytest.raises(UnsupportedCombinationError, match="num_microbatches=changed from 2 to 4.*ramp-up") as ramp_up:
+        wrapper.next_step(4)
+    assert vpp.value.option == "config.virtual_pipeline_model_parallel_size" and ramp_up.value.option == "num_microbatches"
+    assert {id(vpp.value.rule), id(ramp_up.value.rule)} == {id(r) for r in RULES if r.reads("wrap_data_iterator")}
+    # Bridge reads the same two rows at its own paths.
+    assert {p.path for r in (vpp.value.rule, ramp_up.value.rule) for p in r.places if p.source == "bridge"} == {
+        "model.virtual_pipeline_model_parallel_size", "train.rampup_batch_size"}

@@ -1,7 +1,8 @@
-"""The unsupported-combination rules (trainer_client/compatibility.py, RULES): every rule refuses
-an example of its own, naming the option and the fix; supported combinations pass; the table in
-docs/trainer-client.md is the table of rules. Megatron-Core's real TransformerConfig (constructed
-on CPU), plain dicts/objects for the rest."""
+"""The unsupported-combination rules (trainer_client/compatibility.py, RULES): every rule any
+trainer's configs reach refuses an example of its own, naming the option and the fix (the rows read
+only from a drop-in's own source: tests/test_megatron_dropin_units.py and tests/bridge); supported
+combinations pass; the table in docs/trainer-client.md is the table of rules. Megatron-Core's real
+TransformerConfig (constructed on CPU), plain dicts/objects for the rest."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest, SchedulerKind
 from tests.megatron_builds import best_local_scheduler
 from trainer_client import BatchPlannerClient, PlannerClientConfig
-from trainer_client.compatibility import RULES, InstalledMegatron, UnsupportedCombinationError, check_dynamic_cp_support
+from trainer_client.compatibility import (
+    DROP_IN_SOURCES, RULES, InstalledMegatron, UnsupportedCombinationError, check, check_dynamic_cp_support,
+)
 
 LENGTHS = (3000, 1500, 700, 500, 301, 97, 1000, 64)
 
@@ -123,19 +126,68 @@ def refusal(arguments) -> UnsupportedCombinationError:
 def test_each_unsupported_combination_is_refused_naming_the_option_and_the_fix(row):
     _, arguments, (source, option), fix = row
     error = refusal(arguments)
-    assert (error.rule.source, error.option) == (source, option)
+    assert (source, option) in error.rule.places and error.option == option
     assert fix in str(error) and option in str(error)
+
+
+def reached_by_any_trainer(rule) -> bool:
+    """A rule check_dynamic_cp_support's arguments reach: one of its places, and all it needs, are theirs."""
+    return any(p.source not in DROP_IN_SOURCES for p in rule.places) and not any(s in DROP_IN_SOURCES for s in rule.needs)
 
 
 def test_every_rule_refuses_an_example():
     fired = {id(refusal(arguments).rule) for _, arguments, _, _ in REFUSED}
-    untested = [(rule.source, rule.option, rule.when) for rule in RULES if id(rule) not in fired]
+    untested = [(rule.places, rule.when) for rule in RULES if reached_by_any_trainer(rule) and id(rule) not in fired]
     assert not untested, f"rules without a refusing example: {untested}"
 
 
+def test_a_rule_written_once_reads_every_place_of_its_setting():
+    """The FSDP rule reads the engine config and both of Bridge's places, and names the one it refused."""
+    from types import SimpleNamespace as Config
+
+    engine = refusal(lambda: dict(engine_config={"use_megatron_fsdp": True}))
+    for path in ("ddp.use_megatron_fsdp", "dist.use_megatron_fsdp"):
+        section, name = path.split(".")
+        bridge = Config(ddp=Config(use_megatron_fsdp=False), dist=Config(use_megatron_fsdp=False))
+        setattr(getattr(bridge, section), name, True)
+        with pytest.raises(UnsupportedCombinationError) as caught:
+            check({"bridge": bridge})
+        assert caught.value.rule is engine.rule and caught.value.option == path and "=True" in str(caught.value)
+    with pytest.raises(ValueError, match="unknown refusal-table sources.*'engine_config'"):
+        check({"engine_config": {}})
+
+
+def test_a_rows_build_schedulers_and_sources_decide_where_it_applies():
+    """Bridge's release-only rows on a release and a dev build, for dynamic CP and static packing, and
+    Bridge's layout row with and without Bridge's config (no Bridge needed: its config as plain objects)."""
+    from types import SimpleNamespace as Config
+
+    def first_refused(installed, scheduler, bridge=True, **planner_settings):
+        sources = {"planner config": planner(scheduler=scheduler, **planner_settings)}
+        if bridge:
+            sources["bridge"] = Config(model=Config(hybrid_context_parallel=False, position_embedding_type="rope"))
+        try:
+            check(sources, installed)
+        except UnsupportedCombinationError as refused:
+            return refused.option
+        return None
+
+    release, dev = InstalledMegatron(False), VPP_READY
+    assert first_refused(release, "dynamic_cp") == "model.hybrid_context_parallel"
+    assert first_refused(release, "static_packing") == "model.position_embedding_type"
+    assert first_refused(dev, "dynamic_cp") is None
+    assert first_refused(release, "static_packing", cp_layout="contiguous") == "cp_layout"
+    assert first_refused(dev, "static_packing", cp_layout="contiguous") is None
+    assert first_refused(release, "static_packing", bridge=False, cp_layout="contiguous") is None
+
+
+def where(rule) -> str:
+    return "; ".join(f"{place.source} `{place.path}`" for place in rule.places)
+
+
 def rules_table() -> str:
-    lines = ["| source | option | refused when | fix |", "|---|---|---|---|"]
-    lines += [f"| {r.source} | `{r.option}` | {r.when} | {r.fix} |" for r in RULES]
+    lines = ["| where | refused when | fix |", "|---|---|---|"]
+    lines += [f"| {where(r)} | {r.refused_when} | {r.fix} |" for r in RULES]
     return "\n".join(lines)
 
 

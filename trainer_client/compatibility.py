@@ -1,31 +1,49 @@
-"""The one place that refuses engine, model and batch features dynamic CP cannot run with.
+"""The one table of refusals: what dynamic CP, or a drop-in that runs it, cannot run with.
 
-`RULES` is the table of refusals, one `Rule` (source, option, condition, fix) per row; the table
-"Unsupported combinations" in docs/trainer-client.md is the same table, and a test keeps the two
-equal. `check_dynamic_cp_support` is called as each piece of information becomes available (the
-client calls it at construction with the configs it was given, and again in `micro_batches()` with
-the batch and the plan); every argument is optional and only the rules whose inputs are present
-are checked, in table order. Configs may be dataclasses, plain objects or dicts; the transformer
-config is Megatron-Core's `TransformerConfig` (its attribute names are used as they are).
+`RULES` holds one `Rule` per reason. A rule names the places its setting lives in as data, each a
+`Place(source, dotted path)`: the FSDP rule reads the engine config's `use_megatron_fsdp` and
+Megatron-Bridge's `ddp.use_megatron_fsdp` and `dist.use_megatron_fsdp`. The sources are what a
+caller hands `check`:
 
-Each refusal raises `UnsupportedCombinationError` naming the option, its value and what to change.
-The rows come from the reference PR (verl #6555) and from Megatron-Core's own requirements for
-dynamic CP / sequence packing (megatron/training/arguments.py and transformer_config.py on the
-dev branch; hybrid_cp_schedule and multi_latent_attention on 0.19).
+- engine, model, transformer, planner config, plan, batch: any trainer (`check_dynamic_cp_support`;
+  the client calls it at construction with the configs it was given, and again in `micro_batches()`
+  with the batch and the plan);
+- bridge: Megatron-Bridge's `ConfigContainer` (`megatron_bridge.check_bridge_support`, which also
+  hands over its model config as transformer and model, and its planner settings);
+- wrap_data_iterator: the arguments of the Megatron-LM drop-in's `wrap_data_iterator`.
+
+A rule is checked where its sources were given (so the rows that read a drop-in's source apply to
+that drop-in only), on the Megatron-Core build (`build`) and for the schedulers (`schedulers`) its
+row names; the first rule that refuses, in table order, raises `UnsupportedCombinationError` naming
+the path, its value and the fix. Configs may be dataclasses, plain objects or dicts; the
+transformer config is Megatron-Core's `TransformerConfig` (its attribute names are used as they
+are). docs/trainer-client.md ("Unsupported combinations") and docs/megatron-bridge.md show the same
+rows, and tests keep them equal.
+
+The rows come from the reference PR (verl #6555), from Megatron-Core's own requirements for dynamic
+CP / sequence packing (megatron/training/arguments.py and transformer_config.py on the dev branch;
+hybrid_cp_schedule and multi_latent_attention on 0.19), and from what the drop-ins hand the trainer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import cached_property
-from typing import Any, Callable, Mapping
+from functools import cache, cached_property, partial
+from typing import Any, Callable, Literal, Mapping, NamedTuple
 
 from batch_planner.request import CpLayout, SchedulerKind
 from trainer_client.errors import UnsupportedCombinationError
 
 PACKING_SCHEDULERS = (SchedulerKind.DYNAMIC_CP, SchedulerKind.STATIC_PACKING)
 MULTIMODAL_BATCH_FIELDS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "multi_modal_inputs")
+
+# What a caller may hand `check`, by name; a drop-in's own source is read by its rows only.
+SOURCES = ("engine", "model", "transformer", "planner config", "plan", "batch", "bridge", "wrap_data_iterator")
+DROP_IN_SOURCES = {"bridge": "Megatron-Bridge's drop-in", "wrap_data_iterator": "Megatron-LM's wrap_data_iterator drop-in"}
+
+Build = Literal["release", "dev"]
+BUILD_WORDS = {"release": "on a Megatron-Core release (0.19)", "dev": "on a Megatron-Core dev build (dynamic CP groups)"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,11 @@ class InstalledMegatron:
     # The installed Transformer Engine's (major, minor); None when it is not installed.
     transformer_engine: tuple[int, ...] | None = None
 
+    @property
+    def build(self) -> Build:
+        """The dev build is the one with the dev-branch packing schedulers."""
+        return "dev" if self.vpp_aware_scheduler else "release"
+
     @classmethod
     def detect(cls) -> InstalledMegatron:
         from batch_planner.schedulers import discover_schedulers
@@ -49,6 +72,25 @@ class InstalledMegatron:
         )
 
 
+@dataclass(frozen=True)
+class Changed:
+    """A value a trainer passes again each step that must stay the same: `Changed.of` is None
+    while it does."""
+
+    before: Any
+    after: Any
+
+    @classmethod
+    def of(cls, before: Any, after: Any) -> Changed | None:
+        return None if before == after else cls(before, after)
+
+    def __repr__(self) -> str:
+        return f"changed from {self.before!r} to {self.after!r}"
+
+
+_ABSENT = object()
+
+
 def _get(config: Any, name: str, default: Any = None) -> Any:
     if config is None:
         return default
@@ -58,20 +100,34 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
 
 
 class Inputs:
-    """What one call was given, and the facts the rules read from it."""
+    """What one call was given, by source, and the facts the rules read from it."""
 
-    def __init__(self, *, engine: Any, model: Any, transformer: Any, planner: Any, plan: Any,
-                 batch: Mapping[str, Any] | None, installed: InstalledMegatron | None):
-        self.sources: dict[str, Any] = {
-            "engine": engine, "model": model, "transformer": transformer,
-            "planner config": planner, "plan": plan, "batch": batch,
-        }
-        self.transformer, self.plan, self.batch, self._installed = transformer, plan, batch, installed
+    def __init__(self, sources: Mapping[str, Any], installed: InstalledMegatron | None):
+        unknown = sorted(set(sources) - set(SOURCES))
+        if unknown:
+            raise ValueError(f"unknown refusal-table sources {unknown}; allowed: {list(SOURCES)}")
+        self.sources = {name: sources.get(name) for name in SOURCES}
+        self.transformer, self.plan, self.batch = self.sources["transformer"], self.sources["plan"], self.sources["batch"]
+        self._installed = installed
         # Read at once, so a bad scheduler or layout name fails whatever else is present.
-        scheduler = _get(plan, "scheduler") or _get(planner, "scheduler")
+        planner = self.sources["planner config"]
+        scheduler = _get(self.plan, "scheduler") or _get(planner, "scheduler")
         self.scheduler = SchedulerKind(scheduler) if scheduler is not None else None
-        layout = _get(plan, "cp_layout") or _get(planner, "cp_layout")
+        layout = _get(self.plan, "cp_layout") or _get(planner, "cp_layout")
         self.layout = CpLayout(layout) if layout is not None else None
+
+    def given(self, source: str) -> bool:
+        return self.sources[source] is not None
+
+    def at(self, place: Place, default: Any = None) -> Any:
+        """The value at `place`; `default` where the path is absent (a field of another build) or
+        passes through None."""
+        value = self.sources[place.source]
+        for name in place.path.split("."):
+            value = _get(value, name, _ABSENT) if value is not None else _ABSENT
+            if value is _ABSENT:
+                return default
+        return value
 
     def tc(self, name: str, default: Any = None) -> Any:
         return _get(self.transformer, name, default)
@@ -94,42 +150,87 @@ class Inputs:
 
     @cached_property
     def installed(self) -> InstalledMegatron:
-        # Detected only when a rule asks (VPP in use): it imports Megatron-Core's schedulers.
+        # Detected only when a rule asks (a refused value of a row for one build, or Transformer
+        # Engine's version): it imports Megatron-Core's schedulers.
         return self._installed or InstalledMegatron.detect()
+
+
+class Place(NamedTuple):
+    """Where a setting lives: a source handed to `check` and the dotted attribute (or key) path in it."""
+
+    source: str
+    path: str
 
 
 @dataclass(frozen=True)
 class Rule:
-    """One refusal: `option` of `source` is refused when `refused(value, inputs)` holds.
+    """One reason for a refusal: the value at any of `places` is refused when `refused(value, inputs)`.
 
-    The rule is checked only when every input in `needs` (default: the source) was given. `value`
-    is the option read from the source (`default` when absent) unless `read` says otherwise.
-    `fix` may name {value}, {tp}, {cp} and {group} (the transformer's sizes)."""
+    A place is read when its source was given, and the rule only when every source in `needs` was
+    too. `value` is read at the place (`default` when absent) unless `read` says otherwise (a rule
+    with `read` has one place, which names the option). `build` is the Megatron-Core build the rule
+    applies to (None: both); `schedulers` the schedulers (empty: any; none known: the rule waits).
+    `fix` may name {value}, {tp}, {cp} and {group} (the transformer's sizes). A row may give one
+    Place for `places`."""
 
-    source: str
-    option: str
-    when: str  # the condition in words, as docs/trainer-client.md shows it
+    places: tuple[Place, ...]
+    when: str  # the value refused, in words; `refused_when` adds the conditions of the row
     fix: str
     refused: Callable[[Any, Inputs], bool]
     default: Any = None
     read: Callable[[Inputs], Any] | None = None
-    also_needs: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()
+    build: Build | None = None
+    schedulers: tuple[SchedulerKind, ...] = ()
 
-    def value(self, inputs: Inputs) -> Any:
-        if self.read is not None:
-            return self.read(inputs)
-        return _get(inputs.sources[self.source], self.option, self.default)
+    def __post_init__(self) -> None:
+        if isinstance(self.places, Place):
+            object.__setattr__(self, "places", (self.places,))
+        unknown = [p.source for p in self.places if p.source not in SOURCES] + [s for s in self.needs if s not in SOURCES]
+        if unknown or (self.read is not None and len(self.places) != 1):
+            raise ValueError(f"rule for {self.places}: unknown sources {unknown}, or `read` with several places")
 
-    def applies(self, inputs: Inputs) -> bool:
-        return all(inputs.sources[name] is not None for name in (self.source, *self.also_needs))
+    def refusal(self, inputs: Inputs) -> UnsupportedCombinationError | None:
+        """The error for the first place whose value this rule refuses; None when none is."""
+        if not all(inputs.given(source) for source in self.needs):
+            return None
+        if self.schedulers and inputs.scheduler not in self.schedulers:
+            return None
+        for place in self.places:
+            if not inputs.given(place.source):
+                continue
+            value = self.read(inputs) if self.read is not None else inputs.at(place, self.default)
+            # The build is asked last: detecting it imports Megatron-Core's schedulers.
+            if self.refused(value, inputs) and self.build in (None, inputs.installed.build):
+                fix = self.fix.format(value=value, tp=inputs.tp, cp=inputs.cp, group=inputs.group)
+                return UnsupportedCombinationError(place.path, value, fix, self)
+        return None
 
-    def error(self, value: Any, inputs: Inputs) -> UnsupportedCombinationError:
-        fix = self.fix.format(value=value, tp=inputs.tp, cp=inputs.cp, group=inputs.group)
-        return UnsupportedCombinationError(self.option, value, fix, self)
+    @property
+    def refused_when(self) -> str:
+        """`when` with the row's conditions, as the docs' tables show it."""
+        words = [self.when]
+        if self.schedulers:
+            words.append("with scheduler " + " or ".join(kind.value for kind in self.schedulers))
+        if self.build is not None:
+            words.append(BUILD_WORDS[self.build])
+        words += [f"in {DROP_IN_SOURCES[source]}" for source in self.needs if source in DROP_IN_SOURCES]
+        return ", ".join(words)
+
+    def reads(self, source: str) -> bool:
+        return source in self.needs or any(place.source == source for place in self.places)
 
 
 def _is_set(value: Any, _: Inputs) -> bool:
     return bool(value)
+
+
+def _is_false(value: Any, _: Inputs) -> bool:
+    return value is False
+
+
+def _above_one(value: Any, _: Inputs) -> bool:
+    return (value or 1) > 1
 
 
 def _vision(inputs: Inputs) -> str | None:
@@ -159,10 +260,6 @@ def _mtp_with_tp_and_sp(inputs: Inputs) -> bool:
     return (inputs.tc("mtp_num_layers") or 0) > 0 and inputs.tp > 1 and bool(inputs.tc("sequence_parallel", False))
 
 
-def _packing_moe_dispatcher(value: Any, inputs: Inputs) -> bool:
-    return bool(inputs.tc("num_moe_experts")) and inputs.scheduler in PACKING_SCHEDULERS and value not in ("alltoall", "flex")
-
-
 def _plan_not_grouped(_: Any, inputs: Inputs) -> bool:
     return inputs.vpp > 1 and bool(inputs.group) and len(inputs.plan.micro_batches) % inputs.group != 0
 
@@ -183,93 +280,166 @@ def _old_transformer_engine(value: Any, inputs: Inputs) -> bool:
     return value is not None and tuple(int(p) for p in value.split(".")) < MIN_TE_VERSION_FOR_THD_CP
 
 
+# The places of each source, by path.
+_engine, _model, _transformer, _planner, _bridge, _megatron_lm = (
+    partial(Place, source) for source in ("engine", "model", "transformer", "planner config", "bridge", "wrap_data_iterator")
+)
+
+
 _THD_CP = "the plan runs CP groups on packed THD input, which only Transformer Engine's attention takes; "
 _NO_CUDA_GRAPHS = "Megatron-Core does not support CUDA graphs with dynamic CP; "
 _NOT_VALUE_MODEL = "value (critic) models are not supported; run the critic with static CP"
 _FP8 = "FP8 is not supported with dynamic CP; "
+_NO_DPXCP_GROUPS = "Bridge then builds no DPxCP group of each CP size for the plan's CP groups; "
 
 RULES: tuple[Rule, ...] = (
-    Rule("engine", "use_remove_padding", "false",
-         "dynamic CP packs samples as THD (remove-padding) input; set use_remove_padding=True",
-         lambda v, _: v is False, default=True),
-    Rule("engine", "is_value_model", "true", _NOT_VALUE_MODEL, _is_set),
-    Rule("engine", "distillation", "set", "distillation is not supported; disable it or use static CP", _is_set),
-    Rule("engine", "use_megatron_fsdp", "true",
-         "Megatron-Core's dynamic CP does not support Megatron FSDP; use DDP/distributed optimizer", _is_set),
-    Rule("engine", "fp8", "set", _FP8 + "set fp8 to null", _is_set),
-    Rule("model", "is_value_model", "true", _NOT_VALUE_MODEL, _is_set),
-    Rule("model", "vision_config", "set", "multimodal models are not supported; use a text-only model or static CP",
+    Rule(_engine("use_remove_padding"), "false",
+         "dynamic CP packs samples as THD (remove-padding) input; set use_remove_padding=True", _is_false, default=True),
+    Rule(_engine("is_value_model"), "true", _NOT_VALUE_MODEL, _is_set),
+    Rule(_engine("distillation"), "set", "distillation is not supported; disable it or use static CP", _is_set),
+    Rule((_engine("use_megatron_fsdp"), _bridge("ddp.use_megatron_fsdp"), _bridge("dist.use_megatron_fsdp")), "true",
+         "Megatron-Core's dynamic CP does not support Megatron FSDP; use DDP or the distributed optimizer (Bridge "
+         "copies dist.use_megatron_fsdp to ddp later: leave both False)", _is_set),
+    Rule(_engine("fp8"), "set", _FP8 + "set fp8 to null", _is_set),
+    Rule(_model("is_value_model"), "true", _NOT_VALUE_MODEL, _is_set),
+    Rule(_model("vision_config"), "set", "multimodal models are not supported; use a text-only model or static CP",
          _is_set, read=_vision),
-    Rule("model", "is_multimodal", "true", "multimodal models are not supported; use a text-only model or static CP", _is_set),
-    Rule("transformer", "calculate_per_token_loss", "false",
+    Rule(_model("is_multimodal"), "true", "multimodal models are not supported; use a text-only model or static CP", _is_set),
+    Rule(_transformer("calculate_per_token_loss"), "false",
          "Megatron-Core requires a per-token loss with dynamic CP (micro-batches hold different token "
          "counts); set calculate_per_token_loss=True", lambda v, _: not v, default=False),
     # (fp8_param needs fp8, so this refuses FP8 parameters too.)
-    Rule("transformer", "fp8", "set", _FP8 + "set fp8=None (and fp8_param=False)", lambda v, _: v is not None),
-    Rule("transformer", "enable_cuda_graph", "true", _NO_CUDA_GRAPHS + "set enable_cuda_graph=False", _is_set),
-    Rule("transformer", "external_cuda_graph", "true", _NO_CUDA_GRAPHS + "set external_cuda_graph=False", _is_set),
-    Rule("transformer", "cuda_graph_impl", "not 'none'", _NO_CUDA_GRAPHS + "set cuda_graph_impl='none'",
+    Rule(_transformer("fp8"), "set", _FP8 + "set fp8=None (and fp8_param=False)", lambda v, _: v is not None),
+    Rule(_transformer("enable_cuda_graph"), "true", _NO_CUDA_GRAPHS + "set enable_cuda_graph=False", _is_set),
+    Rule(_transformer("external_cuda_graph"), "true", _NO_CUDA_GRAPHS + "set external_cuda_graph=False", _is_set),
+    Rule(_transformer("cuda_graph_impl"), "not 'none'", _NO_CUDA_GRAPHS + "set cuda_graph_impl='none'",
          lambda v, _: v not in ("none", None), default="none"),
-    Rule("transformer", "moe_router_fusion", "true with moe_enable_routing_replay",
+    Rule(_transformer("moe_router_fusion"), "true with moe_enable_routing_replay",
          "router replay (moe_enable_routing_replay=True) needs the unfused router; set moe_router_fusion=False",
          lambda v, i: bool(i.tc("moe_enable_routing_replay", False)) and bool(v)),
-    Rule("transformer", "moe_token_dispatcher_type", "not 'alltoall'/'flex' with MoE and a packing scheduler",
+    Rule(_transformer("moe_token_dispatcher_type"), "not 'alltoall'/'flex' with MoE",
          "Megatron-Core's sequence packing supports only the 'alltoall' or 'flex' MoE dispatcher; set one of them",
-         _packing_moe_dispatcher, default="allgather"),
-    Rule("transformer", "multi_latent_attention", "true with hybrid CP",
+         lambda v, i: bool(i.tc("num_moe_experts")) and v not in ("alltoall", "flex"), default="allgather",
+         schedulers=PACKING_SCHEDULERS),
+    Rule(_transformer("multi_latent_attention"), "true",
          "Megatron-Core's hybrid CP (0.19) does not support MLA; use scheduler=dynamic_cp with a "
-         "dev-branch Megatron-Core, or static CP",
-         lambda v, i: bool(v) and i.scheduler is SchedulerKind.HYBRID_CP),
-    Rule("planner config", "cp_layout", "'contiguous' (planner config or plan) with multi_latent_attention",
+         "dev-branch Megatron-Core, or static CP", _is_set, schedulers=(SchedulerKind.HYBRID_CP,)),
+    Rule(_planner("cp_layout"), "'contiguous' (planner config or plan) with multi_latent_attention",
          "Megatron-Core's MLA requires the zigzag CP layout; set cp_layout=zigzag",
-         lambda v, i: v == "contiguous" and bool(i.tc("multi_latent_attention", False)),
-         read=_layout, also_needs=("transformer",)),
-    Rule("planner config", "cp_layout", "'contiguous' (planner config or plan) with MTP, TP > 1 and sequence parallelism",
+         lambda v, i: v == "contiguous" and bool(i.tc("multi_latent_attention", False)), read=_layout, needs=("transformer",)),
+    Rule(_planner("cp_layout"), "'contiguous' (planner config or plan) with MTP, TP > 1 and sequence parallelism",
          "Megatron-Core refuses multi-token prediction with TP > 1, sequence parallelism and the "
          "contiguous CP layout (a known padding-mask bug); set cp_layout=zigzag",
-         lambda v, i: v == "contiguous" and _mtp_with_tp_and_sp(i), read=_layout, also_needs=("transformer",)),
-    Rule("planner config", "tensor_parallel_size", "differs from the transformer's tensor_model_parallel_size",
+         lambda v, i: v == "contiguous" and _mtp_with_tp_and_sp(i), read=_layout, needs=("transformer",)),
+    Rule(_planner("cp_layout"), "'contiguous'",
+         "0.19's PackedSeqParams has no cp_partition_mode, so its attention takes every CP shard as zigzag; "
+         "set cp_layout=zigzag in the planner settings",
+         lambda v, _: v == "contiguous", read=_layout, needs=("bridge",), build="release"),
+    Rule(_planner("tensor_parallel_size"), "differs from the transformer's tensor_model_parallel_size",
          "the planner config pads for TP={value} but the model runs tensor_model_parallel_size={tp}; "
          "set tensor_parallel_size={tp} in the planner config",
-         lambda v, i: v is not None and v != i.tp, also_needs=("transformer",)),
-    Rule("plan", "tensor_parallel_size", "differs from the transformer's tensor_model_parallel_size",
+         lambda v, i: v is not None and v != i.tp, needs=("transformer",)),
+    Rule(Place("plan", "tensor_parallel_size"), "differs from the transformer's tensor_model_parallel_size",
          "the plan pads for TP={value} but the model runs tensor_model_parallel_size={tp}; "
          "set tensor_parallel_size={tp} in the planner config",
-         lambda v, i: v is not None and v != i.tp, also_needs=("transformer",)),
-    Rule("planner config", "context_parallel_size", "differs from the transformer's context_parallel_size",
+         lambda v, i: v is not None and v != i.tp, needs=("transformer",)),
+    Rule(_planner("context_parallel_size"), "differs from the transformer's context_parallel_size",
          "the planner config says CP={value} but the model runs context_parallel_size={cp}; set them equal",
-         lambda v, i: v is not None and v != i.cp, also_needs=("transformer",)),
-    Rule("transformer", "pipeline_model_parallel_size", "> 1 with hybrid CP",
+         lambda v, i: v is not None and v != i.cp, needs=("transformer",)),
+    Rule(_transformer("pipeline_model_parallel_size"), "> 1",
          "Megatron-Core's hybrid CP schedule runs without pipelining only; set "
          "pipeline_model_parallel_size=1 or use scheduler=dynamic_cp with a dev-branch Megatron-Core",
-         lambda v, i: (v or 1) > 1 and i.scheduler is SchedulerKind.HYBRID_CP, default=1),
-    Rule("transformer", "virtual_pipeline_model_parallel_size", "> 1 on a Megatron-Core without a VPP-aware packing scheduler",
+         _above_one, default=1, schedulers=(SchedulerKind.HYBRID_CP,)),
+    Rule(_bridge("model.pipeline_model_parallel_size"), "> 1",
+         "the drop-in plans for pipeline parallelism 1 (Bridge's middle stages read other fields); set "
+         "pipeline_model_parallel_size=1", _above_one),
+    # Before the next row: the drop-ins refuse VPP on every build.
+    Rule((_megatron_lm("config.virtual_pipeline_model_parallel_size"), _bridge("model.virtual_pipeline_model_parallel_size")),
+         "> 1",
+         "the drop-in hands the trainer one iterator of planned micro-batches, not one per virtual pipeline "
+         "stage; unset virtual pipeline parallelism (Megatron-LM: or use Megatron-Core's own wrap_data_iterator)",
+         _above_one),
+    Rule(_transformer("virtual_pipeline_model_parallel_size"), "> 1",
          "the installed Megatron-Core has no VPP-aware packing scheduler (needs a dev-branch build "
          "with data_schedule.DefaultDynamicCPScheduler); unset virtual pipeline parallelism",
-         lambda v, i: (v or 1) > 1 and not i.installed.vpp_aware_scheduler),
-    Rule("planner config", "micro_batch_group_size", "differs from microbatch_group_size_per_vp_stage under VPP",
+         _above_one, build="release"),
+    Rule(_planner("micro_batch_group_size"), "differs from microbatch_group_size_per_vp_stage under VPP",
          "with virtual pipeline parallelism the plan must be made with the model's "
          "microbatch_group_size_per_vp_stage={group}; set micro_batch_group_size={group} in the planner config",
-         lambda v, i: i.vpp > 1 and v != i.group, also_needs=("transformer",)),
-    Rule("plan", "micro_batch_group_size", "micro-batch count not a multiple of microbatch_group_size_per_vp_stage under VPP",
+         lambda v, i: i.vpp > 1 and v != i.group, needs=("transformer",)),
+    Rule(Place("plan", "micro_batch_group_size"), "micro-batch count not a multiple of microbatch_group_size_per_vp_stage under VPP",
          "the plan was not made with micro_batch_group_size={group} (its micro-batch count is not a "
          "multiple of microbatch_group_size_per_vp_stage); plan with micro_batch_group_size={group}",
-         _plan_not_grouped, read=_plan_micro_batches, also_needs=("transformer",)),
-    Rule("transformer", "transformer_impl", "not 'transformer_engine' with a plan of CP groups > 1",
+         _plan_not_grouped, read=_plan_micro_batches, needs=("transformer",)),
+    Rule(_transformer("transformer_impl"), "not 'transformer_engine' with a plan of CP groups > 1",
          _THD_CP + "set transformer_impl='transformer_engine' and install the trainer-gpu extra (transformer-engine[pytorch])",
-         lambda v, i: v != "transformer_engine" and _plan_cp(i) > 1, default="transformer_engine", also_needs=("plan",)),
-    Rule("transformer", "transformer_engine", "installed older than 1.10 with a plan of CP groups > 1",
+         lambda v, i: v != "transformer_engine" and _plan_cp(i) > 1, default="transformer_engine", needs=("plan",)),
+    Rule(_transformer("transformer_engine"), "installed older than 1.10 with a plan of CP groups > 1",
          _THD_CP + "Transformer Engine >= 1.10 takes a CP group for THD attention: install the trainer-gpu extra "
          "(transformer-engine[pytorch])",
-         _old_transformer_engine, read=_transformer_engine, also_needs=("plan",)),
-    Rule("batch", "input_ids", "a dense tensor",
+         _old_transformer_engine, read=_transformer_engine, needs=("plan",)),
+    Rule(Place("batch", "input_ids"), "a dense tensor",
          "dynamic CP needs remove-padding (THD) input: pass input_ids as a jagged NestedTensor "
          "(torch.nested.nested_tensor(..., layout=torch.jagged))",
          lambda v, _: v is not None, read=_dense_input_ids),
-    Rule("batch", "batch field", "one of " + ", ".join(MULTIMODAL_BATCH_FIELDS),
+    Rule(Place("batch", "batch field"), "one of " + ", ".join(MULTIMODAL_BATCH_FIELDS),
          "multimodal inputs are not supported with dynamic CP; drop them or use static CP",
          lambda v, _: v is not None, read=_first_multimodal_field),
+    Rule((_megatron_lm("num_microbatches"), _bridge("train.rampup_batch_size")), "changed between steps (num_microbatches), or set (rampup_batch_size)",
+         "the drop-in reads one global batch ahead with the micro-batch count in force; batch-size ramp-up "
+         "changes it between steps: turn ramp-up off (unset rampup_batch_size)", _is_set),
+    Rule(_bridge("dataset.dataloader_type"), "'batch' or 'external'",
+         "'batch' re-batches each step after the plan is made (prepare_finetuning_batch), 'external' hands "
+         "over a list of iterators; use dataloader_type='single' (or 'cyclic')", lambda v, _: v in ("batch", "external")),
+    Rule(_bridge("dataset.skip_getting_attention_mask_from_dataset"), "false",
+         "the dataset's own attention mask does not travel into packed THD micro-batches (THD attention "
+         "reads cu_seqlens); pack documents with cu_seqlens and leave it True", _is_false),
+    Rule(_bridge("train.iterations_to_skip"), "set",
+         "a skipped iteration reads its micro-batches past the drop-in, which has read that step ahead "
+         "already; unset iterations_to_skip", _is_set),
+    Rule(_bridge("model.mtp_num_layers"), "set",
+         "multi-token prediction is not planned by the drop-in; unset mtp_num_layers", _is_set),
+    Rule(_bridge("model.is_hybrid_model"), "true",
+         "hybrid (Mamba) models need per-sequence state indices the planned THD micro-batches do not carry; "
+         "use a transformer model", _is_set),
+    Rule(_bridge("model.moe_expert_rank_capacity_factor"), "set",
+         "Bridge then re-runs iterations through PagedStashRunner, around the planned schedule; unset "
+         "moe_expert_rank_capacity_factor", lambda v, _: v is not None),
+    Rule(_bridge("model.overlap_moe_expert_parallel_comm"), "true",
+         "Bridge's forward step then builds a schedule plan without the micro-batch's PackedSeqParams; unset "
+         "overlap_moe_expert_parallel_comm", _is_set),
+    Rule(_bridge("dist.use_decentralized_pg"), "true",
+         "dynamic CP runs on parallel_state's per-size DPxCP groups, which decentralized process groups "
+         "do not build; set use_decentralized_pg=False", _is_set),
+    Rule(_bridge("model.dynamic_context_parallel"), "false",
+         _NO_DPXCP_GROUPS + "set cfg.model.dynamic_context_parallel=True", _is_false,
+         build="dev", schedulers=(SchedulerKind.DYNAMIC_CP,)),
+    Rule(_bridge("model.hybrid_context_parallel"), "false",
+         _NO_DPXCP_GROUPS + "on 0.19 set cfg.model.hybrid_context_parallel=True (the plans still come from dynamic CP)",
+         _is_false, build="release", schedulers=(SchedulerKind.DYNAMIC_CP,)),
+    Rule(_bridge("model.position_embedding_type"), "rope, mrope or yarn",
+         "0.19's attention rotates THD input over the static CP group (transformer/attention.py), not the "
+         "micro-batch's, so positions are wrong in CP groups of another size; run the trainer on the "
+         "Megatron-LM dev build (it rotates over the micro-batch's group)",
+         lambda v, _: v in ("rope", "mrope", "yarn"), build="release"),
 )
+
+
+def check(sources: Mapping[str, Any], installed: InstalledMegatron | None = None) -> None:
+    """Raises UnsupportedCombinationError for the first rule of `RULES` that refuses what `sources`
+    (by name, from `SOURCES`) hold; `installed` is detected when a rule needs it."""
+    inputs = Inputs(sources, installed)
+    for rule in _rules_reading(frozenset(name for name in SOURCES if inputs.given(name))):
+        error = rule.refusal(inputs)
+        if error is not None:
+            raise error
+
+
+@cache
+def _rules_reading(given: frozenset[str]) -> tuple[Rule, ...]:
+    """The rules, in table order, with a place in `given` and all they need there (a drop-in checks
+    its own source on every step: this keeps that to its own rows)."""
+    return tuple(r for r in RULES if set(r.needs) <= given and any(p.source in given for p in r.places))
 
 
 def check_dynamic_cp_support(
@@ -282,15 +452,10 @@ def check_dynamic_cp_support(
     plan: Any = None,
     installed: InstalledMegatron | None = None,
 ) -> None:
-    """Raises UnsupportedCombinationError for the first rule of `RULES` that refuses."""
-    inputs = Inputs(engine=engine_config, model=model_config, transformer=transformer_config,
-                    planner=planner_config, plan=plan, batch=batch, installed=installed)
-    for rule in RULES:
-        if not rule.applies(inputs):
-            continue
-        value = rule.value(inputs)
-        if rule.refused(value, inputs):
-            raise rule.error(value, inputs)
+    """Raises UnsupportedCombinationError for the first rule of `RULES` that refuses what any trainer
+    gives; every argument is optional and only the rules whose sources are present are checked."""
+    check({"engine": engine_config, "model": model_config, "transformer": transformer_config,
+           "planner config": planner_config, "plan": plan, "batch": batch}, installed)
 
 
 CONCRETE_SCHEDULERS = (SchedulerKind.DYNAMIC_CP, SchedulerKind.HYBRID_CP, SchedulerKind.STATIC_PACKING)

@@ -14,6 +14,7 @@ import torch
 
 from batch_planner.request import SchedulerKind
 from trainer_client import megatron as mcore
+from trainer_client.compatibility import Changed, check
 from trainer_client.config import ConfigError
 from trainer_client.dropin.device import data_device
 from trainer_client.dropin.settings import PACKING_SCHEDULERS, checked_transformer_config, client_for, planner_config_for
@@ -47,11 +48,7 @@ class PackingDropIn:
 
     def next_step(self, num_microbatches: int) -> tuple[Any, int, float, float]:
         """wrap_data_iterator's answer for the next step."""
-        if num_microbatches != self.num_microbatches:
-            raise ConfigError(
-                f"num_microbatches changed from {self.num_microbatches} to {num_microbatches} (batch-size "
-                "ramp-up): the drop-in reads one global batch ahead with the old count; turn ramp-up off"
-            )
+        check({"wrap_data_iterator": {"num_microbatches": Changed.of(self.num_microbatches, num_microbatches)}})
         step = self.last_step = self.planner.next_step()
         device = data_device(self.groups.dp_cp)
         dynamic = self.scheduler is SchedulerKind.DYNAMIC_CP
@@ -107,12 +104,8 @@ def wrap_data_iterator(data_iterator, config, num_microbatches, pg_collection=No
     sum of the global batch's sequence lengths, sum of their squares)`, built with Megatron-Core's
     own packing helpers; TP ranks other than the first get None and the broadcast numbers.
     """
+    check({"wrap_data_iterator": {"config": config}})
     groups = mcore.DataGroups.of(pg_collection)
-    if (getattr(config, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
-        raise ConfigError(
-            "virtual_pipeline_model_parallel_size > 1: the planner drop-in for wrap_data_iterator does not "
-            "hand out per-VPP-stage iterators yet; use Megatron-Core's wrap_data_iterator for VPP"
-        )
     if data_iterator is None:
         values = mcore.broadcast_scalars([0, 0.0, 0.0], groups.tp, data_device(groups.dp_cp))
         return None, int(values[0]), values[1], values[2]
