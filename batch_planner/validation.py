@@ -1,9 +1,18 @@
-"""The one place that accepts or rejects a planning request.
+"""What a planning request may ask for: its limits, its options, and the schedulers and layouts
+Megatron-Core plans.
 
-Every unsupported combination, every input that crashes or misleads Megatron-Core's schedulers
-(docs/design.md, "What Megatron-Core does with bad or unusual input"), and every layout outside a
-scheduler's measured domain (batch_planner/domain.py) is rejected here, before any scheduler runs,
-with a message that names the field, the value and what is allowed.
+Every limit, every unsupported combination, every input that crashes or misleads Megatron-Core's
+schedulers (docs/design.md, "What Megatron-Core does with bad or unusual input"), and every layout
+outside a scheduler's measured domain (batch_planner/domain.py) is rejected here, before any
+scheduler runs (`validate_request`), with a message that names the field, the value and what is
+allowed.
+
+The other refusals of a request are made where their input is read: a proto enum value the
+contract lacks (batch_planner/convert.py: the core's types have no value for it), a cost model's
+fields (batch_planner/cost_spec.py, cost_derivation.py), bytes that are not a PlanRequest, a
+deadline passed and a job that differs from its metadata's (planner_server/planning_worker.py),
+job metadata that is not a job name (planner_server/servicer.py, by `job_name_refusal` here), and
+the server's own state: drain, overload, deadline (planner_server/servicer.py, admission.py).
 """
 
 from __future__ import annotations

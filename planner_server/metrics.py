@@ -52,7 +52,9 @@ class PlannerMetrics:
             ["scheduler"], buckets=LATENCY_BUCKETS, registry=r,
         )
         self.scheduler_latency = Histogram(
-            "batch_planner_scheduler_seconds", "Time spent inside Megatron-Core's scheduler for one plan.",
+            "batch_planner_scheduler_seconds",
+            "Time the planning core took for one plan: validation, Megatron-Core's scheduler, the plan's invariants "
+            "and statistics; for auto, all its candidates together (on the workers, their summed time).",
             ["scheduler"], buckets=LATENCY_BUCKETS, registry=r,
         )
         self.planned_tokens = Counter(

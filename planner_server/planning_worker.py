@@ -1,8 +1,10 @@
 """A request's bytes in, a WorkerResult (the serialized response, or the status and message) out.
 
 The schedulers hold the GIL, so a worker process parses, plans and serializes (`plan_in_worker`)
-and the gRPC process moves bytes; it parses a request once (`parse`) to route it. Every failure is
-answered by `failure`, through batch_planner.errors.status_of. An auto request is assembled in the handler by the core's
+and the gRPC process moves bytes; it parses a request once (`parse`) to route it, and its digest
+goes to the worker with the bytes: each process parses a request at most once, and one of them
+hashes it. Every failure is answered by `failure`, through batch_planner.errors.status_of; every plan by
+`plan_parsed`, which sets its timings. An auto request is assembled in the handler by the core's
 `plan_batch`, its candidates on the workers (`plan_parsed` with the pool's `run_candidates`).
 """
 
@@ -51,11 +53,15 @@ class WorkerResult:
     about: About = About()
     plan_id: str = ""
     invariant: str = ""
+    # The planning core (batch_planner.planner.plan_batch: validation, Megatron-Core's scheduler,
+    # the plan's invariants and statistics), where it ran; auto on the workers: its candidates'.
     scheduler_seconds: float = 0.0
     statistics: PlanStatistics | None = None  # the plan's, when OK
     auto_winner: str = ""  # auto: the scheduler of the plan served
     auto_not_planned: tuple[str, ...] = ()  # auto: the scheduler of each candidate without a plan
-    planning_seconds: float = 0.0  # parse to serialized response, where it ran (the measured plan rates)
+    # From when this process took the request to its serialized response; auto on the workers: its
+    # candidates' worker time (the measured plan rates). Both timings are set by `plan_parsed`.
+    planning_seconds: float = 0.0
 
 
 def request_digest(request_bytes: bytes) -> str:
@@ -80,10 +86,10 @@ class Parsed:
             )
 
 
-def parse(request_bytes: bytes, deadline: float) -> Parsed:
+def parse(request_bytes: bytes, deadline: float, digest: str = "") -> Parsed:
     """The message and what the logs and metrics say about it; DEADLINE_EXCEEDED at or past
     `deadline` (wall-clock seconds since the epoch), InvalidRequestError for bytes that are not a
-    PlanRequest."""
+    PlanRequest. `digest`: the bytes' request_digest, where another process has computed it."""
     if time.time() >= deadline:
         raise PlanningError("the request's deadline passed while it waited for a worker", code=ErrorCode.DEADLINE_EXCEEDED)
     try:
@@ -95,39 +101,48 @@ def parse(request_bytes: bytes, deadline: float) -> Parsed:
     return Parsed(message, About(
         scheduler=scheduler_label(message.scheduler),
         job=message.job if job_name_refusal(message.job) is None else "",
-        request_digest=request_digest(request_bytes),
+        request_digest=digest or request_digest(request_bytes),
         samples=len(message.sequence_lengths),
         ranks=dp_cp_ranks(message.layout),
     ))
 
 
-def refusal(exc: PlanningError, request_bytes: bytes) -> WorkerResult:
+def refusal(exc: PlanningError, request_bytes: bytes, digest: str = "") -> WorkerResult:
     """The answer to a request refused before it parsed (`parse`'s refusals)."""
-    return failure(exc, About(request_digest=request_digest(request_bytes)))
+    return failure(exc, About(request_digest=digest or request_digest(request_bytes)))
 
 
 def plan_request_bytes(
     request_bytes: bytes, deadline: float, limits: RequestLimits, cost_model: CostModel, admitted_job: str = "",
-    run_candidates: RunCandidates = plan_serially,
+    run_candidates: RunCandidates = plan_serially, digest: str = "",
 ) -> WorkerResult:
-    """Plans one serialized PlanRequest in this process; `deadline` is wall-clock seconds since the epoch."""
+    """Plans one serialized PlanRequest in this process; `deadline` is wall-clock seconds since the
+    epoch, `digest` the bytes' request_digest where the caller has it."""
     received = time.perf_counter()
     try:
-        parsed = parse(request_bytes, deadline)
+        parsed = parse(request_bytes, deadline, digest)
     except PlanningError as exc:
-        return refusal(exc, request_bytes)
-    result = plan_parsed(parsed, limits, cost_model, run_candidates, admitted_job=admitted_job)
-    return replace(result, planning_seconds=time.perf_counter() - received)
+        return refusal(exc, request_bytes, digest)
+    return plan_parsed(parsed, limits, cost_model, run_candidates, admitted_job=admitted_job, received=received)
 
 
 def plan_parsed(
     parsed: Parsed, limits: RequestLimits, cost_model: CostModel, run_candidates: RunCandidates = plan_serially, *,
     admitted_job: str = "", passes: tuple[type[BaseException], ...] = (), finish: Callable[[Plan], Plan] = lambda plan: plan,
+    received: float | None = None, worker_seconds: Callable[[], float] | None = None,
 ) -> WorkerResult:
     """Plans a parsed request (`parse`): the core's plan_batch, its answer serialized, every
     failure answered by `failure`. `passes`: what `run_candidates` may raise that is not a planning
     result (the pool's overload, timeout and lost workers), raised on to the caller. `finish`: gives
-    the served plan back what `run_candidates` held apart (`plan_candidate_in_worker`)."""
+    the served plan back what `run_candidates` held apart (`plan_candidate_in_worker`).
+
+    The one place a plan's timings are set: scheduler_seconds is plan_batch's time here, and
+    planning_seconds runs from `received` (time.perf_counter() when this process took the request;
+    by default, now) to the serialized response. `worker_seconds`: auto's candidates planned on the
+    workers, their summed worker time once planned, which is then both: what the request cost the
+    replica, so the plan rates GetCapabilities reports for auto say how many a replica plans per
+    second."""
+    received = time.perf_counter() if received is None else received
     try:
         parsed.check_job(admitted_job)
         request = request_from_proto(parsed.message)
@@ -138,7 +153,13 @@ def plan_parsed(
         raise
     except Exception as exc:  # noqa: BLE001 - answered with its status, never raised out of the worker
         return failure(exc, parsed.about)
-    return _success(plan, elapsed, parsed.about, wants_columns(parsed.message))
+    response = plan_to_proto(plan, wants_columns(parsed.message)).SerializeToString(deterministic=True)
+    if worker_seconds is None:
+        planning_seconds = time.perf_counter() - received
+    else:
+        elapsed = planning_seconds = worker_seconds()
+    return WorkerResult(ErrorCode.OK, response, about=parsed.about, plan_id=plan.plan_id, scheduler_seconds=elapsed,
+                        statistics=plan.statistics, planning_seconds=planning_seconds, **_auto_fields(plan.candidates))
 
 
 def failure(exc: Exception, about: About = About()) -> WorkerResult:
@@ -150,13 +171,6 @@ def failure(exc: Exception, about: About = About()) -> WorkerResult:
     elif not isinstance(exc, PlanningError):
         log.exception("unexpected planning failure", exc_info=exc)  # a bug of ours must not take the worker down
     return WorkerResult(code, message=message, about=about, invariant=getattr(exc, "invariant", ""))
-
-
-def _success(plan: Plan, elapsed: float, about: About, columns: bool) -> WorkerResult:
-    """`columns`: the request asked for the columns form (batch_planner.v1.PlanForm)."""
-    response = plan_to_proto(plan, columns).SerializeToString(deterministic=True)
-    return WorkerResult(ErrorCode.OK, response, about=about, plan_id=plan.plan_id, scheduler_seconds=elapsed, statistics=plan.statistics,
-                        **_auto_fields(plan.candidates))
 
 
 def _auto_fields(summaries: Sequence[CandidateSummary]) -> dict:
@@ -202,11 +216,12 @@ def plan_candidate_in_worker(candidate: Candidate, plan_one: PlanOne) -> tuple[O
     return replace(outcome, plan=replace(outcome.plan, micro_batches=())), pickle.dumps(outcome.plan.micro_batches, protocol=5)
 
 
-def plan_in_worker(request_bytes: bytes, deadline: float, admitted_job: str = "") -> WorkerResult:
-    """What the pool submits to a worker for a request: plan_request_bytes with the worker's settings.
-    An auto request reaches a worker only when it is larger than the handler parses (a valid one
-    never is): it is refused rather than have one worker plan every candidate on one slot."""
-    return plan_request_bytes(request_bytes, deadline, *_settings, admitted_job, _refuse_auto)
+def plan_in_worker(request_bytes: bytes, deadline: float, admitted_job: str = "", digest: str = "") -> WorkerResult:
+    """What the pool submits to a worker for a request: plan_request_bytes with the worker's settings,
+    `digest` the one the handler's parse computed ("" for bytes it did not parse). An auto request
+    reaches a worker only when it is larger than the handler parses (a valid one never is): it is
+    refused rather than have one worker plan every candidate on one slot."""
+    return plan_request_bytes(request_bytes, deadline, *_settings, admitted_job, _refuse_auto, digest)
 
 
 def _refuse_auto(found: Sequence[Candidate], plan_one: PlanOne) -> list[Outcome]:

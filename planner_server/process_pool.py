@@ -1,4 +1,6 @@
-"""A pool of worker processes that run picklable functions; it knows nothing of planning.
+"""A pool of worker processes that run picklable functions; it knows nothing of planning but the
+status of its one error: WorkersLost is a PlanningError (UNAVAILABLE), so that
+batch_planner.errors.status_of answers it as it answers every other refusal.
 
 - `Task.cancel()` drops a queued task, or kills the worker running it (the only way to stop code
   that cannot be interrupted, such as Megatron-Core's schedulers). A task settles (`on_settled`)

@@ -2,9 +2,10 @@
 (every refusal is a PlanningError: batch_planner.errors.status_of, then planner_server/status.py).
 
 Plan is registered without a request deserializer and response serializer: the pool
-(planner_server/worker_pool.py) parses a request no larger than a valid one, to route it, and a
-worker parses it again, plans it and serializes the response. An auto request is assembled in this
-process (docs/design.md, "The auto policy"): tens of milliseconds of its GIL at 16,384 samples.
+(planner_server/worker_pool.py) parses and hashes a request no larger than a valid one, to route
+it, and a worker parses it again (its digest comes with it), plans it and serializes the response.
+An auto request is assembled in this process (docs/design.md, "The auto policy"): tens of
+milliseconds of its GIL at 16,384 samples.
 """
 
 from __future__ import annotations

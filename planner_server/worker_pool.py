@@ -195,11 +195,12 @@ class PlanningPool:
         """Plans one request of `job` (the request metadata's job name; "" is the shared bucket)
         inline or on a worker. Raises PoolOverloaded when full, TimeoutError past `timeout`,
         WorkersLost when workers keep dying. `on_abandon(callback)` registers a callback to run
-        when the caller goes away (grpc's context.add_callback). The request is parsed here once,
-        if it is no larger than a valid one can be; a worker parses the bytes it is sent."""
+        when the caller goes away (grpc's context.add_callback). The request is parsed and hashed
+        here once, if it is no larger than a valid one can be; a worker parses the bytes it is sent
+        and hashes only those not parsed here."""
         end = time.monotonic() + timeout
         if len(request_bytes) > self._parse_bound:  # cannot be valid: its worker says why
-            return self._plan_on_worker(request_bytes, deadline, end, on_abandon, job)
+            return self._plan_on_worker(request_bytes, deadline, end, on_abandon, job, digest="")
         try:
             parsed = parse(request_bytes, deadline)
         except PlanningError as exc:
@@ -209,12 +210,12 @@ class PlanningPool:
             return self._plan_inline(parsed, end, job)
         if parsed.message.scheduler == pb.SCHEDULER_AUTO:
             return self._plan_auto(parsed, end, on_abandon, job)
-        return self._plan_on_worker(request_bytes, deadline, end, on_abandon, job)
+        return self._plan_on_worker(request_bytes, deadline, end, on_abandon, job, parsed.about.request_digest)
 
-    def _plan_on_worker(self, request_bytes: bytes, deadline: float, end: float, on_abandon, job: str) -> WorkerResult:
+    def _plan_on_worker(self, request_bytes: bytes, deadline: float, end: float, on_abandon, job: str, digest: str) -> WorkerResult:
         work = self.admit(1, job)
         try:
-            task = work.submit(plan_in_worker, request_bytes, deadline, job)
+            task = work.submit(plan_in_worker, request_bytes, deadline, job, digest)
             work.cancel_on(on_abandon)
             return work.results([task], end)[0]
         finally:
@@ -226,18 +227,17 @@ class PlanningPool:
         run = _WorkerCandidates(self, end, on_abandon, job)
         try:
             passes = (PoolOverloaded, TimeoutError, WorkersLost)
-            result = plan_parsed(parsed, self.limits, self.cost_model, run, admitted_job=job, passes=passes, finish=run.finish)
+            return plan_parsed(
+                parsed, self.limits, self.cost_model, run, admitted_job=job, passes=passes, finish=run.finish,
+                worker_seconds=lambda: run.seconds,
+            )
         finally:
             run.close()
-        # The worker time of every candidate: what one auto request costs the replica, so the plan
-        # rates GetCapabilities reports for auto say how many a replica plans per second.
-        return replace(result, scheduler_seconds=run.seconds, planning_seconds=run.seconds)
 
     def _plan_inline(self, parsed: Parsed, end: float, job: str) -> WorkerResult:
         self.admission.reserve(1, job)
         with self._inline_lock:
             self.inline_running += 1
-        started = time.perf_counter()
         try:
             result = plan_parsed(parsed, self.limits, self.cost_model, admitted_job=job)
         finally:
@@ -246,7 +246,7 @@ class PlanningPool:
             self.admission.release(1, job)
         if time.monotonic() > end:
             raise TimeoutError  # the caller has given up: the same answer a slow worker gets
-        return replace(result, planning_seconds=time.perf_counter() - started)
+        return result
 
 
 class _WorkerCandidates:

@@ -3,6 +3,7 @@
 - the bytes an inline plan answers with are exactly those a worker answers with, for plans and for
   refusals, and a worker uses the limits and cost model it was given once, at start-up;
 - requests past the inline bound still go to a worker;
+- each plan's timings are set where it ran, and a worker does not hash a request the handler hashed;
 - an inline request counts as in flight: it holds a slot of the overload bound (a request past the
   bound gets RESOURCE_EXHAUSTED), shows in batch_planner_in_flight_requests, and is counted in
   batch_planner_requests_total like any other.
@@ -29,6 +30,7 @@ from batch_planner.request import PlanRequest
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
 from batch_planner.validation import RequestLimits
+from planner_server.planning_worker import plan_request_bytes, request_digest
 from planner_server.worker_pool import InlineBound, PlanningPool
 from tests.planner_process import PlannerProcess, start_planner
 
@@ -77,6 +79,30 @@ def test_inline_and_worker_plans_are_the_same_bytes(pools):
     too_many = request_to_proto(PlanRequest.of(tuple([512] * 301), 4, 2, 8192)).SerializeToString()
     refused = workers_only.plan(too_many, time.time() + 60, timeout=60)
     assert refused.code == "INVALID_ARGUMENT" and "limit of 300" in refused.message
+
+
+def test_each_plan_gets_its_timings_where_it_ran(pools):
+    """Inline and on a worker: the planning core's time within the whole time this process spent on
+    the request; auto on the workers: its candidates' summed worker time, for both."""
+    inline, workers_only = pools
+    payload = request_to_proto(small_requests()[0]).SerializeToString()
+    for planned in (inline.plan(payload, time.time() + 60, timeout=60), workers_only.plan(payload, time.time() + 60, timeout=60)):
+        assert planned.code is ErrorCode.OK
+        assert 0 < planned.scheduler_seconds <= planned.planning_seconds
+    auto = request_to_proto(small_requests()[0])
+    auto.scheduler = pb.SCHEDULER_AUTO
+    planned = workers_only.plan(auto.SerializeToString(), time.time() + 60, timeout=60)
+    assert planned.code is ErrorCode.OK and planned.auto_winner
+    assert 0 < planned.scheduler_seconds == planned.planning_seconds
+
+
+def test_a_worker_hashes_no_request_the_handler_has_hashed():
+    payload = request_to_proto(small_requests()[0]).SerializeToString()
+    planned = plan_request_bytes(payload, time.time() + 60, LIMITS, COST_MODEL, digest="from-the-handler")
+    late = plan_request_bytes(payload, time.time() - 1, LIMITS, COST_MODEL, digest="from-the-handler")
+    assert planned.code is ErrorCode.OK and late.code is ErrorCode.DEADLINE_EXCEEDED
+    assert planned.about.request_digest == late.about.request_digest == "from-the-handler"
+    assert plan_request_bytes(payload, time.time() + 60, LIMITS, COST_MODEL).about.request_digest == request_digest(payload)
 
 
 def test_requests_past_the_inline_bound_go_to_a_worker(pools):
