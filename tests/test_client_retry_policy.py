@@ -1,6 +1,6 @@
 """The client's retries are gRPC's own (the channel's retryPolicy, built from the client config and
-batch_planner.errors.CLIENT_ACTION), inside the call's deadline; every Plan call carries the job
-name as metadata. A scripted planner of the test's own counts the attempts the server sees."""
+batch_planner.errors.CLIENT_ACTION), inside the call's deadline, plus one more call when a call
+stalls past hedge_after_seconds or fails; every Plan call carries the job name as metadata. A scripted planner of the test's own counts the attempts the server sees."""
 
 from __future__ import annotations
 
@@ -62,6 +62,11 @@ def scripted():
         server.stop(None)
 
 
+def counter(client: PlannerRpcClient, name: str, **labels: str) -> float:
+    value = client.metrics.registry.get_sample_value(f"batch_planner_client_{name}_total", {"training_job": "retry-test", **labels})
+    return value or 0.0
+
+
 def calls(client: PlannerRpcClient) -> float:
     return client.metrics.registry.get_sample_value(
         "batch_planner_client_rpc_latency_seconds_count", {"training_job": "retry-test"}
@@ -76,11 +81,38 @@ def test_retryable_codes_are_retried_by_grpc_up_to_max_attempts(scripted):
     assert all(a[JOB_METADATA_KEY] == "retry-test" for a in planner.attempts)
 
 
-def test_attempts_run_out_then_the_service_failed(scripted):
+def test_attempts_run_out_on_two_calls_then_the_service_failed(scripted):
     planner, client = scripted(["UNAVAILABLE"] * 5, max_attempts=2, initial_backoff_seconds=0.01)
     with pytest.raises(ServiceFailedError) as failure:
         client.plan_bytes(REQUEST)
-    assert failure.value.reason == "unavailable" and len(planner.attempts) == 2
+    # gRPC's two attempts, then a second call (to the next replica) with its two: the whole service.
+    assert failure.value.reason == "unavailable" and len(planner.attempts) == 4 and calls(client) == 1
+    assert failure.value.whole_service
+    assert counter(client, "failovers", reason="unavailable") == 1
+    assert counter(client, "service_failures", scope="service") == 1
+
+
+def test_a_failed_call_is_sent_again_within_the_deadline(scripted):
+    planner, client = scripted(["UNAVAILABLE", "UNAVAILABLE"], max_attempts=2, initial_backoff_seconds=0.01)
+    assert pb.PlanResponse.FromString(client.plan_bytes(REQUEST)) == pb.PlanResponse()
+    assert len(planner.attempts) == 3 and counter(client, "failovers", reason="unavailable") == 1
+
+
+def test_a_stalled_call_is_hedged_and_the_first_answer_wins(scripted):
+    planner, client = scripted(["hang"], deadline_seconds=30.0, hedge_after_seconds=0.2)
+    assert pb.PlanResponse.FromString(client.plan_bytes(REQUEST)) == pb.PlanResponse()
+    assert len(planner.attempts) == 2 and counter(client, "failovers", reason="stalled") == 1
+    assert planner.gone.wait(30)  # the stalled call was cancelled: the server stops its work
+
+
+def test_one_call_that_runs_out_of_time_is_one_replicas_failure(scripted):
+    """No time left for a second call, while a replica is connected: this step falls back, and no
+    cooldown starts (plan_source)."""
+    planner, client = scripted(["hang"], deadline_seconds=0.5, hedge_after_seconds=0)
+    with pytest.raises(ServiceFailedError) as failure:
+        client.plan_bytes(REQUEST)
+    assert failure.value.reason == "deadline_exceeded" and not failure.value.whole_service
+    assert counter(client, "service_failures", scope="replica") == 1
 
 
 @pytest.mark.parametrize("code, error", [("INTERNAL", ServiceFailedError), ("INVALID_ARGUMENT", PlanRejectedError)])
