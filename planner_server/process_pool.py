@@ -9,9 +9,9 @@
   up to `ATTEMPTS` times, then fails with WorkersLost.
 - Workers fork from a forkserver that imported the `preload` modules once. The forkserver is only
   needed to start a worker: one that dies leaves its workers planning (a worker's death is read
-  from its own pipe, not from the forkserver's status pipe), and a new one is started at once in
-  the background, so that the next replacement does not wait seconds for Megatron-Core's import;
-  a start that still fails is retried with backoff.
+  from its own pipe, not from the forkserver's status pipe), and a watcher thread starts a new one
+  at once, so that the next replacement does not wait seconds for Megatron-Core's import; a
+  worker start that still fails is retried with backoff.
 - No request waits for a worker that is being replaced: once the pool is warm, a task submitted
   while no worker is running, and the queue and the task of a last worker that died, fail at once
   with WorkersLost (UNAVAILABLE: the client tries another replica). Why not pebble: docs/design.md.
@@ -139,12 +139,10 @@ class Task:
 
 class _Worker:
     """One worker process with its own pipe. Its death is read from the pipe (end of file: the
-    worker's end closes when it dies); the process's sentinel, the forkserver's status pipe, also
-    ends when the forkserver dies while the worker lives on, and then `on_forkserver_lost` runs once
-    and the worker keeps planning."""
+    worker's end closes when it dies). The process's sentinel, the forkserver's status pipe, also
+    ends when the forkserver dies while the worker lives on: then the worker keeps planning."""
 
-    def __init__(self, context, initializer, initargs: tuple, on_forkserver_lost=None):
-        self._on_forkserver_lost = on_forkserver_lost or (lambda: None)
+    def __init__(self, context, initializer, initargs: tuple):
         self._sentinel: int | None = None
         parent, child = context.Pipe()
         self.process = context.Process(target=_worker_main, args=(child, initializer, initargs), daemon=True, name="planning-worker")
@@ -176,19 +174,10 @@ class _Worker:
                     return self.conn.recv()
                 except (OSError, EOFError):
                     return None
-            gone = self._forkserver_gone()
-            self._sentinel = None  # from now on the worker's pipe alone says whether it lives
-            if gone:
-                self._on_forkserver_lost()
-            # else the worker exited, and its pipe's end of file is on its way
-
-    def _forkserver_gone(self) -> bool:
-        """The sentinel is readable: the forkserver wrote the worker's exit status (the worker
-        died), or the forkserver itself is gone (end of file, and the worker may live on)."""
-        try:
-            return os.read(self._sentinel, 1) == b""
-        except OSError:
-            return True
+            # The forkserver wrote the worker's exit status (the pipe's end of file is on its way),
+            # or the forkserver is gone (ProcessPool's watcher starts another): either way, from
+            # now on the worker's pipe alone says whether it lives.
+            self._sentinel = None
 
     def kill(self) -> None:
         try:
@@ -227,18 +216,18 @@ def _worker_main(conn, initializer, initargs: tuple) -> None:
         conn.send(reply)
 
 
-def _wait_for_exit(pid: int | None, timeout: float = 10.0) -> None:
-    """Waits until child `pid` has exited, without reaping it. The forkserver's pipes close as it
-    dies, a moment before it becomes a zombie; multiprocessing starts a new one only once it can
-    reap the old (ensure_running), and would otherwise find it "still running" and do nothing."""
-    end = time.monotonic() + timeout
-    while pid is not None and time.monotonic() < end:
-        try:
-            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                return
-        except ChildProcessError:
-            return
-        time.sleep(0.005)
+def _forkserver_pid() -> int | None:
+    return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+
+
+def _exited(pid: int) -> bool:
+    """Waits until child `pid` exits, without reaping it (multiprocessing reaps its forkserver
+    when it starts the next one); False when it is not a child of this process (reaped already)."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        return True
+    except ChildProcessError:
+        return False
 
 
 class ProcessPool:
@@ -258,8 +247,6 @@ class ProcessPool:
         self.tasks_run = 0  # tasks that workers have answered
         self._live: dict[int, _Worker] = {}  # slot -> its current worker (changed under _wakeup)
         self._warm = False  # every worker has started once: from now on no task waits for one
-        self._forkserver_generation = 0  # forkservers lost so far: a loss seen by several workers is one
-        self._forkserver_lock = threading.Lock()
         self._ready = threading.Semaphore(0)
         self._threads = [
             threading.Thread(target=self._serve_slot, args=(slot,), name=f"worker-slot-{slot}", daemon=True)
@@ -290,6 +277,8 @@ class ProcessPool:
                 started += 1
             elif time.monotonic() > end:
                 raise RuntimeError(f"the workers did not start within {timeout:.0f} s")
+        if not self._warm:
+            threading.Thread(target=self._watch_forkserver, name="forkserver-watch", daemon=True).start()
         self._warm = True
 
     def submit(self, fn, *args, on_settled=None) -> Task:
@@ -379,33 +368,34 @@ class ProcessPool:
         for task in stranded:
             task._settle(error=WorkersLost(_NO_WORKER))
 
-    def _forkserver_lost(self, generation: int) -> None:
-        """A worker of forkserver `generation` saw it die: start a new one in the background (it
-        imports the preload modules, seconds), so that a replacement worker need not wait for it.
-        Once per forkserver, however many of its workers see it go."""
-        with self._forkserver_lock:
-            if self._stopping or generation != self._forkserver_generation:
-                return
-            self._forkserver_generation += 1
-
-        def restart() -> None:
-            try:
+    def _watch_forkserver(self) -> None:
+        """Starts a new forkserver as soon as the running one dies, beside the workers it forked
+        (they plan on), so that a worker's replacement never waits seconds for Megatron-Core's
+        import. multiprocessing keeps one forkserver per process and names no public way to watch
+        it: its pid is read from the module's own record of it."""
+        while not self._stopping:
+            pid = _forkserver_pid()
+            if pid is None:
+                return  # no forkserver: a pool without workers
+            if _exited(pid):
+                if self._stopping:
+                    return
                 log.warning("the forkserver died; its workers keep planning; starting a new one")
-                _wait_for_exit(getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None))
-                multiprocessing.forkserver.ensure_running()
-                if not self._stopping:
-                    self._on_restart(FORKSERVER)
-            except Exception as exc:  # noqa: BLE001 - the next worker start tries again, with backoff
-                log.warning("could not start a new forkserver (%s: %s)", type(exc).__name__, exc)
-
-        threading.Thread(target=restart, name="forkserver-restart", daemon=True).start()
+                try:
+                    multiprocessing.forkserver.ensure_running()
+                except Exception as exc:  # noqa: BLE001 - the next worker start tries again, with backoff
+                    log.warning("could not start a new forkserver (%s: %s)", type(exc).__name__, exc)
+                    return
+            if _forkserver_pid() == pid:
+                return  # not a child of ours to watch (another pool's start reaped it, or a bug)
+            if not self._stopping:
+                self._on_restart(FORKSERVER)  # started here, or by a worker start that found it dead
 
     def _start_worker(self) -> _Worker | None:
         backoff = _START_BACKOFF[0]
         while not self._stopping:
             try:
-                generation = self._forkserver_generation
-                return _Worker(self._context, self._initializer, self._initargs, lambda: self._forkserver_lost(generation))
+                return _Worker(self._context, self._initializer, self._initargs)
             except Exception as exc:  # noqa: BLE001 - e.g. the forkserver was killed: it is restarted
                 log.warning("could not start a worker (%s: %s); retrying in %.2f s", type(exc).__name__, exc, backoff)
                 time.sleep(backoff)
