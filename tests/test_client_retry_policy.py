@@ -1,6 +1,7 @@
 """The client's retries are gRPC's own (the channel's retryPolicy, built from the client config and
 batch_planner.errors.CLIENT_ACTION), inside the call's deadline, plus one more call when a call
-stalls past hedge_after_seconds or fails; every Plan call carries the job name as metadata. A scripted planner of the test's own counts the attempts the server sees."""
+stalls past hedge_after_seconds or fails; every Plan call carries the job name as metadata. A
+scripted planner of the test's own counts the attempts the server sees."""
 
 from __future__ import annotations
 
