@@ -296,6 +296,8 @@ def test_sigterm_drain_ends_within_drain_seconds_with_abandoned_plans_about():
             # The drain waits on the slots in flight: the abandoned plans' come back once their
             # workers are killed, so only the honest call's is left for the drain to wait on.
             wait_for_metric(server, "batch_planner_in_flight_requests", lambda v: v == 0, "the abandoned plans' slots back")
+            # (Until a replacement runs, a call would be answered UNAVAILABLE at once.)
+            wait_for_metric(server, "batch_planner_live_workers", lambda v: v == WORKERS, "the replacements running")
             honest = stub.Plan.future(slow_request(0), timeout=60)
             wait_for_metric(server, "batch_planner_in_flight_requests", lambda v: v >= 1, "the honest call admitted")
             server.proc.send_signal(signal.SIGTERM)
