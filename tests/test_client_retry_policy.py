@@ -16,7 +16,7 @@ from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
 from trainer_client.config import PlannerClientConfig
 from trainer_client.metrics import TrainerMetrics
-from trainer_client.rpc_client import PlannerRpcClient, PlanRejectedError, ServiceFailedError
+from trainer_client.rpc_client import PlannerRpcClient, PlanRejectedError, ServiceFailedError, hedge_delay
 
 REQUEST = pb.PlanRequest(job="retry-test")
 
@@ -136,3 +136,16 @@ def test_a_request_without_a_job_sends_no_job_metadata(scripted):
     planner, client = scripted([])
     client.plan_bytes(pb.PlanRequest())
     assert JOB_METADATA_KEY not in planner.attempts[0]
+
+
+def test_a_call_counts_as_stalled_past_the_floor_and_twice_the_slowest_recent_call():
+    assert hedge_delay(1.0, []) == 1.0
+    assert hedge_delay(1.0, [0.01, 0.3]) == 1.0
+    assert hedge_delay(1.0, [0.2, 3.0, 0.5]) == 6.0  # plans of seconds are not planned twice
+    assert hedge_delay(0.0, [0.2]) is None  # hedging off
+
+
+def test_answered_calls_set_the_hedge_delay(scripted):
+    planner, client = scripted([], hedge_after_seconds=0.2)
+    client.plan_bytes(REQUEST)
+    assert len(client.recent_latencies) == 1 and client.recent_latencies[0] > 0

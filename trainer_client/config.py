@@ -88,8 +88,9 @@ class PlannerClientConfig(PlanningOptions):
     # of the round-robin, within what is left of `deadline_seconds`; the first answer wins and the
     # other call is cancelled (the server stops its work). A call that fails (its gRPC attempts
     # spent) with time left is sent once more the same way. So a plan costs at most two calls.
-    # Set it above the plan latency of the job's batches (the server's
-    # batch_planner_plan_latency_seconds p99), or a slow plan is planned twice; 0: never hedge.
+    # A call counts as stalled only past twice the slowest of the last 20 answered calls too, so a
+    # job whose plans take seconds is not planned twice (nor hedged at all once that passes the
+    # deadline). 0: never hedge.
     hedge_after_seconds: Seconds = 1.0
 
     # Plan in-process with the same Megatron-Core scheduler when the service fails. Off: a

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import queue
+from collections import deque
 import socket
 import ssl
 import time
@@ -65,6 +66,8 @@ class PlannerRpcClient:
         self.config = config
         self.metrics = metrics
         self._channel = make_channel(config)
+        # The latencies of the last answered calls: a call is stalled only past twice the slowest.
+        self.recent_latencies: deque[float] = deque(maxlen=RECENT_CALLS)
         # Whether some replica is connected (round-robin's channel is READY while any one is).
         self._connectivity = grpc.ChannelConnectivity.IDLE
         self._channel.subscribe(self._on_connectivity, try_to_connect=True)
@@ -93,10 +96,22 @@ class PlannerRpcClient:
             self.metrics.rpc_latency.labels(self.metrics.job).observe(time.perf_counter() - started)
 
 
+RECENT_CALLS = 20  # answered calls whose latency sets when a call counts as stalled
+
+
+def hedge_delay(hedge_after_seconds: float, recent_latencies) -> float | None:
+    """How long a call may go unanswered before it is sent again: `hedge_after_seconds`, or twice
+    the slowest of the recent answered calls if longer (a job whose plans take seconds is not
+    planned twice); None: never (hedging off)."""
+    if hedge_after_seconds <= 0:
+        return None
+    return max([hedge_after_seconds, *(2 * seconds for seconds in list(recent_latencies))])
+
+
 class _Failover:
     """One plan: a first call; a second to the next replica when the first has not answered after
-    `hedge_after_seconds` or failed with a RETRY code; the first answer wins, the other call is
-    cancelled. Both calls end by the plan's deadline."""
+    `hedge_delay` or failed with a RETRY code; the first answer wins, the other call is cancelled.
+    Both calls end by the plan's deadline."""
 
     CALLS = 2  # at most, per plan: a bounded hedge
 
@@ -105,11 +120,12 @@ class _Failover:
         self.end = time.monotonic() + client.config.deadline_seconds
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.calls: list[grpc.Future] = []
+        self.started: dict[int, float] = {}  # by id(call): when it was sent
         self.failures: list[grpc.RpcError] = []
 
     def run(self) -> bytes:
-        hedge = self.client.config.hedge_after_seconds
-        hedge_at = time.monotonic() + hedge if hedge > 0 else None
+        hedge = hedge_delay(self.client.config.hedge_after_seconds, self.client.recent_latencies)
+        hedge_at = None if hedge is None else time.monotonic() + hedge
         self._call()
         while True:
             can_hedge = hedge_at is not None and len(self.calls) < self.CALLS
@@ -122,6 +138,7 @@ class _Failover:
             error = call.exception()
             if error is None:
                 self._cancel_others(call)
+                self.client.recent_latencies.append(time.monotonic() - self.started[id(call)])
                 return call.result()
             self._failed(error)
             if client_action(error.code()) is ClientAction.RETRY and len(self.calls) < self.CALLS:
@@ -131,7 +148,9 @@ class _Failover:
                 raise self._service_failed() from None
 
     def _call(self) -> None:
-        call = self.client._plan.future(self.request, timeout=max(0.001, self.end - time.monotonic()), metadata=self.metadata)
+        sent = time.monotonic()
+        call = self.client._plan.future(self.request, timeout=max(0.001, self.end - sent), metadata=self.metadata)
+        self.started[id(call)] = sent
         self.calls.append(call)
         call.add_done_callback(self.done.put)
 
