@@ -149,3 +149,18 @@ def test_answered_calls_set_the_hedge_delay(scripted):
     planner, client = scripted([], hedge_after_seconds=0.2)
     client.plan_bytes(REQUEST)
     assert len(client.recent_latencies) == 1 and client.recent_latencies[0] > 0
+
+
+def test_one_replicas_failure_plans_this_step_in_process_and_starts_no_cooldown(scripted):
+    from batch_planner.request import PlanRequest
+    from trainer_client.plan_source import FALLBACK, PlanSource
+
+    planner, client = scripted(["hang"], deadline_seconds=0.5, hedge_after_seconds=0)
+    source = PlanSource(client.config, client.metrics)
+    try:
+        sourced = source.plan(PlanRequest.of((300, 200, 100, 50), 2, 1, 4096, job="retry-test"))
+        assert sourced.source == FALLBACK
+        assert source._outage_reason is None  # the next step asks the service again
+        assert counter(client, "fallbacks", reason="deadline_exceeded") == 1
+    finally:
+        source.close()
