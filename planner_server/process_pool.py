@@ -190,6 +190,12 @@ class _Worker:
         # it): a worker whose forkserver died must never keep working as an orphan.
         self.kill()
         self.conn.close()
+        try:
+            # A worker whose forkserver died is re-parented; where this process is PID 1 (the
+            # image's entry point), to this process, which must reap it. Otherwise not our child.
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
         self.process.join(5)
         try:
             self.process.close()
