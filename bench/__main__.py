@@ -8,7 +8,7 @@ The overhead benchmark runs first, on a server of its own with the default worke
 Then one server with 2 workers serves the plan-ahead (hidden, ahead), scaling (2-worker arm) and
 drop-in benchmarks; a second with 1 worker is the other scaling arm; growth (the schedulers in
 process, tens of minutes), start-up, fairness and the RL wait (servers of their own) run after both
-are stopped.
+are stopped, as does the forkserver-loss benchmark.
 """
 
 from __future__ import annotations
@@ -18,11 +18,16 @@ import re
 import time
 from pathlib import Path
 
-from bench import ahead, dropin, fairness, growth, hidden, overhead, quality, rl_wait, scaling, startup, trainer_cost
+from bench import (
+    ahead, dropin, fairness, forkserver_loss, growth, hidden, overhead, quality, rl_wait, scaling, startup, trainer_cost,
+)
 from bench.common import argument_parser, bars_path, markdown_table, planner_server, read_bars, verdict, write_report
 
 
-BENCHMARKS = ("overhead", "hidden", "ahead", "scaling", "dropin", "trainer_cost", "quality", "growth", "startup", "fairness", "rl_wait")
+BENCHMARKS = (
+    "overhead", "hidden", "ahead", "scaling", "dropin", "trainer_cost", "quality", "growth", "startup", "fairness", "rl_wait",
+    "forkserver_loss",
+)
 
 
 def summary(out: Path, reports: list[Path], seconds: float) -> Path:
@@ -82,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         fairness.run(out, smoke)  # its own servers: one with --max-job-share 0.5, one with 1.0
     if "rl_wait" in only:
         rl_wait.run(out, smoke)  # its own server, with the default workers (one per core)
+    if "forkserver_loss" in only:
+        forkserver_loss.run(out, smoke)  # its own server, 2 workers
     suffix = "_smoke" if smoke else ""
     reports = [out / f"{name}{suffix}.md" for name in BENCHMARKS if bars_path(out / f"{name}{suffix}.md").exists()]
     print(summary(out, reports, time.perf_counter() - started).read_text())

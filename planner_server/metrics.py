@@ -113,6 +113,11 @@ class PlannerMetrics:
         self.busy_workers = Gauge(
             "batch_planner_busy_workers", "Planning worker processes running a plan now.", registry=r,
         )
+        self.live_workers = Gauge(
+            "batch_planner_live_workers",
+            "Planning worker processes started and running; while 0, a Plan call that needs a worker is answered "
+            "UNAVAILABLE at once (the client tries another replica).", registry=r,
+        )
         self.queue_rejections = Counter(
             "batch_planner_overload_rejections_total",
             "Plan requests refused with RESOURCE_EXHAUSTED because the planning queue was full.", registry=r,
@@ -154,6 +159,7 @@ class PlannerMetrics:
         """The pool's own counts, read at scrape time: what really holds a slot or a worker."""
         self.in_flight.set_function(lambda: pool.in_flight)
         self.busy_workers.set_function(lambda: pool.busy)
+        self.live_workers.set_function(lambda: pool.live)
 
     def child(self, metric, *labels: str):
         """`metric.labels(*labels)`, looked up once per label set: prometheus_client's labels()

@@ -9,14 +9,21 @@ batch_planner.errors.status_of answers it as it answers every other refusal.
   slot thread starts a replacement at once and says why (`on_restart(DIED | ABANDONED)`). A task
   lost with a worker that died on its own runs again (functions run here must be deterministic),
   up to `ATTEMPTS` times, then fails with WorkersLost.
-- Workers fork from a forkserver that imported the `preload` modules once; one that died is started
-  again on the next start, retried with backoff. Why not pebble: docs/design.md.
+- Workers fork from a forkserver that imported the `preload` modules once. The forkserver is only
+  needed to start a worker: one that dies leaves its workers planning (a worker's death is read
+  from its own pipe, not from the forkserver's status pipe), and a watcher thread starts a new one
+  at once, so that the next replacement does not wait seconds for Megatron-Core's import; a
+  worker start that still fails is retried with backoff.
+- No request waits for a worker that is being replaced: once the pool is warm, a task submitted
+  while no worker is running, and the queue and the task of a last worker that died, fail at once
+  with WorkersLost (UNAVAILABLE: the client tries another replica). Why not pebble: docs/design.md.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import threading
@@ -32,9 +39,13 @@ log = logging.getLogger(__name__)
 ATTEMPTS = 3  # runs of one task on workers that die under it before it is given up
 _START_BACKOFF = (0.05, 2.0)  # first and longest wait between failed worker starts, seconds
 
-# Why a worker was replaced: batch_planner_worker_restarts_total{reason}.
+# Why a process was replaced: batch_planner_worker_restarts_total{reason}.
 DIED = "died"
 ABANDONED = "abandoned"
+FORKSERVER = "forkserver"  # the forkserver died (its workers live on) and a new one was started
+
+# What a request gets while no worker runs: it is not held until one is back.
+_NO_WORKER = "no planning worker is running (they are being replaced); retry on another replica"
 
 
 class TaskCancelled(Exception):
@@ -129,9 +140,12 @@ class Task:
 
 
 class _Worker:
-    """One worker process with its own pipe."""
+    """One worker process with its own pipe. Its death is read from the pipe (end of file: the
+    worker's end closes when it dies). The process's sentinel, the forkserver's status pipe, also
+    ends when the forkserver dies while the worker lives on: then the worker keeps planning."""
 
     def __init__(self, context, initializer, initargs: tuple):
+        self._sentinel: int | None = None
         parent, child = context.Pipe()
         self.process = context.Process(target=_worker_main, args=(child, initializer, initargs), daemon=True, name="planning-worker")
         self.conn = parent
@@ -141,6 +155,7 @@ class _Worker:
         finally:
             child.close()
         self.pid = self.process.pid
+        self._sentinel = self.process.sentinel
         if self._wait() is None:
             self.close()
             raise OSError("the worker died while starting")
@@ -154,13 +169,17 @@ class _Worker:
         return self._wait()
 
     def _wait(self):
-        ready = wait_for([self.conn, self.process.sentinel])
-        if self.conn in ready:
-            try:
-                return self.conn.recv()
-            except (OSError, EOFError):
-                return None
-        return None
+        while True:
+            ready = wait_for([self.conn] if self._sentinel is None else [self.conn, self._sentinel])
+            if self.conn in ready:
+                try:
+                    return self.conn.recv()
+                except (OSError, EOFError):
+                    return None
+            # The forkserver wrote the worker's exit status (the pipe's end of file is on its way),
+            # or the forkserver is gone (ProcessPool's watcher starts another): either way, from
+            # now on the worker's pipe alone says whether it lives.
+            self._sentinel = None
 
     def kill(self) -> None:
         try:
@@ -169,10 +188,16 @@ class _Worker:
             pass
 
     def close(self) -> None:
-        # The sentinel also fires when the forkserver dies while the worker lives on: make sure
-        # no orphan keeps working.
+        # Killed even when it exited (pids are not reused before the forkserver, or init, reaps
+        # it): a worker whose forkserver died must never keep working as an orphan.
         self.kill()
         self.conn.close()
+        try:
+            # A worker whose forkserver died is re-parented; where this process is PID 1 (the
+            # image's entry point), to this process, which must reap it. Otherwise not our child.
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
         self.process.join(5)
         try:
             self.process.close()
@@ -199,6 +224,20 @@ def _worker_main(conn, initializer, initargs: tuple) -> None:
         conn.send(reply)
 
 
+def _forkserver_pid() -> int | None:
+    return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+
+
+def _exited(pid: int) -> bool:
+    """Waits until child `pid` exits, without reaping it (multiprocessing reaps its forkserver
+    when it starts the next one); False when it is not a child of this process (reaped already)."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        return True
+    except ChildProcessError:
+        return False
+
+
 class ProcessPool:
     """`workers` processes, each served by a slot thread here that starts it, feeds it tasks from
     one queue and replaces it when it dies."""
@@ -214,7 +253,8 @@ class ProcessPool:
         self._wakeup = threading.Condition()
         self._stopping = False
         self.tasks_run = 0  # tasks that workers have answered
-        self._live: dict[int, _Worker] = {}  # slot -> its current worker
+        self._live: dict[int, _Worker] = {}  # slot -> its current worker (changed under _wakeup)
+        self._warm = False  # every worker has started once: from now on no task waits for one
         self._ready = threading.Semaphore(0)
         self._threads = [
             threading.Thread(target=self._serve_slot, args=(slot,), name=f"worker-slot-{slot}", daemon=True)
@@ -231,6 +271,11 @@ class ProcessPool:
     def pids(self) -> list[int]:
         return [w.pid for w in list(self._live.values())]
 
+    @property
+    def live(self) -> int:
+        """Workers started and not known dead."""
+        return len(self._live)
+
     def warm_up(self, timeout: float = 600.0) -> None:
         """Waits until every worker has started and run the initializer."""
         end = time.monotonic() + timeout
@@ -240,6 +285,9 @@ class ProcessPool:
                 started += 1
             elif time.monotonic() > end:
                 raise RuntimeError(f"the workers did not start within {timeout:.0f} s")
+        if not self._warm:
+            threading.Thread(target=self._watch_forkserver, name="forkserver-watch", daemon=True).start()
+        self._warm = True
 
     def submit(self, fn, *args, on_settled=None) -> Task:
         task = Task(self, fn, args, on_settled)
@@ -267,6 +315,9 @@ class ProcessPool:
         with self._wakeup:
             if self._stopping:
                 task._settle(error=WorkersLost("the planner is shutting down"))
+                return
+            if self._warm and not self._live:
+                task._settle(error=WorkersLost(_NO_WORKER))
                 return
             (self._queue.appendleft if front else self._queue.append)(task)
             self._wakeup.notify()
@@ -301,17 +352,52 @@ class ProcessPool:
             worker = self._start_worker()
             if worker is None:
                 return
-            self._live[slot] = worker
+            with self._wakeup:
+                self._live[slot] = worker
             if first:
                 self._ready.release()
                 first = False
-            reason = self._feed(worker)
-            del self._live[slot]
+            reason = self._feed(worker, slot)
             worker.close()
             if reason is None:
                 return
             if not self._stopping:
                 self._on_restart(reason)
+
+    def _gone(self, slot: int) -> None:
+        """The slot's worker died: out of the live set; when it was the last one, the queued tasks
+        fail now rather than wait for a replacement."""
+        with self._wakeup:
+            self._live.pop(slot, None)
+            if self._live or not self._warm or self._stopping:
+                return
+            stranded = list(self._queue)
+            self._queue.clear()
+        for task in stranded:
+            task._settle(error=WorkersLost(_NO_WORKER))
+
+    def _watch_forkserver(self) -> None:
+        """Starts a new forkserver as soon as the running one dies, beside the workers it forked
+        (they plan on), so that a worker's replacement never waits seconds for Megatron-Core's
+        import. multiprocessing keeps one forkserver per process and names no public way to watch
+        it: its pid is read from the module's own record of it."""
+        while not self._stopping:
+            pid = _forkserver_pid()
+            if pid is None:
+                return  # no forkserver: a pool without workers
+            if _exited(pid):
+                if self._stopping:
+                    return
+                log.warning("the forkserver died; its workers keep planning; starting a new one")
+                try:
+                    multiprocessing.forkserver.ensure_running()
+                except Exception as exc:  # noqa: BLE001 - the next worker start tries again, with backoff
+                    log.warning("could not start a new forkserver (%s: %s)", type(exc).__name__, exc)
+                    return
+            if _forkserver_pid() == pid:
+                return  # not a child of ours to watch (another pool's start reaped it, or a bug)
+            if not self._stopping:
+                self._on_restart(FORKSERVER)  # started here, or by a worker start that found it dead
 
     def _start_worker(self) -> _Worker | None:
         backoff = _START_BACKOFF[0]
@@ -324,11 +410,12 @@ class ProcessPool:
                 backoff = min(backoff * 2, _START_BACKOFF[1])
         return None
 
-    def _feed(self, worker: _Worker) -> str | None:
+    def _feed(self, worker: _Worker, slot: int) -> str | None:
         """Runs tasks on `worker` until it dies; returns why (DIED or ABANDONED), None on shutdown."""
         while True:
             task = self._next_task()
             if task is None:
+                self._gone(slot)
                 return None
             if not task._start(worker):
                 task._settle(error=TaskCancelled())
@@ -339,6 +426,7 @@ class ProcessPool:
             finally:
                 worker.busy = False
             if reply is None:
+                self._gone(slot)
                 return self._lost(task)
             with self._wakeup:
                 self.tasks_run += 1

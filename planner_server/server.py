@@ -1,6 +1,7 @@
 """The planner server: gRPC (Plan, GetCapabilities, health, reflection), worker pool, metrics.
 
-Life cycle: health NOT_SERVING while workers import Megatron-Core and plan a warm-up batch, then
+Life cycle: health NOT_SERVING while workers import Megatron-Core and plan a warm-up batch (a
+Plan call is answered UNAVAILABLE at once, so that the client tries another replica), then
 SERVING. On SIGTERM/SIGINT: health NOT_SERVING, new RPCs refused, in-flight ones get up to
 `drain_seconds` to finish, then the workers stop and the process exits.
 """
@@ -196,6 +197,7 @@ class PlannerServer:
                 "schedulers": ",".join(available),
             }
         )
+        self.servicer.ready.set()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "SERVING on port %s (metrics port %s); probe port %s; schedulers available: %s",

@@ -171,6 +171,11 @@ class PlanningPool:
         """Tasks that workers have answered (inline ones not included)."""
         return self._processes.tasks_run
 
+    @property
+    def live(self) -> int:
+        """Workers running (started, not known dead): with none, a request for a worker fails at once."""
+        return self._processes.live
+
     def pids(self) -> list[int]:
         return self._processes.pids()
 

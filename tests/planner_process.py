@@ -22,16 +22,17 @@ class PlannerProcess:
     port: int
     metrics_port: int | None
     probe_port: int | None = None
+    host: str = "127.0.0.1"  # what --host it listens on (gRPC and /metrics)
     log_lines: list[str] = field(default_factory=list)
     output_closed: threading.Event = field(default_factory=threading.Event)  # every process of it closed stdout
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return f"http://{self.host}:{self.metrics_port}/metrics"
 
     @property
     def log(self) -> str:
@@ -103,7 +104,8 @@ def start_planner(
         proc.wait(10)
         raise RuntimeError(f"planner exited with {proc.returncode}:\n" + "\n".join(lines[-30:]))
     metrics, probe = found["metrics"], found["probe"]
+    hosts = [cmd[i + 1] for i, arg in enumerate(cmd[:-1]) if arg == "--host"]  # the last one wins
     return PlannerProcess(
         proc, int(found["port"]), None if metrics == "None" else int(metrics),
-        probe_port=None if probe in (None, "None") else int(probe), log_lines=lines, output_closed=closed,
+        probe_port=None if probe in (None, "None") else int(probe), host=hosts[-1], log_lines=lines, output_closed=closed,
     )

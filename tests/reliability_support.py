@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import socket
+import struct
+import threading
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,6 +216,42 @@ def forkserver_pid(server_pid: int) -> int:
     found = [c for c in children(server_pid) if "forkserver" in _cmdline(c)]
     assert len(found) == 1, f"expected one forkserver under {server_pid}, found {found}"
     return found[0]
+
+
+# --- a headless Service's name, on loopback ----------------------------------------------------------
+
+
+class LoopbackDns:
+    """Answers every A query with `addresses` (TTL 0), other queries with no answer."""
+
+    def __init__(self, addresses: list[str]):
+        self.addresses = list(addresses)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                query, peer = self.sock.recvfrom(512)
+                self.sock.sendto(self._answer(query), peer)
+            except (OSError, IndexError, struct.error):
+                if self.sock.fileno() < 0:
+                    return
+
+    def _answer(self, query: bytes) -> bytes:
+        end = 12  # the question's name: length-prefixed labels up to a zero byte
+        while query[end]:
+            end += query[end] + 1
+        (qtype,) = struct.unpack("!H", query[end + 1:end + 3])
+        answers = list(self.addresses) if qtype == 1 else []
+        header = struct.pack("!HHHHHH", struct.unpack("!H", query[:2])[0], 0x8180, 1, len(answers), 0, 0)
+        records = b"".join(struct.pack("!HHHIH", 0xC00C, 1, 1, 0, 4) + socket.inet_aton(a) for a in answers)
+        return header + query[12:end + 5] + records
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 # --- waiting on what a server shows, never on a guessed duration ------------------------------------

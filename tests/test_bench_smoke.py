@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the benchmarks plot with matplotlib: install the `bench` extra")
 
-from bench import ahead, auto_transfer, fairness, growth, hidden, overhead, quality, rl_wait, scaling, side_by_side, startup, trainer_cost  # noqa: E402
+from bench import ahead, auto_transfer, fairness, forkserver_loss, growth, hidden, overhead, quality, rl_wait, scaling, side_by_side, startup, trainer_cost  # noqa: E402
 from bench.__main__ import summary  # noqa: E402
 from bench.common import Bar, BatchSize, Report, read_bars, write_report  # noqa: E402
 
@@ -197,6 +197,13 @@ def test_startup_smoke(tmp_path):
     assert_report(report, 1)
     assert report.rows[0].workers == 1
     assert report.rows[0].worker_counts == (1,)
+
+
+def test_forkserver_loss_smoke(tmp_path):
+    report = forkserver_loss.run(tmp_path, smoke=True)
+    assert_report(report, 2)
+    assert [row[0] for row in report.rows] == ["after a kill", "steady"]
+    assert report.rows[0][1] > 0  # plans were sent while the forkserver and a worker were replaced
 
 
 def test_fairness_smoke(tmp_path):

@@ -1,6 +1,7 @@
 """The client's retries are gRPC's own (the channel's retryPolicy, built from the client config and
-batch_planner.errors.CLIENT_ACTION), inside the call's deadline; every Plan call carries the job
-name as metadata. A scripted planner of the test's own counts the attempts the server sees."""
+batch_planner.errors.CLIENT_ACTION), inside the call's deadline, plus one more call when a call
+stalls past hedge_after_seconds or fails; every Plan call carries the job name as metadata. A
+scripted planner of the test's own counts the attempts the server sees."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
 from trainer_client.config import PlannerClientConfig
 from trainer_client.metrics import TrainerMetrics
-from trainer_client.rpc_client import PlannerRpcClient, PlanRejectedError, ServiceFailedError
+from trainer_client.rpc_client import PlannerRpcClient, PlanRejectedError, ServiceFailedError, hedge_delay
 
 REQUEST = pb.PlanRequest(job="retry-test")
 
@@ -62,6 +63,11 @@ def scripted():
         server.stop(None)
 
 
+def counter(client: PlannerRpcClient, name: str, **labels: str) -> float:
+    value = client.metrics.registry.get_sample_value(f"batch_planner_client_{name}_total", {"training_job": "retry-test", **labels})
+    return value or 0.0
+
+
 def calls(client: PlannerRpcClient) -> float:
     return client.metrics.registry.get_sample_value(
         "batch_planner_client_rpc_latency_seconds_count", {"training_job": "retry-test"}
@@ -76,11 +82,38 @@ def test_retryable_codes_are_retried_by_grpc_up_to_max_attempts(scripted):
     assert all(a[JOB_METADATA_KEY] == "retry-test" for a in planner.attempts)
 
 
-def test_attempts_run_out_then_the_service_failed(scripted):
+def test_attempts_run_out_on_two_calls_then_the_service_failed(scripted):
     planner, client = scripted(["UNAVAILABLE"] * 5, max_attempts=2, initial_backoff_seconds=0.01)
     with pytest.raises(ServiceFailedError) as failure:
         client.plan_bytes(REQUEST)
-    assert failure.value.reason == "unavailable" and len(planner.attempts) == 2
+    # gRPC's two attempts, then a second call (to the next replica) with its two: the whole service.
+    assert failure.value.reason == "unavailable" and len(planner.attempts) == 4 and calls(client) == 1
+    assert failure.value.whole_service
+    assert counter(client, "failovers", reason="unavailable") == 1
+    assert counter(client, "service_failures", scope="service") == 1
+
+
+def test_a_failed_call_is_sent_again_within_the_deadline(scripted):
+    planner, client = scripted(["UNAVAILABLE", "UNAVAILABLE"], max_attempts=2, initial_backoff_seconds=0.01)
+    assert pb.PlanResponse.FromString(client.plan_bytes(REQUEST)) == pb.PlanResponse()
+    assert len(planner.attempts) == 3 and counter(client, "failovers", reason="unavailable") == 1
+
+
+def test_a_stalled_call_is_hedged_and_the_first_answer_wins(scripted):
+    planner, client = scripted(["hang"], deadline_seconds=30.0, hedge_after_seconds=0.2)
+    assert pb.PlanResponse.FromString(client.plan_bytes(REQUEST)) == pb.PlanResponse()
+    assert len(planner.attempts) == 2 and counter(client, "failovers", reason="stalled") == 1
+    assert planner.gone.wait(30)  # the stalled call was cancelled: the server stops its work
+
+
+def test_one_call_that_runs_out_of_time_is_one_replicas_failure(scripted):
+    """No time left for a second call, while a replica is connected: this step falls back, and no
+    cooldown starts (plan_source)."""
+    planner, client = scripted(["hang"], deadline_seconds=0.5, hedge_after_seconds=0)
+    with pytest.raises(ServiceFailedError) as failure:
+        client.plan_bytes(REQUEST)
+    assert failure.value.reason == "deadline_exceeded" and not failure.value.whole_service
+    assert counter(client, "service_failures", scope="replica") == 1
 
 
 @pytest.mark.parametrize("code, error", [("INTERNAL", ServiceFailedError), ("INVALID_ARGUMENT", PlanRejectedError)])
@@ -103,3 +136,31 @@ def test_a_request_without_a_job_sends_no_job_metadata(scripted):
     planner, client = scripted([])
     client.plan_bytes(pb.PlanRequest())
     assert JOB_METADATA_KEY not in planner.attempts[0]
+
+
+def test_a_call_counts_as_stalled_past_the_floor_and_twice_the_slowest_recent_call():
+    assert hedge_delay(1.0, []) == 1.0
+    assert hedge_delay(1.0, [0.01, 0.3]) == 1.0
+    assert hedge_delay(1.0, [0.2, 3.0, 0.5]) == 6.0  # plans of seconds are not planned twice
+    assert hedge_delay(0.0, [0.2]) is None  # hedging off
+
+
+def test_answered_calls_set_the_hedge_delay(scripted):
+    planner, client = scripted([], hedge_after_seconds=0.2)
+    client.plan_bytes(REQUEST)
+    assert len(client.recent_latencies) == 1 and client.recent_latencies[0] > 0
+
+
+def test_one_replicas_failure_plans_this_step_in_process_and_starts_no_cooldown(scripted):
+    from batch_planner.request import PlanRequest
+    from trainer_client.plan_source import FALLBACK, PlanSource
+
+    planner, client = scripted(["hang"], deadline_seconds=0.5, hedge_after_seconds=0)
+    source = PlanSource(client.config, client.metrics)
+    try:
+        sourced = source.plan(PlanRequest.of((300, 200, 100, 50), 2, 1, 4096, job="retry-test"))
+        assert sourced.source == FALLBACK
+        assert source._outage_reason is None  # the next step asks the service again
+        assert counter(client, "fallbacks", reason="deadline_exceeded") == 1
+    finally:
+        source.close()

@@ -185,6 +185,18 @@ def test_schema_rejects_an_unknown_setting_and_a_wrong_type():
         assert "schema" in result.stderr, result.stderr
 
 
+def test_a_rollout_surges_one_ready_pod_before_an_old_one_goes_and_disruptions_take_one():
+    """docs/runbook.md, "During a rollout": the defaults tests/test_reliability_rollout.py rolls by."""
+    docs = render_chart()
+    assert by_kind(docs, "Deployment")["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    assert by_kind(docs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+    assert by_kind(docs, "Deployment")["spec"]["replicas"] >= 2  # one disrupted, one serving
+    custom = render_chart(None, "updateStrategy.maxSurge=25%", "updateStrategy.maxUnavailable=1")
+    assert by_kind(custom, "Deployment")["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": "25%", "maxUnavailable": 1}
+
+
 def test_headless_service_resolves_to_pods_for_client_side_round_robin():
     docs = render_chart()
     headless = by_kind(docs, "Service", "-headless")

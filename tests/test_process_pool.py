@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from planner_server.process_pool import ATTEMPTS, DIED, ProcessPool, TaskCancelled, TaskState, WorkersLost
-from tests.reliability_support import wait_until
+from planner_server.process_pool import ATTEMPTS, DIED, FORKSERVER, ProcessPool, TaskCancelled, TaskState, WorkersLost
+from tests.reliability_support import forkserver_pid, wait_until
 
 WAIT_S = 60.0  # the longest any event below may take; never reached when the code is right
 
@@ -66,15 +66,54 @@ def test_a_queued_task_cancelled_never_runs_and_settles_at_once(pool, tmp_path):
     running.cancel()  # kills its worker; the pool starts another
     with pytest.raises(TaskCancelled):
         running.result(WAIT_S)
+    wait_until(lambda: pool.live == 1, WAIT_S, "the replacement worker running")
     assert pool.submit(square, 4).result(WAIT_S) == 16
 
 
-def test_a_task_whose_worker_dies_runs_again_then_fails_with_workers_lost(pool):
+def die_once(path: str) -> int:
+    """Dies the first time (leaving `path` behind), answers the second."""
+    if not os.path.exists(path):
+        open(path, "w").close()
+        die()
+    return 7
+
+
+def test_a_task_whose_worker_dies_runs_again_on_a_live_worker(tmp_path):
+    restarts: list[str] = []
+    processes = ProcessPool(2, on_restart=restarts.append)
+    try:
+        processes.warm_up(WAIT_S)
+        task = processes.submit(die_once, str(tmp_path / "died"))
+        assert task.result(WAIT_S) == 7 and task.attempts == 2
+        wait_until(lambda: restarts.count(DIED) == 1, WAIT_S, "the dead worker replaced")
+    finally:
+        processes.shutdown()
+
+
+def test_a_task_whose_workers_keep_dying_fails_with_workers_lost():
+    restarts: list[str] = []
+    processes = ProcessPool(ATTEMPTS, on_restart=restarts.append)  # a live worker for every attempt
+    try:
+        processes.warm_up(WAIT_S)
+        task = processes.submit(die)
+        with pytest.raises(WorkersLost, match=f"died under this request {ATTEMPTS} times"):
+            task.result(WAIT_S)
+        assert task.attempts == ATTEMPTS
+        wait_until(lambda: restarts.count(DIED) == ATTEMPTS, WAIT_S, "each dead worker replaced")
+        wait_until(lambda: processes.live == ATTEMPTS, WAIT_S, "the replacements running")
+        assert processes.submit(square, 5).result(WAIT_S) == 25
+    finally:
+        processes.shutdown()
+
+
+def test_no_task_waits_while_no_worker_runs(pool):
+    """The last worker died under a task: it fails at once (UNAVAILABLE: the client tries another
+    replica) rather than wait for the replacement; then the pool serves again."""
     task = pool.submit(die)
-    with pytest.raises(WorkersLost, match=f"died under this request {ATTEMPTS} times"):
+    with pytest.raises(WorkersLost, match="no planning worker is running"):
         task.result(WAIT_S)
-    assert task.attempts == ATTEMPTS
-    wait_until(lambda: pool.restarts.count(DIED) == ATTEMPTS, WAIT_S, "each dead worker replaced")
+    assert task.attempts == 1
+    wait_until(lambda: pool.live == 1, WAIT_S, "the replacement worker running")
     assert pool.submit(square, 5).result(WAIT_S) == 25
 
 
@@ -88,3 +127,24 @@ def test_shutdown_settles_queued_tasks_with_workers_lost(tmp_path):
     for task in (running, queued):
         with pytest.raises(WorkersLost):
             task.result(WAIT_S)
+
+
+def test_workers_outlive_their_forkserver_and_one_new_forkserver_starts():
+    restarts: list[str] = []
+    processes = ProcessPool(2, on_restart=restarts.append)
+    try:
+        processes.warm_up(WAIT_S)
+        workers = sorted(processes.pids())
+        os.kill(forkserver_pid(os.getpid()), signal.SIGKILL)
+        # Each worker sees the forkserver gone at its next task, and plans it.
+        tasks = [processes.submit(square, n) for n in range(8)]
+        assert [t.result(WAIT_S) for t in tasks] == [n * n for n in range(8)]
+        assert sorted(processes.pids()) == workers and DIED not in restarts
+        wait_until(lambda: FORKSERVER in restarts, WAIT_S, "a new forkserver")
+        # A worker that dies now is replaced from the new one.
+        os.kill(workers[0], signal.SIGKILL)
+        wait_until(lambda: processes.submit(square, 3).result(WAIT_S) == 9 and workers[0] not in processes.pids(),
+                   WAIT_S, "the dead worker replaced")
+        assert restarts.count(FORKSERVER) == 1
+    finally:
+        processes.shutdown()

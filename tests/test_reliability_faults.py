@@ -5,9 +5,11 @@ bound of 2 (so at most 4 requests in flight):
 - a plan whose caller is gone (deadline passed, call cancelled) stops costing a worker: the worker
   is killed and replaced, its slot given back, and the next caller is served as if nothing happened;
 - a planning worker killed with SIGKILL, even mid-request, is replaced and every request still
-  gets its plan; batch_planner_worker_restarts_total counts each process replaced;
-- the forkserver killed, and a storm of worker kills: answers are plans or UNAVAILABLE (retryable),
-  never INTERNAL, and the pool recovers;
+  gets its plan; batch_planner_worker_restarts_total counts each process replaced; while no
+  worker runs, a request is answered UNAVAILABLE at once, never held until one is back;
+- the forkserver killed under load: its workers plan on, every request gets its plan, and a new
+  forkserver is started beside them; a storm of worker kills: answers are plans or UNAVAILABLE
+  (retryable), never INTERNAL, and the pool recovers;
 - SIGTERM drains: in-flight requests complete OK, new ones are refused, health goes NOT_SERVING,
   and the process exits 0, within --drain-seconds even with abandoned plans about; a terminal's
   Ctrl-C followed by SIGTERM drains once, with no traceback. The tests that stop a server run last
@@ -137,9 +139,13 @@ def test_plans_whose_deadline_passed_stop_costing_workers(server, stub):
     with ThreadPoolExecutor(WORKERS) as pool:
         codes = list(pool.map(lambda seed: timed_plan(stub, huge_request(seed), timeout=1.0)[0], range(WORKERS)))
     assert codes == ["DEADLINE_EXCEEDED"] * WORKERS, codes
+    # While both workers are replaced, a call is answered UNAVAILABLE at once (the client tries
+    # another replica), never held; once they run, the later caller pays no abandoned plan's time.
+    wait_for_metric(server, "batch_planner_worker_restarts_total", lambda v: v == abandoned_before + WORKERS,
+                    "both abandoned workers killed", reason="abandoned")
+    wait_for_metric(server, "batch_planner_live_workers", lambda v: v == WORKERS, "the replacements running")
     code, after, _ = timed_plan(stub, slow_request(31))
     assert code == "OK"
-    # The later caller pays at most a worker's replacement, not the abandoned plans' tens of seconds.
     assert after < alone + 2.0, f"{after:.2f} s after abandoned plans, {alone:.2f} s alone"
     assert metric(server, "batch_planner_worker_restarts_total", reason="abandoned") == abandoned_before + WORKERS
     wait_for_metric(server, "batch_planner_in_flight_requests", lambda v: v == 0, "no slot held")
@@ -153,6 +159,7 @@ def test_cancelled_calls_give_back_their_slots_and_workers(server, stub):
         call.cancel()
     wait_for_metric(server, "batch_planner_in_flight_requests", lambda v: v == 0, "the cancelled calls' slots back")
     wait_for_metric(server, "batch_planner_busy_workers", lambda v: v == 0, "the cancelled plans stopped")
+    wait_for_metric(server, "batch_planner_live_workers", lambda v: v == WORKERS, "the replacements running")
     with ThreadPoolExecutor(CAPACITY) as pool:
         codes = [code for code, _, _ in pool.map(lambda seed: timed_plan(stub, slow_request(seed)), range(CAPACITY))]
     assert codes == ["OK"] * CAPACITY, codes
@@ -174,26 +181,48 @@ def test_a_killed_worker_is_replaced_and_the_request_it_held_is_planned(server, 
     assert metric(server, "batch_planner_worker_restarts_total", reason="died") == died_before + 1
     replaced = planning_worker_pids(server.proc.pid)
     assert workers[0] not in replaced and len(replaced) == WORKERS
-    # Kill every worker while idle, then ask again at once: the requests wait for the replacements.
+    # Kill every worker while idle, then ask again at once: no request waits for the replacements
+    # (UNAVAILABLE at once, which clients retry on another replica); once they run, plans again.
+    wait_for_metric(server, "batch_planner_live_workers", lambda v: v == WORKERS, "the replacement running")
     for pid in replaced:
         os.kill(pid, signal.SIGKILL)
+    code, seconds, _ = timed_plan(stub, slow_request(0))
+    assert code in ("OK", "UNAVAILABLE") and (code == "OK" or seconds < 1.0), (code, seconds)
+    wait_for_metric(server, "batch_planner_live_workers", lambda v: v == WORKERS, "the replacements running")
     for seed in range(3):
         assert timed_plan(stub, slow_request(seed))[0] == "OK"
-    assert metric(server, "batch_planner_worker_restarts_total", reason="died") == died_before + 1 + WORKERS
+    wait_for_metric(server, "batch_planner_worker_restarts_total", lambda v: v == died_before + 1 + WORKERS,
+                    "each killed worker replaced", reason="died")
     assert health_status(channel) == "SERVING"
 
 
-def test_a_killed_forkserver_answers_plans_or_unavailable_and_the_pool_recovers(server, channel, stub):
-    """the forkserver's death is ours and transient: never INTERNAL."""
+def test_a_killed_forkserver_leaves_its_workers_planning_and_a_new_one_starts(server, channel, stub):
+    """the forkserver is needed only to start workers: no request waits for a new one."""
+    workers = planning_worker_pids(server.proc.pid)
+    restarts = metric(server, "batch_planner_worker_restarts_total", reason="forkserver")
+    died = metric(server, "batch_planner_worker_restarts_total", reason="died")
     with ThreadPoolExecutor(CAPACITY) as pool:
         in_flight = [pool.submit(timed_plan, stub, slow_request(seed)) for seed in range(40, 40 + CAPACITY)]
         wait_for_metric(server, "batch_planner_busy_workers", lambda v: v == WORKERS, "both workers planning")
         os.kill(forkserver_pid(server.proc.pid), signal.SIGKILL)
-        codes = [future.result()[0] for future in in_flight]
-    assert set(codes) <= {"OK", "UNAVAILABLE"}, codes
+        results = [future.result() for future in in_flight]
+    # The workers outlive their forkserver: the plans they hold, and the queued ones, are planned.
+    assert [code for code, _, _ in results] == ["OK"] * CAPACITY, results
+    wait_for_metric(server, "batch_planner_worker_restarts_total", lambda v: v > restarts, "a new forkserver", reason="forkserver")
     for seed in range(3):
         assert timed_plan(stub, slow_request(seed))[0] == "OK"
-    assert len(planning_worker_pids(server.proc.pid)) == WORKERS
+    assert metric(server, "batch_planner_worker_restarts_total", reason="died") == died  # no worker lost
+    # Once the old workers die (seen at their next task), their replacements fork from the new
+    # forkserver; meanwhile every request is answered, a plan or UNAVAILABLE.
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+
+    def replaced() -> bool:
+        code = timed_plan(stub, slow_request(1))[0]
+        assert code in ("OK", "UNAVAILABLE"), code
+        return code == "OK" and len(planning_worker_pids(server.proc.pid)) == WORKERS
+
+    wait_until(replaced, 120, "replacements under the new forkserver planning")
     assert health_status(channel) == "SERVING"
 
 
@@ -216,6 +245,7 @@ def test_a_storm_of_worker_kills_answers_unrelated_requests_with_plans_or_unavai
     stop.set()
     killer.join()
     assert set(codes) <= {"OK", "UNAVAILABLE"}, codes
+    wait_for_metric(server, "batch_planner_live_workers", lambda v: v == WORKERS, "the replacements running")
     assert timed_plan(stub, slow_request(1))[0] == "OK"
     assert health_status(channel) == "SERVING"
 
@@ -266,6 +296,8 @@ def test_sigterm_drain_ends_within_drain_seconds_with_abandoned_plans_about():
             # The drain waits on the slots in flight: the abandoned plans' come back once their
             # workers are killed, so only the honest call's is left for the drain to wait on.
             wait_for_metric(server, "batch_planner_in_flight_requests", lambda v: v == 0, "the abandoned plans' slots back")
+            # (Until a replacement runs, a call would be answered UNAVAILABLE at once.)
+            wait_for_metric(server, "batch_planner_live_workers", lambda v: v == WORKERS, "the replacements running")
             honest = stub.Plan.future(slow_request(0), timeout=60)
             wait_for_metric(server, "batch_planner_in_flight_requests", lambda v: v >= 1, "the honest call admitted")
             server.proc.send_signal(signal.SIGTERM)

@@ -60,6 +60,7 @@ def test_one_request_runs_several_tasks_side_by_side_and_one_cancel_stops_them_a
     # The two running were killed and replaced; the queued one never ran.
     wait_until(lambda: len(pool.restarts) - before == 2, 30, "both workers replaced")
     assert pool.restarts[before:] == ["abandoned", "abandoned"]
+    wait_until(lambda: pool.live == 2, 60, "both replacements running")  # until then, no worker: UNAVAILABLE
     small = pool.admit(1)
     try:
         result = small.submit(plan_in_worker, payload(256, 16), time.time() + 60).result(timeout=60)
@@ -83,7 +84,7 @@ def test_a_cancelled_queued_task_gives_its_slot_back_at_once(pool):
         queued.close()
     finally:
         busy.close()
-    wait_until(lambda: pool.in_flight == 0 and pool.busy == 0, 30, "the pool idle again")
+    wait_until(lambda: pool.in_flight == 0 and pool.busy == 0 and pool.live == pool.workers, 60, "the pool idle again, every worker running")
 
 
 def test_a_request_runs_more_tasks_than_it_has_slots_one_per_slot_at_a_time(pool):
@@ -105,7 +106,7 @@ def test_a_request_runs_more_tasks_than_it_has_slots_one_per_slot_at_a_time(pool
         work.close()
         runner.join(60)
     assert len(outcome) == 1 and isinstance(outcome[0], TimeoutError)  # cancelled: the caller is gone
-    wait_until(lambda: pool.in_flight == 0 and pool.busy == 0, 30, "the pool idle again")
+    wait_until(lambda: pool.in_flight == 0 and pool.busy == 0 and pool.live == pool.workers, 60, "the pool idle again, every worker running")
     small = pool.admit(slots=2)
     try:
         results = small.map(plan_in_worker, [(payload(256, 16, seed=s), time.time() + 60) for s in range(5)], time.monotonic() + 120)

@@ -80,12 +80,24 @@ class PlannerClientConfig(PlanningOptions):
     initial_backoff_seconds: Seconds = 0.05
     max_backoff_seconds: Seconds = 1.0
     backoff_multiplier: Annotated[float, Field(ge=1)] = 2.0
+    # A plan call that has not answered after this long (a replica that holds it: stalled,
+    # overloaded, or on the far side of a broken connection) is sent once more, to the next replica
+    # of the round-robin, within what is left of `deadline_seconds`; the first answer wins and the
+    # other call is cancelled (the server stops its work). A call that fails (its gRPC attempts
+    # spent) with time left is sent once more the same way. So a plan costs at most two calls.
+    # A call counts as stalled only past twice the slowest of the last 20 answered calls too, so a
+    # job whose plans take seconds is not planned twice (nor hedged at all once that passes the
+    # deadline). 0: never hedge.
+    hedge_after_seconds: Seconds = 1.0
 
     # Plan in-process with the same Megatron-Core scheduler when the service fails. Off: a
     # failure raises PlannerUnavailableError.
     fallback: bool = True
-    # After a failure, plan in-process for this long without calling the service (so steps do not
+    # After a failure of the service as a whole (no replica connected, or the plan's second call
+    # failed too), plan in-process for this long without calling the service (so steps do not
     # each wait a full deadline while it is down); then the next step probes the service again.
+    # One replica's failure within a plan's deadline is not an outage: the next step uses the
+    # service at once.
     fallback_cooldown_seconds: Seconds = 5.0
     # How fast the gRPC channel reconnects to a planner that comes back.
     max_reconnect_backoff_seconds: Positive = 1.0

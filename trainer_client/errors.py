@@ -102,9 +102,11 @@ class DropInInputError(PlannerClientError, ValueError):
 class ServiceFailedError(PlannerClientError, RuntimeError):
     """The service did not produce a plan after all attempts; `reason` is a bounded metric label."""
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: str, message: str, whole_service: bool = True):
         super().__init__(f"batch planner service failed ({reason}): {message}")
         self.reason = reason
+        # False: one replica failed this plan while others are connected; no outage to wait out.
+        self.whole_service = whole_service
 
 
 class PlannerUnavailableError(PlannerClientError, RuntimeError):

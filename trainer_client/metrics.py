@@ -50,6 +50,18 @@ class TrainerMetrics:
             "Steps planned in-process because the planner was unreachable, too slow or failing.",
             ["training_job", "reason"], registry=r,
         )
+        self.failovers = Counter(
+            "batch_planner_client_failovers_total",
+            "Plan calls sent again to another replica within the plan's deadline, by reason: stalled (no answer "
+            "after hedge_after_seconds) or the lower-cased gRPC status of the call that failed.",
+            ["training_job", "reason"], registry=r,
+        )
+        self.service_failures = Counter(
+            "batch_planner_client_service_failures_total",
+            "Plans that no replica answered, by scope: service (no replica connected, or a second call failed "
+            "too: the fallback cooldown starts) or replica (the deadline ran out on one call: this step only).",
+            ["training_job", "scope"], registry=r,
+        )
         self.tokens = Counter(
             "batch_planner_client_tokens_total", "Real tokens processed by this rank.", ["training_job"], registry=r,
         )

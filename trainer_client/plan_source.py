@@ -82,6 +82,8 @@ class PlanSource:
     def _enter_outage(self, failure: ServiceFailedError) -> None:
         if not self.config.fallback:
             raise PlannerUnavailableError(f"{failure}; fallback to in-process planning is off") from failure
+        if not failure.whole_service:
+            return  # one replica failed this step's plan: the next step asks the service again
         with self._lock:
             if self._outage_reason is None:
                 log.warning(

@@ -1,16 +1,27 @@
-"""The gRPC side of the client: one channel, Plan with a deadline, retries by gRPC itself.
+"""The gRPC side of the client: one channel, Plan with a deadline, retries by gRPC itself, and one
+more call to another replica when a call stalls or fails.
 
 What a failure leads to is `batch_planner.errors.CLIENT_ACTION`, one table keyed by status code:
 RETRY (transient: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...) is the channel's
 `retryPolicy` (gRPC's service config: `max_attempts`, the backoff settings, those codes), retried
-inside the call's deadline, then reported as ServiceFailedError so that the plan source falls back
-to in-process planning; FALLBACK (a retry gets the same answer) is reported at once; REJECT
-(INVALID_ARGUMENT: the caller's fault) raises PlanRejectedError and is never planned in-process.
+inside the call's deadline on the next replica of the round-robin; FALLBACK (a retry gets the same
+answer) is not retried; REJECT (INVALID_ARGUMENT: the caller's fault) raises PlanRejectedError and
+is never planned in-process.
+
+A replica that holds a call (stalled) is not one gRPC's retries leave: after `hedge_after_seconds`
+without an answer, and after a call that failed with a RETRY code, a second call goes to the next
+replica within what is left of `deadline_seconds` (`_Failover`: at most two calls per plan, the
+first answer wins). A plan no call answered is a ServiceFailedError whose `whole_service` says
+whether the service as a whole failed (no replica connected, both calls failed, or a code every
+replica would answer: the plan source then plans in-process for its cooldown) or one replica did
+(the deadline ran out on one call: this step only). trainer metrics: failovers_total{reason}, service_failures_total{scope}.
 """
 
 from __future__ import annotations
 
 import json
+import queue
+from collections import deque
 import socket
 import ssl
 import time
@@ -33,29 +44,123 @@ class PlannerRpcClient:
         self.config = config
         self.metrics = metrics
         self._channel = make_channel(config)
+        # The latencies of the last answered calls: a call is stalled only past twice the slowest.
+        self.recent_latencies: deque[float] = deque(maxlen=RECENT_CALLS)
+        # Whether some replica is connected (round-robin's channel is READY while any one is).
+        self._connectivity = grpc.ChannelConnectivity.IDLE
+        self._channel.subscribe(self._on_connectivity, try_to_connect=True)
         # Plan's answer as the bytes the server sent: rank 0 broadcasts them to its group as they are.
         self._plan = self._channel.unary_unary(
             f"/{pb.DESCRIPTOR.services_by_name['BatchPlanner'].full_name}/Plan", request_serializer=pb.PlanRequest.SerializeToString,
         )
 
+    def _on_connectivity(self, state: grpc.ChannelConnectivity) -> None:
+        self._connectivity = state
+
     def close(self) -> None:
+        self._channel.unsubscribe(self._on_connectivity)
         self._channel.close()
 
     def plan_bytes(self, request: pb.PlanRequest) -> bytes:
-        """Calls Plan (gRPC retries what may succeed on a second try, within `deadline_seconds`)
-        and returns the serialized PlanResponse; raises PlanRejectedError or ServiceFailedError.
-        The job name travels as metadata too, so that the server admits the call without parsing it."""
+        """Calls Plan (gRPC retries what may succeed on a second try; a stalled or failed call is
+        sent once more to another replica; all within `deadline_seconds`) and returns the
+        serialized PlanResponse; raises PlanRejectedError or ServiceFailedError. The job name
+        travels as metadata too, so that the server admits the call without parsing it."""
         metadata = ((JOB_METADATA_KEY, request.job),) if request.job else None
         started = time.perf_counter()
         try:
-            return self._plan(request, timeout=self.config.deadline_seconds, metadata=metadata)
-        except grpc.RpcError as error:
-            _raise_on_tls_mismatch(self.config, error)
-            if client_action(error.code()) is ClientAction.REJECT:
-                raise PlanRejectedError(error.code().name, error.details() or "") from None
-            raise ServiceFailedError(error.code().name.lower(), error.details() or "") from None
+            return _Failover(self, request, metadata).run()
         finally:
             self.metrics.rpc_latency.labels(self.metrics.job).observe(time.perf_counter() - started)
+
+
+RECENT_CALLS = 20  # answered calls whose latency sets when a call counts as stalled
+
+
+def hedge_delay(hedge_after_seconds: float, recent_latencies) -> float | None:
+    """How long a call may go unanswered before it is sent again: `hedge_after_seconds`, or twice
+    the slowest of the recent answered calls if longer (a job whose plans take seconds is not
+    planned twice); None: never (hedging off)."""
+    if hedge_after_seconds <= 0:
+        return None
+    return max([hedge_after_seconds, *(2 * seconds for seconds in list(recent_latencies))])
+
+
+class _Failover:
+    """One plan: a first call; a second to the next replica when the first has not answered after
+    `hedge_delay` or failed with a RETRY code; the first answer wins, the other call is cancelled.
+    Both calls end by the plan's deadline."""
+
+    CALLS = 2  # at most, per plan: a bounded hedge
+
+    def __init__(self, client: PlannerRpcClient, request: pb.PlanRequest, metadata):
+        self.client, self.request, self.metadata = client, request, metadata
+        self.end = time.monotonic() + client.config.deadline_seconds
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.calls: list[grpc.Future] = []
+        self.started: dict[int, float] = {}  # by id(call): when it was sent
+        self.failures: list[grpc.RpcError] = []
+
+    def run(self) -> bytes:
+        hedge = hedge_delay(self.client.config.hedge_after_seconds, self.client.recent_latencies)
+        hedge_at = None if hedge is None else time.monotonic() + hedge
+        self._call()
+        while True:
+            can_hedge = hedge_at is not None and len(self.calls) < self.CALLS
+            try:
+                call = self.done.get(timeout=max(0.0, hedge_at - time.monotonic()) if can_hedge else None)
+            except queue.Empty:  # the first call is still out: stalled
+                hedge_at = None
+                self._call_again("stalled")
+                continue
+            error = call.exception()
+            if error is None:
+                self._cancel_others(call)
+                self.client.recent_latencies.append(time.monotonic() - self.started[id(call)])
+                return call.result()
+            self._failed(error)
+            if client_action(error.code()) is ClientAction.RETRY and len(self.calls) < self.CALLS:
+                hedge_at = None
+                self._call_again(error.code().name.lower())
+            if all(c.done() for c in self.calls):
+                raise self._service_failed() from None
+
+    def _call(self) -> None:
+        sent = time.monotonic()
+        call = self.client._plan.future(self.request, timeout=max(0.001, self.end - sent), metadata=self.metadata)
+        self.started[id(call)] = sent
+        self.calls.append(call)
+        call.add_done_callback(self.done.put)
+
+    def _call_again(self, reason: str) -> None:
+        if self.end - time.monotonic() <= 0:
+            return
+        metrics = self.client.metrics
+        metrics.failovers.labels(metrics.job, reason).inc()
+        self._call()
+
+    def _failed(self, error: grpc.RpcError) -> None:
+        _raise_on_tls_mismatch(self.client.config, error)
+        if client_action(error.code()) is ClientAction.REJECT:
+            self._cancel_others(None)
+            raise PlanRejectedError(error.code().name, error.details() or "") from None
+        self.failures.append(error)
+
+    def _cancel_others(self, winner) -> None:
+        for call in self.calls:
+            if call is not winner:
+                call.cancel()
+
+    def _service_failed(self) -> ServiceFailedError:
+        """The last failure; the whole service's when no replica is connected, both calls failed, or
+        its code is one every replica would answer (not RETRY)."""
+        error = self.failures[-1]
+        connected = self.client._connectivity is grpc.ChannelConnectivity.READY
+        retryable = client_action(error.code()) is ClientAction.RETRY
+        whole = len(self.failures) >= self.CALLS or not connected or not retryable
+        metrics = self.client.metrics
+        metrics.service_failures.labels(metrics.job, "service" if whole else "replica").inc()
+        return ServiceFailedError(error.code().name.lower(), error.details() or "", whole_service=whole)
 
 
 def client_action(code: grpc.StatusCode) -> ClientAction:
