@@ -167,17 +167,33 @@ def _fits_the_kernel(lengths: np.ndarray, needs: np.ndarray, max_seq_len_per_ran
     return bool(((needs >= 1) & (needs < _LARGEST_CP) & ((needs & (needs - 1)) == 0)).all())
 
 
+# Upstream's `dcp_gpus_needed` values already computed in this process, per (function, budget,
+# min_cp_size): a pure function's results (auto's candidates and a job's steps repeat budgets and
+# lengths), bounded in size.
+_NEEDS_SEEN: dict[tuple[Callable, int, int], dict[int, int]] = {}
+_NEEDS_SEEN_MOST = 1 << 20
+
+
 def _needs(lengths: np.ndarray, max_seq_len_per_rank: int, min_cp_size: int, cp_min: Callable[[int, int, int], int]) -> np.ndarray:
     """Upstream's `dcp_gpus_needed` of every sample (lengths longest first), called once per
-    distinct length; raises what it raises."""
+    distinct length not seen before with these arguments; raises what it raises."""
     call = getattr(cp_min, "__wrapped__", cp_min)  # its lru_cache holds 128: a pure function either way
     distinct, inverse = np.unique(lengths, return_inverse=True)
-    values = np.array([call(int(length), max_seq_len_per_rank, min_cp_size) for length in distinct.tolist()], dtype=object)
-    if not all(type(v) is int for v in values):
-        raise TypeError("dcp_gpus_needed returned a non-int")
-    if any(not 0 < v < _LARGEST_CP for v in values):
-        raise OverflowError("a CP size the compiled loop cannot index")
-    return values.astype(np.int64)[inverse]
+    if sum(map(len, _NEEDS_SEEN.values())) > _NEEDS_SEEN_MOST:
+        _NEEDS_SEEN.clear()
+    seen = _NEEDS_SEEN.setdefault((cp_min, max_seq_len_per_rank, min_cp_size), {})
+    values = []
+    for length in distinct.tolist():
+        value = seen.get(length)
+        if value is None:
+            value = call(length, max_seq_len_per_rank, min_cp_size)
+            if type(value) is not int:
+                raise TypeError("dcp_gpus_needed returned a non-int")
+            if not 0 < value < _LARGEST_CP:
+                raise OverflowError("a CP size the compiled loop cannot index")
+            seen[length] = value
+        values.append(value)
+    return np.array(values, dtype=np.int64)[inverse]
 
 
 def _micro_batch(
@@ -234,18 +250,21 @@ def get_groups_and_subsamples(
         dynamic_cp.get_groups_and_subsamples, sample_id_seqlens, max_seq_len_per_rank=max_seq_len_per_rank, total_ranks=total_ranks,
         min_cp_size=min_cp_size, microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage, cp_min=cp_min, cap_delta=cap_delta,
     )
-    if min_cp_size < 1 or min_cp_size & (min_cp_size - 1) or not all(type(length) is int for _, length in sample_id_seqlens):
+    given = [length for _, length in sample_id_seqlens]
+    if min_cp_size < 1 or min_cp_size & (min_cp_size - 1) or not given or not all(type(length) is int for length in given):
         return python_path()
-    ordered = sorted(sample_id_seqlens, key=lambda pair: pair[1], reverse=True)
-    lengths = np.fromiter((length for _, length in ordered), dtype=object, count=len(ordered))
+    if not (0 < min(given) and max(given) ** 2 < _FLOAT_EXACT):  # the kernel's exact range (module doc)
+        return python_path()
+    # sorted(..., key=length, reverse=True) keeps equal lengths in their order: a stable argsort of -length.
+    order = np.argsort(-np.array(given, dtype=np.int64), kind="stable")
+    lengths = np.array(given, dtype=np.int64)[order]
     try:
-        lengths = lengths.astype(np.int64)
         needs = _needs(lengths, max_seq_len_per_rank, min_cp_size, cp_min)
     except Exception:  # noqa: BLE001 - an input the loop cannot take: the Python path raises (or plans) it
         return python_path()
     if not _fits_the_kernel(lengths, needs, max_seq_len_per_rank, total_ranks):
         return python_path()
-    ids = [sample_id for sample_id, _ in ordered]
+    ids = [sample_id_seqlens[position][0] for position in order.tolist()]
     sample_id_groups: list[list[list[int]]] = []
     while ids:
         per_rank, left = _micro_batch(ids, lengths, needs, total_ranks, max_seq_len_per_rank, cap_delta)
