@@ -157,6 +157,20 @@ def _place(position, length, cp_size, slot, total_ranks, times, packed, offsets,
         max_time[0] = time
 
 
+@kernel
+def _one_group(lengths, total_ranks, limit, selected):
+    """dynamic_cp._one_group_over_every_rank's loop: `selected[p]` whether sample p joins the one
+    group over every rank (each adds length / ranks to its packed length, in order)."""
+    packed = 0.0
+    for position in range(lengths.shape[0]):
+        per_rank = float(lengths[position]) / float(total_ranks)
+        if packed + per_rank <= limit:
+            selected[position] = True
+            packed += per_rank
+        else:
+            selected[position] = False
+
+
 def _fits_the_kernel(lengths: np.ndarray, needs: np.ndarray, max_seq_len_per_rank: int, total_ranks: int) -> bool:
     """Whether every value the loop computes with is an int exact as a double (module doc), and
     every CP size a power of two the loop can index."""
@@ -197,15 +211,15 @@ def _needs(lengths: np.ndarray, max_seq_len_per_rank: int, min_cp_size: int, cp_
 
 
 def _micro_batch(
-    ids: list, lengths: np.ndarray, needs: np.ndarray, total_ranks: int, max_seq_len_per_rank: int, cap_delta: float
+    ids: list, positions: np.ndarray, lengths: np.ndarray, needs: np.ndarray, total_ranks: int, max_seq_len_per_rank: int,
+    cap_delta: float,
 ) -> tuple[list[list[int]], np.ndarray]:
-    """dynamic_cp.next_micro_batch with the packing loop compiled: the micro-batch's sample ids per
-    rank, and the positions of the samples left over, in order."""
+    """dynamic_cp.next_micro_batch with the packing loop compiled, over the samples left (`positions`
+    into `ids`, longest first): the micro-batch's sample ids per rank, and the indices (into
+    `positions`) of the samples left over, in order."""
     first_length = int(lengths[0])
     cp_size = int(needs[0])
-    assert cp_size <= total_ranks, (
-        f"Sequence length {first_length} requires CP size {cp_size}, but only {total_ranks} DPxCP ranks are available."
-    )
+    assert cp_size <= total_ranks, dynamic_cp.first_needs_too_many(first_length, cp_size, total_ranks)
     cap = float(first_length) * float(max_seq_len_per_rank) * (1.0 + cap_delta)
     group_of = np.empty(len(lengths), dtype=np.int64)
     group_sizes = np.empty(total_ranks, dtype=np.int64)
@@ -215,7 +229,7 @@ def _micro_batch(
     bounds = np.searchsorted(group_of[order], np.arange(groups + 1))
     batch = dynamic_cp._MicroBatch(total_ranks, max_seq_len_per_rank, cap)
     first_rank = 0
-    order_list = order.tolist()
+    order_list = positions[order].tolist()
     for index, size in enumerate(group_sizes[:groups].tolist()):
         members = [ids[p] for p in order_list[bounds[index] : bounds[index + 1]]]
         batch.groups.append(dynamic_cp._Group(first_rank, size, members))
@@ -224,9 +238,11 @@ def _micro_batch(
     leftovers = np.flatnonzero(group_of < 0)
     while batch.used_ranks < total_ranks:
         if not dynamic_cp._fill_empty_ranks(batch):
-            selected, left = dynamic_cp._one_group_over_every_rank(ids, lengths.tolist(), total_ranks, max_seq_len_per_rank)
-            chosen = [ids[p] for p in selected]
-            return [chosen] * total_ranks, np.asarray(left, dtype=np.int64)
+            selected = np.empty(len(lengths), dtype=np.bool_)
+            _one_group(lengths, total_ranks, float(max_seq_len_per_rank), selected)
+            assert selected.any(), dynamic_cp.NOTHING_FITS_ONE_GROUP
+            chosen = [ids[p] for p in positions[selected].tolist()]
+            return [chosen] * total_ranks, np.flatnonzero(~selected)
     # The ranks of one group share one list (as DpBalancedScheduler's do): equal, list for list,
     # to dynamic_cp's copies, which no caller mutates; a copy per rank is most of a plan's time.
     per_rank: list[list[int]] = []
@@ -264,14 +280,13 @@ def get_groups_and_subsamples(
         return python_path()
     if not _fits_the_kernel(lengths, needs, max_seq_len_per_rank, total_ranks):
         return python_path()
-    ids = [sample_id_seqlens[position][0] for position in order.tolist()]
+    ids = [sample_id for sample_id, _ in sample_id_seqlens]
+    positions = order  # the samples left, longest first, as positions in `ids`
     sample_id_groups: list[list[list[int]]] = []
-    while ids:
-        per_rank, left = _micro_batch(ids, lengths, needs, total_ranks, max_seq_len_per_rank, cap_delta)
+    while len(positions):
+        per_rank, left = _micro_batch(ids, positions, lengths, needs, total_ranks, max_seq_len_per_rank, cap_delta)
         sample_id_groups.append(per_rank)
-        left_list = left.tolist()
-        ids = [ids[p] for p in left_list]
-        lengths, needs = lengths[left], needs[left]
+        positions, lengths, needs = positions[left], lengths[left], needs[left]
     if microbatch_group_size_per_vp_stage is not None and microbatch_group_size_per_vp_stage > 1:
         sample_id_groups = align_sample_id_groups(sample_id_groups, microbatch_group_size_per_vp_stage)
     return sample_id_groups
@@ -283,3 +298,4 @@ def prepare() -> None:
     lengths = np.array([3, 2, 1], dtype=np.int64)
     needs = np.array([1, 1, 1], dtype=np.int64)
     _pack(lengths, needs, 2, 4.0, 9.45, np.empty(3, dtype=np.int64), np.empty(2, dtype=np.int64))
+    _one_group(lengths, 2, 4.0, np.empty(3, dtype=np.bool_))
