@@ -75,3 +75,30 @@ def test_the_trainer_clients_fallback_compiles_when_it_starts(tmp_path):
         "print(len(c._pack.signatures))"
     )
     assert _run(code, str(tmp_path)) == "1"
+
+
+def test_a_compiler_that_fails_at_start_leaves_the_pure_python_exact_path_planning(monkeypatch):
+    """A stand-in for what this machine cannot produce (LLVM failing on a host): the kernels'
+    compilation raises at start. The process must keep planning, on the pure-Python exact path,
+    and say why."""
+    from batch_planner.exact import compiled_dynamic_cp, prepare
+    from batch_planner.exact.verified import exact_path_status, select_implementation
+
+    def broken() -> None:
+        raise RuntimeError("planted: LLVM cannot compile here")
+
+    monkeypatch.setattr(compiled_dynamic_cp, "prepare", broken)
+    monkeypatch.setattr(compiler, "_failed", "")
+    select_implementation("compiled")
+    try:
+        assert exact_path_status(SchedulerKind.DYNAMIC_CP).compiled
+        assert prepare.prepare() == 0.0
+        status = exact_path_status(SchedulerKind.DYNAMIC_CP)
+        assert status.active and not status.compiled
+        assert "compiling failed (RuntimeError: planted: LLVM cannot compile here)" in status.reason
+        request = PlanRequest.of((4096, 2048, 1024, 512), 2, 2, 4096, scheduler=SchedulerKind.DYNAMIC_CP)
+        assert served_bytes(request, SchedulerImplementation.COMPILED) == served_bytes(request, SchedulerImplementation.UPSTREAM)
+    finally:
+        monkeypatch.undo()
+        select_implementation(None)
+    assert exact_path_status(SchedulerKind.DYNAMIC_CP).compiled

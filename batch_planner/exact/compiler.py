@@ -19,14 +19,28 @@ from typing import Callable, TypeVar, cast
 F = TypeVar("F", bound=Callable)
 
 
+_failed = ""  # why compiling failed in this process (`mark_failed`), if it did
+
+
 @lru_cache(maxsize=1)
-def unavailable_reason() -> str:
-    """Empty when numba compiles here, else why not."""
+def _import_problem() -> str:
     try:
         import numba  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - not installed, or a broken llvmlite
         return f"numba is not importable ({type(exc).__name__}: {exc})"
     return ""
+
+
+def unavailable_reason() -> str:
+    """Empty when numba compiles here, else why not."""
+    return _failed or _import_problem()
+
+
+def mark_failed(reason: str) -> None:
+    """Compiling failed in this process: from now on the compiled setting runs the pure-Python
+    exact path, and says why."""
+    global _failed
+    _failed = reason
 
 
 def available() -> bool:

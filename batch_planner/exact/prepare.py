@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 def prepare(always: bool = False) -> float:
     """Compiles (or loads from the disk cache) the compiled exact path's kernels in this process
     where this process's setting runs them (`always`: wherever the compiler is importable, for a
-    forkserver whose workers choose later). Returns the seconds it took (0.0: nothing to do)."""
+    forkserver whose workers choose later). Returns the seconds it took (0.0: nothing to do).
+    Should compiling fail, the process plans with the pure-Python exact path, which its status
+    (GetCapabilities, the start-up log) then names with the reason."""
     if not compiler.available():
         return 0.0
     if not always and not exact_path_status(SchedulerKind.DYNAMIC_CP).compiled:
@@ -29,7 +31,13 @@ def prepare(always: bool = False) -> float:
     from batch_planner.exact import compiled_dynamic_cp
 
     started = time.perf_counter()
-    compiled_dynamic_cp.prepare()
+    try:
+        compiled_dynamic_cp.prepare()
+    except Exception as exc:  # noqa: BLE001 - a compiler that cannot compile here must not stop the planner
+        compiler.mark_failed(f"compiling failed ({type(exc).__name__}: {exc})")
+        exact_path_status.cache_clear()
+        log.error("the compiled exact path could not compile; the pure-Python exact path plans instead: %s", exc, exc_info=True)
+        return 0.0
     seconds = time.perf_counter() - started
     log.debug("compiled exact path ready in %.2f s (%s)", seconds, compiler.version())
     return seconds
