@@ -114,6 +114,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     TMPDIR=/tmp \
     XDG_CACHE_HOME=/tmp/.cache \
+    NUMBA_CACHE_DIR=/tmp/.cache/numba \
     PLANNER_HOST=[::] \
     PLANNER_PORT=50051 \
     PLANNER_METRICS_PORT=9400

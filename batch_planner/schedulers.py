@@ -2,7 +2,8 @@
 
 The algorithm is Megatron-Core's: this module imports its classes and runs them, either through
 upstream's own code or (the default, `exact/verified.py` decides where) through the exact
-re-execution in batch_planner/exact, byte-identical to upstream's by the differential corpus. It
+re-execution in batch_planner/exact (compiled, or pure Python), byte-identical to upstream's by the
+differential corpus. It
 turns their output `sample_id_groups[micro_batch][dp_cp_rank] -> [sample ids]` into CP groups.
 Everything a scheduler cannot take is rejected earlier, in validation.py.
 """
@@ -203,9 +204,10 @@ def align_cp_groups(rank_ids: list[list[int]]) -> list[list[int]]:
 
 
 def _run_dynamic_cp(cls, request: PlanRequest, seqlens: list[tuple[int, int]], implementation: SchedulerImplementation | None) -> RankAssignment:
-    if exact_path_status(SchedulerKind.DYNAMIC_CP, implementation).active:
+    status = exact_path_status(SchedulerKind.DYNAMIC_CP, implementation)
+    if status.active:
         utils = _quiet_import("megatron.core.datasets.data_schedule_utils")
-        return exact_dynamic_cp.get_groups_and_subsamples(
+        return _dynamic_cp_execution(status.compiled)(
             seqlens,
             max_seq_len_per_rank=request.max_seqlen_per_dp_cp_rank,
             total_ranks=request.dp_cp_size,
@@ -224,6 +226,16 @@ def _run_dynamic_cp(cls, request: PlanRequest, seqlens: list[tuple[int, int]], i
     return scheduler.get_groups_and_subsamples(seqlens)
 
 
+def _dynamic_cp_execution(compiled: bool) -> Callable[..., RankAssignment]:
+    """The exact dynamic-CP path's entry point: compiled (imported on first use: it imports the
+    compiler) or pure Python."""
+    if compiled:
+        from batch_planner.exact import compiled_dynamic_cp
+
+        return compiled_dynamic_cp.get_groups_and_subsamples
+    return exact_dynamic_cp.get_groups_and_subsamples
+
+
 def _run_static_packing(cls, request: PlanRequest, seqlens: list[tuple[int, int]], _: SchedulerImplementation | None) -> RankAssignment:
     scheduler = cls(
         request.max_seqlen_per_dp_cp_rank,
@@ -233,8 +245,18 @@ def _run_static_packing(cls, request: PlanRequest, seqlens: list[tuple[int, int]
         max_num_seqs=request.max_seqs_per_micro_batch,
     )
     groups = scheduler.get_groups_and_subsamples(seqlens)
-    # DpBalancedScheduler returns positions in the list it was given, not the ids in it.
-    return [[[seqlens[pos][0] for pos in rank_ids] for rank_ids in mb] for mb in groups]
+    # DpBalancedScheduler returns positions in the list it was given, not the ids in it. The ranks
+    # of one CP group share one list object: each is converted once (the result shares it too),
+    # not once per rank - a static CP of 1,024 would otherwise copy every sample 1,024 times.
+    converted: dict[int, list[int]] = {}  # id() of upstream's list, alive in `groups` meanwhile
+
+    def ids_of(positions: list[int]) -> list[int]:
+        ids = converted.get(id(positions))
+        if ids is None:
+            ids = converted[id(positions)] = [seqlens[pos][0] for pos in positions]
+        return ids
+
+    return [[ids_of(rank_ids) for rank_ids in mb] for mb in groups]
 
 
 _RUNNERS: dict[SchedulerKind, Callable[..., RankAssignment]] = {

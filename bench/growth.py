@@ -1,17 +1,19 @@
-"""Growth: scheduler time from 64 to 16,384 samples and 8 to 1,024 DPxCP ranks, Megatron-Core's own
-code and the exact path side by side.
+"""Growth: scheduler time from 64 to 65,536 samples and 8 to 4,096 DPxCP ranks, Megatron-Core's own
+code, the exact path and its compiled execution side by side.
 
     python -m bench.growth --out docs/bench                 # measure what fits, extrapolate the rest
     python -m bench.growth --out docs/bench --cap-seconds 120 --schedulers dynamic_cp
+    python -m bench.growth --out docs/bench --schedulers dynamic_cp --sizes 256x32,1024x128,4096x256,16384x1024,65536x4096
 
 Each cell is one scheduler on one batch size (`lognormal_32k`, job CP 2, 8,192 tokens per rank),
 timed in a timing process of its own with one torch thread, pinned to one core where the OS allows
 (`os.sched_setaffinity`), after a warm-up plan per scheduler and implementation
-(`batch_planner.schedulers.run_scheduler`: the scheduler's call and nothing else). Both
+(`batch_planner.schedulers.run_scheduler`: the scheduler's call and nothing else). The
 implementations plan the same batches, interleaved run by run in that process: for each seed,
-Megatron-Core's own code (`upstream`, `select_implementation("upstream")`), then the exact path
-(`exact`, batch_planner/exact, byte-identical plans), so the ratio upstream / exact of a cell is
-the median of ratios of runs on the same batch. Cells run smallest first; once three cells of an
+Megatron-Core's own code (`upstream`, `select_implementation("upstream")`), then the pure-Python
+exact path (`exact`, batch_planner/exact, byte-identical plans), then its compiled execution
+(`compiled`, the same plans; compiled before the first run), so each ratio of a cell (upstream /
+exact, exact / compiled, upstream / compiled) is the median of ratios of runs on the same batch. Cells run smallest first; once three cells of an
 implementation are measured, a log-log fit `t = a * samples^b * ranks^c` over them predicts the
 next cell, and where the fit predicts upstream above `--cap-seconds` upstream is not run: its time
 is the fit's extrapolation, marked as such, never a measurement (the number shown is the final fit
@@ -49,11 +51,14 @@ SAMPLES = (64, 256, 1024, 4096, 16384)
 RANKS = (8, 32, 128, 256, 1024)
 SMOKE_SAMPLES, SMOKE_RANKS = (64, 128), (8, 16)
 CAP_S, MIN_S, MAX_RUNS = 120.0, 3.0, 5
-IMPLEMENTATIONS = ("upstream", "exact")  # the order of the runs on each batch
-# The bars, on dynamic CP in the same run: upstream / exact at 4,096 on 256, and the exact
-# path's time at 16,384 on 1,024 on one core.
+IMPLEMENTATIONS = ("upstream", "exact", "compiled")  # the order of the runs on each batch
+# Past the grid: the size issue 45 adds (the exact path measured, upstream extrapolated).
+EXTRA_SIZES = (BatchSize(65536, 4096),)
+# The bars, on dynamic CP in the same run: upstream / exact at 4,096 on 256, the exact path's
+# time at 16,384 on 1,024 on one core, and the compiled path's there (issue 45).
 RATIO_BAR, RATIO_SIZE = 30.0, BatchSize(4096, 256)
 TIME_BAR_S, TIME_SIZE = 10.0, BatchSize(16384, 1024)
+COMPILED_BAR_S = 0.05
 
 
 def schedulers() -> tuple[SchedulerKind, ...]:
@@ -139,9 +144,12 @@ def timer_initializer(kinds: tuple[str, ...]) -> None:
 
     torch.set_num_threads(1)
     pin_to_one_core()
+    from batch_planner.exact.prepare import prepare
+
     for kind in kinds:
         for implementation in IMPLEMENTATIONS:
             select_implementation(implementation)
+            prepare()
             scheduler_call(kind)(make_request(DISTRIBUTION, BatchSize(64, 8), seed=10_000, scheduler=SchedulerKind(kind)))
 
 
@@ -149,8 +157,10 @@ def timer_setup() -> str:
     """In the timing process: how it is pinned, and which code each implementation runs."""
     from batch_planner.exact.verified import exact_path_status, select_implementation
 
-    select_implementation("exact")
-    status = {k.value: exact_path_status(k).reason for k in schedulers()}
+    status = {}
+    for implementation in IMPLEMENTATIONS[1:]:
+        select_implementation(implementation)
+        status.update({f"{k.value} ({implementation})": exact_path_status(k).reason for k in schedulers()})
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     return f"timing process on cores {affinity}; exact path: " + "; ".join(f"{k}: {r}" for k, r in status.items())
 
@@ -179,9 +189,10 @@ def time_cell(args: tuple[str, int, int, float, int, tuple[str, ...]]) -> tuple[
     return times, ""
 
 
-def grid(samples: tuple[int, ...], ranks: tuple[int, ...]) -> list[BatchSize]:
+def grid(samples: tuple[int, ...], ranks: tuple[int, ...], extra: tuple[BatchSize, ...] = ()) -> list[BatchSize]:
     """Cells in order of growing work (samples x ranks), so the fit exists before the big ones."""
-    return sorted((BatchSize(s, r) for s in samples for r in ranks), key=lambda b: (b.samples * b.ranks, b.ranks))
+    cells = {BatchSize(s, r) for s in samples for r in ranks} | set(extra)
+    return sorted(cells, key=lambda b: (b.samples * b.ranks, b.ranks))
 
 
 def measure_scheduler(
@@ -196,7 +207,7 @@ def measure_scheduler(
         for implementation, done in cells.items():
             current = fit(done)
             predicted[implementation] = current.predict(size) if current else None
-        run = tuple(i for i in IMPLEMENTATIONS if i == "exact" or (predicted[i] or 0.0) <= cap)
+        run = tuple(i for i in IMPLEMENTATIONS if i != "upstream" or (predicted[i] or 0.0) <= cap)
         times, error = pool.apply(time_cell, ((scheduler, size.samples, size.ranks, min_s, max_runs, run),))
         for implementation in IMPLEMENTATIONS:
             measured = times.get(implementation, [])
@@ -218,7 +229,8 @@ def refit(cells: list[Cell]) -> list[Cell]:
 
 
 def paired_ratio(upstream: Cell, exact: Cell) -> Spread | None:
-    """upstream / exact, run by run on the same batch; None where upstream was not measured."""
+    """upstream / exact (or any slower / faster pair), run by run on the same batch; None where
+    either was not measured."""
     pairs = [u / e for u, e in zip(upstream.times, exact.times) if e > 0]
     return Spread.of(pairs) if upstream.seconds and exact.seconds and pairs else None
 
@@ -247,10 +259,21 @@ def table(cells: list[Cell], samples: tuple[int, ...], ranks: tuple[int, ...]) -
     return markdown_table(["samples \\ DPxCP ranks"] + [str(r) for r in ranks], rows)
 
 
-def side_by_side(upstream: list[Cell], exact: list[Cell]) -> str:
-    """One row per cell: both times and the paired ratio."""
-    rows = [[u.size.label, cell_text(u), cell_text(e), ratio_text(u, e)] for u, e in zip(upstream, exact)]
-    return markdown_table(["samples on DPxCP ranks", "upstream s/plan", "exact s/plan", "upstream / exact (same batches)"], rows)
+# The ratios a side-by-side table shows: (slower, faster) implementations.
+RATIOS = (("upstream", "exact"), ("exact", "compiled"), ("upstream", "compiled"))
+
+
+def side_by_side(by_implementation: dict[str, list[Cell]]) -> str:
+    """One row per cell: every implementation's time and the paired ratios."""
+    names = [i for i in IMPLEMENTATIONS if i in by_implementation]
+    ratios = [(a, b) for a, b in RATIOS if a in by_implementation and b in by_implementation]
+    rows = []
+    for cells in zip(*(by_implementation[i] for i in names)):
+        by = dict(zip(names, cells))
+        rows.append([cells[0].size.label] + [cell_text(c) for c in cells] + [ratio_text(by[a], by[b]) for a, b in ratios])
+    return markdown_table(
+        ["samples on DPxCP ranks"] + [f"{i} s/plan" for i in names] + [f"{a} / {b} (same batches)" for a, b in ratios], rows
+    )
 
 
 def plot(results: dict[str, dict[str, list[Cell]]], ranks: tuple[int, ...], path: Path) -> None:
@@ -303,6 +326,14 @@ def bars(results: dict[str, dict[str, list[Cell]]]) -> list[Bar]:
     big = by.get(("exact", TIME_SIZE))
     if big is not None and big.seconds is not None:
         found.append(Bar(f"dynamic CP {TIME_SIZE.label}, exact: {big.seconds.p50:.3g} s", f"<= {TIME_BAR_S:g} s on one core", big.seconds.p50 <= TIME_BAR_S))
+    compiled = by.get(("compiled", TIME_SIZE))
+    if compiled is not None and compiled.seconds is not None:
+        speedup = paired_ratio(big, compiled) if big is not None else None
+        found.append(Bar(
+            f"dynamic CP {TIME_SIZE.label}, compiled: {compiled.seconds.p50 * 1000:.3g} ms"
+            + (f" (exact / compiled {speedup.p50:.3g}x)" if speedup else ""),
+            f"<= {COMPILED_BAR_S * 1000:g} ms p50 on one core", compiled.seconds.p50 <= COMPILED_BAR_S,
+        ))
     return found
 
 
@@ -313,8 +344,7 @@ def write(
     plot(results, ranks, out / f"growth{suffix}.png")
     sections = []
     for name, by_implementation in results.items():
-        upstream, exact = by_implementation["upstream"], by_implementation["exact"]
-        sections.append((f"{name}: upstream and exact, side by side", side_by_side(upstream, exact)))
+        sections.append((f"{name}: {', '.join(by_implementation)}, side by side", side_by_side(by_implementation)))
         for implementation, cells in by_implementation.items():
             sections.append((f"{name}, {implementation}: seconds per plan", table(cells, samples, ranks)))
     sections.append((
@@ -327,7 +357,7 @@ def write(
     if found:
         sections.append(("Bars", markdown_table(["case", "bar", "verdict"], [[b.case, b.target, verdict(b.met)] for b in found])))
     return write_report(
-        out, f"growth{suffix}", "Growth of scheduler time with samples and ranks: Megatron-Core's code and the exact path",
+        out, f"growth{suffix}", "Growth of scheduler time with samples and ranks: Megatron-Core's code, the exact path and its compiled execution",
         ("**Partial: the run is still going.**\n\n" if partial else "")
         + (__doc__ or "").split("\n\n", 2)[2].strip()
         + f"\n\nThis run: cap {cap:g} s per upstream cell, at least {min_seconds:g} s or {max_runs} runs per cell; "
@@ -341,8 +371,9 @@ def write(
 
 def run(
     out: Path, smoke: bool = False, cap: float = CAP_S, min_seconds: float = MIN_S, max_runs: int = MAX_RUNS,
-    kinds: tuple[SchedulerKind, ...] | None = None,
+    kinds: tuple[SchedulerKind, ...] | None = None, only_sizes: tuple[BatchSize, ...] = (),
 ) -> Report[Cell]:
+    """The grid (or `only_sizes`, smallest work first) for each scheduler of `kinds`."""
     from batch_planner.schedulers import discover_schedulers
 
     samples, ranks = (SMOKE_SAMPLES, SMOKE_RANKS) if smoke else (SAMPLES, RANKS)
@@ -350,7 +381,10 @@ def run(
         min_seconds, max_runs = 0.0, 1
     available = {k for k, a in discover_schedulers().items() if a.available} | {SchedulerKind.AUTO}
     chosen = [k for k in (kinds or schedulers()) if k in available]
-    sizes = grid(samples, ranks)
+    sizes = grid((), (), only_sizes) if only_sizes else grid(samples, ranks, () if smoke else EXTRA_SIZES)
+    if only_sizes:
+        samples = tuple(sorted({b.samples for b in only_sizes}))
+        ranks = tuple(sorted({b.ranks for b in only_sizes}))
     names = tuple(k.value for k in chosen)
     suffix = "_smoke" if smoke else ""
     results: dict[str, dict[str, list[Cell]]] = {}
@@ -392,14 +426,20 @@ def run_cells(out: Path, cells: list[tuple[str, BatchSize]], jobs: int, max_runs
         Cell(n, b, Spread.of(t[i]) if t.get(i) and not e else None, None, e, i, tuple(t.get(i, ())))
         for (n, b), (t, e) in zip(cells, results) for i in IMPLEMENTATIONS
     ]
-    pairs = list(zip(rows[::2], rows[1::2]))
-    table_rows = [[u.scheduler, u.size.label, cell_text(u), cell_text(e), ratio_text(u, e)] for u, e in pairs]
+    width = len(IMPLEMENTATIONS)
+    table_rows = [
+        [cells[0].scheduler, cells[0].size.label] + [cell_text(c) for c in cells] + [ratio_text(cells[0], c) for c in cells[1:]]
+        for cells in (rows[k : k + width] for k in range(0, len(rows), width))
+    ]
     return write_report(
         out, "growth_cells", "Scheduler time of named cells, measured in parallel",
         f"Each cell in its own timing process with one torch thread, {jobs} cells at a time "
-        "(`python -m bench.growth --cells ...`), upstream then exact on each batch, on the same inputs as "
+        f"(`python -m bench.growth --cells ...`), {', then '.join(IMPLEMENTATIONS)} on each batch, on the same inputs as "
         "docs/bench/growth.md.",
-        [("Results", markdown_table(["scheduler", "samples on ranks", "upstream s/plan", "exact s/plan", "upstream / exact"], table_rows))],
+        [("Results", markdown_table(
+            ["scheduler", "samples on ranks"] + [f"{i} s/plan" for i in IMPLEMENTATIONS] + [f"upstream / {i}" for i in IMPLEMENTATIONS[1:]],
+            table_rows,
+        ))],
         rows=rows,
     )
 
@@ -412,12 +452,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--schedulers", default="", help="comma-separated subset (default: hybrid_cp,dynamic_cp)")
     parser.add_argument("--cells", default="", help="measure only these, e.g. dynamic_cp:4096x512,hybrid_cp:64x8")
     parser.add_argument("--jobs", type=int, default=1, help="with --cells: cells measured at once")
+    parser.add_argument("--sizes", default="", help="only these sizes instead of the grid, e.g. 1024x128,4096x256 (samples x ranks)")
     args = parser.parse_args(argv)
     if args.cells:
         print(run_cells(args.out, parse_cells(args.cells), args.jobs, args.max_runs).path.read_text())
         return
     kinds = tuple(SchedulerKind(s) for s in args.schedulers.split(",") if s) or None
-    report = run(args.out, args.smoke, args.cap_seconds, args.min_seconds, args.max_runs, kinds)
+    sizes = tuple(BatchSize(*map(int, item.split("x"))) for item in args.sizes.split(",") if item)
+    report = run(args.out, args.smoke, args.cap_seconds, args.min_seconds, args.max_runs, kinds, sizes)
     print(report.path.read_text())
 
 

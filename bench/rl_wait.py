@@ -11,16 +11,20 @@ Each step is a new batch (a new seed) and one `plan_step(step, lengths)` with no
 the wait is the whole of one plan as the trainer sees it (the request, the planning on the server,
 for `auto` every candidate over the workers with the hybrid-CP candidates that cannot win skipped,
 the response and the client's checks). Cases: dynamic CP and `auto` at 4,096 samples on 256 ranks
-and 16,384 on 1,024 (`lognormal_32k`, job CP 2, 8,192 tokens per rank), interleaved seed by seed
-(each seed: every case in turn), after one unreported plan per case on another seed (the first
-plan of a size warms the workers). After the runs the server's GetCapabilities plan rates (median
-seconds per plan over its latest plans, and plans per second over its workers) are read back.
-Bars: `auto` served in at most 3 s at 4,096 on 256 and at most 60 s at 16,384 on 1,024,
-on every run (the max).
+and 16,384 on 1,024 (`lognormal_32k`, job CP 2, 8,192 tokens per rank), each on two servers side
+by side: one with `--scheduler-implementation compiled` (the default) and one with `exact` (the
+pure-Python exact path), interleaved seed by seed (each seed: every case on each server in turn;
+only one plan is in flight at a time), after one unreported plan per case on another seed (the
+first plan of a size warms the workers). After the runs each server's GetCapabilities plan rates
+(median seconds per plan over its latest plans, and plans per second over its workers) are read
+back. Bars: `auto` served in at most 3 s at 4,096 on 256 and at most 60 s at 16,384 on 1,024, on
+every run (the max), and (issue 45) `auto` on the compiled server at 16,384 on 1,024 in at most
+0.5 s p50.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +51,8 @@ SIZES, SMOKE_SIZES = (BatchSize(4096, 256), BatchSize(16384, 1024)), (BatchSize(
 SCHEDULERS = (SchedulerKind.DYNAMIC_CP, SchedulerKind.AUTO)
 RUNS, SMOKE_RUNS = 5, 2
 BARS_S = (3.0, 60.0)  # auto's wait, max over runs, at each of the sizes in turn
+IMPLEMENTATIONS = ("compiled", "exact")  # one server each, side by side
+P50_BAR_S, P50_BAR_SIZE = 0.5, BatchSize(16384, 1024)  # auto on the compiled server
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,8 @@ class Case:
     waits: Spread
     candidates: str  # auto: planned / skipped / not planned of the last run's candidates
     bar_s: float | None
+    implementation: str = "compiled"  # the server's --scheduler-implementation
+    times: tuple[float, ...] = ()  # seed by seed (the pairing for the ratio)
 
     @property
     def met(self) -> bool | None:
@@ -64,6 +72,7 @@ class Case:
 
 @dataclass(frozen=True)
 class Rate:
+    implementation: str
     scheduler: str
     samples: int
     ranks: int
@@ -101,7 +110,7 @@ def one_wait(client, step: int, lengths: tuple[int, ...]) -> tuple[float, object
     return waited, plan
 
 
-def plan_rates(address: str) -> tuple[int, list[Rate]]:
+def plan_rates(address: str, implementation: str) -> tuple[int, list[Rate]]:
     from batch_planner.v1 import planner_pb2 as pb
 
     channel, stub = planner_stub(address)
@@ -110,15 +119,15 @@ def plan_rates(address: str) -> tuple[int, list[Rate]]:
     finally:
         channel.close()
     return caps.planning_workers, [
-        Rate(pb.Scheduler.Name(r.scheduler).removeprefix("SCHEDULER_").lower(), r.samples, r.dp_cp_size,
+        Rate(implementation, pb.Scheduler.Name(r.scheduler).removeprefix("SCHEDULER_").lower(), r.samples, r.dp_cp_size,
              r.plans_measured, r.seconds_per_plan, r.plans_per_second)
         for r in caps.plan_rates
     ]
 
 
-def measure(address: str, sizes: tuple[BatchSize, ...], runs: int) -> list[Case]:
-    cases = [(scheduler, size) for size in sizes for scheduler in SCHEDULERS]
-    clients = {case: make_client(address, case[1], case[0]) for case in cases}
+def measure(addresses: dict[str, str], sizes: tuple[BatchSize, ...], runs: int) -> list[Case]:
+    cases = [(scheduler, size, implementation) for size in sizes for scheduler in SCHEDULERS for implementation in addresses]
+    clients = {case: make_client(addresses[case[2]], case[1], case[0]) for case in cases}
     waits: dict[tuple, list[float]] = {case: [] for case in cases}
     last: dict[tuple, object] = {}
     try:
@@ -129,42 +138,68 @@ def measure(address: str, sizes: tuple[BatchSize, ...], runs: int) -> list[Case]
                 lengths = make_request(DISTRIBUTION, case[1], seed=seed).sequence_lengths
                 waited, last[case] = one_wait(client, seed, lengths)
                 waits[case].append(waited)
-                print(f"rl_wait: {case[0].value} {case[1].label} seed {seed}: {waited:.3f} s", flush=True)
+                print(f"rl_wait: {case[0].value} {case[1].label} ({case[2]}) seed {seed}: {waited:.3f} s", flush=True)
     finally:
         for client in clients.values():
             client.close()
     bars = dict(zip(sizes, BARS_S))
     return [
-        Case(s.value, b, Spread.of(waits[(s, b)]), candidate_counts(last[(s, b)]),
-             bars[b] if s is SchedulerKind.AUTO else None)
-        for s, b in cases
+        Case(s.value, b, Spread.of(waits[(s, b, i)]), candidate_counts(last[(s, b, i)]),
+             bars[b] if s is SchedulerKind.AUTO and i == IMPLEMENTATIONS[0] else None, i, tuple(waits[(s, b, i)]))
+        for s, b, i in cases
     ]
+
+
+def ratio_text(case: Case, cases: list[Case]) -> str:
+    """exact / compiled on the same seeds, on the compiled case's row."""
+    other = next((c for c in cases if (c.scheduler, c.size) == (case.scheduler, case.size) and c.implementation == "exact"), None)
+    if case.implementation != "compiled" or other is None:
+        return "-"
+    ratios = Spread.of([e / c for e, c in zip(other.times, case.times) if c > 0])
+    return f"{ratios.p50:.3g}x ({ratios.min:.3g}..{ratios.max:.3g})"
+
+
+def p50_bar(cases: list[Case]) -> Bar | None:
+    found = next((c for c in cases if c.scheduler == "auto" and c.size == P50_BAR_SIZE and c.implementation == "compiled"), None)
+    if found is None:
+        return None
+    return Bar(f"auto, {P50_BAR_SIZE.label}, compiled server: {found.waits.p50:.3f} s", f"wait p50 <= {P50_BAR_S:g} s", found.waits.p50 <= P50_BAR_S)
 
 
 def run(out: Path, smoke: bool = False, address: str | None = None, runs: int = RUNS) -> Report[Case | Rate]:
     sizes, runs = (SMOKE_SIZES, SMOKE_RUNS) if smoke else (SIZES, runs)
-    with planner_server(address, workers=0) as addr:
-        cases = measure(addr, sizes, runs)
-        workers, rates = plan_rates(addr)
+    implementations = IMPLEMENTATIONS if address is None else IMPLEMENTATIONS[:1]  # a given server: its own setting
+    with contextlib.ExitStack() as stack:
+        addresses = {
+            i: stack.enter_context(planner_server(address, workers=0, args=("--scheduler-implementation", i))) for i in implementations
+        }
+        cases = measure(addresses, sizes, runs)
+        rates = []
+        for implementation, addr in addresses.items():
+            workers, found = plan_rates(addr, implementation)
+            rates += found
     suffix = "_smoke" if smoke else ""
     table = markdown_table(
-        ["scheduler", "samples on ranks", "runs", "wait s p50", "wait s min..max", "auto's candidates (last run)", "bar", "verdict"],
-        [[c.scheduler, c.size.label, c.waits.runs, f"{c.waits.p50:.3f}", f"{c.waits.min:.3f}..{c.waits.max:.3f}",
-          c.candidates, f"max <= {c.bar_s:g} s" if c.bar_s else "-", verdict(c.met) if c.met is not None else "-"]
+        ["scheduler", "samples on ranks", "server", "runs", "wait s p50", "wait s min..max", "exact / compiled (same seeds)",
+         "auto's candidates (last run)", "bar", "verdict"],
+        [[c.scheduler, c.size.label, c.implementation, c.waits.runs, f"{c.waits.p50:.3f}", f"{c.waits.min:.3f}..{c.waits.max:.3f}",
+          ratio_text(c, cases), c.candidates, f"max <= {c.bar_s:g} s" if c.bar_s else "-", verdict(c.met) if c.met is not None else "-"]
          for c in cases],
     )
     rate_table = markdown_table(
-        ["scheduler", "samples (class)", "DPxCP ranks (class)", "plans measured", "seconds per plan (median)", "plans per second"],
-        [[r.scheduler, f"<= {r.samples:,}", f"<= {r.ranks:,}", r.plans_measured, f"{r.seconds_per_plan:.3g}",
+        ["server", "scheduler", "samples (class)", "DPxCP ranks (class)", "plans measured", "seconds per plan (median)", "plans per second"],
+        [[r.implementation, r.scheduler, f"<= {r.samples:,}", f"<= {r.ranks:,}", r.plans_measured, f"{r.seconds_per_plan:.3g}",
           f"{r.plans_per_second:.3g}"] for r in rates],
     )
+    bars = [Bar(f"auto, {c.size.label}", f"wait max <= {c.bar_s:g} s", bool(c.met)) for c in cases if c.bar_s]
+    bars += [bar for bar in [p50_bar(cases)] if bar is not None]
     return write_report(
         out, f"rl_wait{suffix}", "No-lookahead planning (RL): the wait for one plan",
         (__doc__ or "").split("\n\n", 2)[2].strip(),
         [("Results", table),
-         (f"Plan rates the server reported (GetCapabilities, {workers} planning workers)", rate_table)],
+         (f"Plan rates each server reported (GetCapabilities, {workers} planning workers each)", rate_table)],
         rows=[*cases, *rates],
-        bars=[Bar(f"auto, {c.size.label}", f"wait max <= {c.bar_s:g} s", bool(c.met)) for c in cases if c.bar_s],
+        bars=bars,
     )
 
 

@@ -28,7 +28,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batch_planner.cost_derivation import cost_model_for_preset
 from batch_planner.cost_spec import CostModel, preset_names
-from batch_planner.exact.verified import SchedulerImplementation
+from batch_planner.exact.verified import DEFAULT_IMPLEMENTATION, SchedulerImplementation
 from batch_planner.validation import RequestLimits
 from planner_server import __version__
 
@@ -95,8 +95,9 @@ class ServerConfig:
         "", "default cost model for requests that name none: a preset (GetCapabilities lists them; e.g. llama3-8b-h200); empty: the "
         "coefficient flags")
     scheduler_implementation: Annotated[str, _one_of(lambda: (v.value for v in SchedulerImplementation))] = _setting(
-        "exact", "exact: Megatron-Core's algorithms through the planner's exact, faster execution (the same plans byte for byte) where the "
-        "installed Megatron-Core is a build it was verified against, else Megatron-Core's own code; upstream: always Megatron-Core's own code")
+        DEFAULT_IMPLEMENTATION.value, "compiled: Megatron-Core's algorithms through the planner's exact, faster execution (the same plans byte "
+        "for byte), its hot loops compiled (numba) where the compiler is importable, where the installed Megatron-Core is a build it was "
+        "verified against, else Megatron-Core's own code; exact: the same, always in pure Python; upstream: always Megatron-Core's own code")
     limits: RequestLimits = field(default_factory=RequestLimits)
     cost_model: CostModel = field(default_factory=CostModel)
 

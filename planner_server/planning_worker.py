@@ -26,7 +26,7 @@ from batch_planner.errors import ErrorCode, InvalidRequestError, InvariantViolat
 from batch_planner.plan import CandidateSummary, Plan, PlanStatistics
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
-from batch_planner.exact.verified import select_implementation
+from batch_planner.exact.verified import DEFAULT_IMPLEMENTATION, select_implementation
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.validation import RequestLimits, job_name_refusal
 from planner_server.logging_setup import configure_logging
@@ -184,10 +184,13 @@ def _auto_fields(summaries: Sequence[CandidateSummary]) -> dict:
 
 
 def warm_up() -> None:
-    """Imports Megatron-Core and plans one small batch, so the first real request is not slow."""
+    """Imports Megatron-Core, compiles the compiled exact path where this process runs it, and plans
+    one small batch, so the first real request is not slow."""
+    from batch_planner.exact.prepare import prepare
     from batch_planner.schedulers import discover_schedulers
 
     discover_schedulers()
+    prepare()
     plan_batch(PlanRequest.of((4096, 2048, 1024, 512, 512, 256, 128, 64), 4, 2, 4096))
 
 
@@ -195,7 +198,8 @@ _settings: tuple[RequestLimits, CostModel] = (RequestLimits(), CostModel())  # t
 
 
 def worker_initializer(
-    log_level: str, limits: RequestLimits, cost_model: CostModel, log_format: str = "text", scheduler_implementation: str = "exact"
+    log_level: str, limits: RequestLimits, cost_model: CostModel, log_format: str = "text",
+    scheduler_implementation: str = DEFAULT_IMPLEMENTATION.value,
 ) -> None:
     """Runs once in each worker: the server's limits, cost model and scheduler implementation arrive
     here rather than being pickled with every request."""

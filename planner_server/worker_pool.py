@@ -18,6 +18,7 @@ from dataclasses import replace
 from batch_planner.auto import Candidate, Outcome, PlanOne
 from batch_planner.cost_spec import CostModel
 from batch_planner.errors import PlanningError
+from batch_planner.exact.verified import DEFAULT_IMPLEMENTATION
 from batch_planner.plan import Plan
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.validation import RequestLimits
@@ -134,7 +135,7 @@ class PlanningPool:
         inline: InlineBound = _NO_INLINE,
         log_format: str = "text",
         max_job_share: float = 1.0,
-        scheduler_implementation: str = "exact",
+        scheduler_implementation: str = DEFAULT_IMPLEMENTATION.value,
     ):
         self.workers = workers
         self.admission = Admission(workers + max_queued, max_job_share)

@@ -55,29 +55,32 @@ class PlannerProcess:
         return self.proc.returncode
 
 
-def planner_env(without_release_overlay: bool = False) -> dict[str, str]:
+def planner_env(without_release_overlay: bool = False, root: Path = ROOT) -> dict[str, str]:
     """The environment of a server subprocess. `without_release_overlay`: drop the folder that
     `./dev test-release` puts ahead of the venv (PLANNER_RELEASE_OVERLAY), so the server runs the
-    venv's own Megatron-Core (the dev build) while this process runs the release."""
+    venv's own Megatron-Core (the dev build) while this process runs the release. `root`: the
+    checkout whose code the server runs (a benchmark's other tree; default this one)."""
     env = dict(os.environ)
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     overlay = env.get("PLANNER_RELEASE_OVERLAY")
     if without_release_overlay and overlay:
         paths = [p for p in paths if os.path.realpath(p) != os.path.realpath(overlay)]
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *paths])
+    env["PYTHONPATH"] = os.pathsep.join([str(root), *paths])
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
 def start_planner(
-    *args: str, workers: int = 2, port: int = 0, timeout: float = 180.0, without_release_overlay: bool = False
+    *args: str, workers: int = 2, port: int = 0, timeout: float = 180.0, without_release_overlay: bool = False,
+    root: Path = ROOT, extra_env: dict[str, str] | None = None,
 ) -> PlannerProcess:
-    """Starts `python -m planner_server` and waits until it reports SERVING."""
+    """Starts `python -m planner_server` (the code of `root`, with `extra_env` added to its
+    environment) and waits until it reports SERVING."""
     cmd = [sys.executable, "-m", "planner_server", "--host", "127.0.0.1", "--port", str(port),
            "--metrics-port", "0", "--probe-port", "0", "--workers", str(workers), *args]
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=planner_env(without_release_overlay), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        cmd, cwd=root, env={**planner_env(without_release_overlay, root), **(extra_env or {})}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     lines: list[str] = []
     ready, closed = threading.Event(), threading.Event()

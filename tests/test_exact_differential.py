@@ -1,6 +1,9 @@
 """The exact path against Megatron-Core's own code: the same plans, byte for byte, and the same
 exceptions, on a seeded corpus of 10,000 scheduler calls, on hypothesis' inputs and through the
-whole planning pipeline; where upstream loops for ever, the exact path stops and says so.
+whole planning pipeline; where upstream loops for ever, the exact path stops and says so. Every
+implementation of the exact path runs each case: the pure-Python one and the compiled one
+(batch_planner/exact/compiled_dynamic_cp.py; skipped, with the reason, where the compiler is not
+importable), each against the same upstream outcome.
 
 Runs on both legs: the dev build has dynamic CP; on a build without it (the 0.19.2 release) the
 dynamic-CP tests are skipped with that reason printed, never faked.
@@ -15,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from batch_planner.exact import compiler
 from batch_planner.exact import dynamic_cp as exact_dynamic_cp
 from batch_planner.exact.verified import (
     SchedulerImplementation,
@@ -55,9 +59,28 @@ def _upstream(case: Case):
     return scheduler.get_groups_and_subsamples(list(enumerate(case.lengths)))
 
 
-def _exact(case: Case):
+# The exact path's executions the corpus runs; the compiled one where the compiler is importable.
+EXECUTIONS = ("exact", "compiled") if compiler.available() else ("exact",)
+
+
+def _execution(name: str):
+    if name == "compiled":
+        from batch_planner.exact import compiled_dynamic_cp
+
+        return compiled_dynamic_cp.get_groups_and_subsamples
+    return exact_dynamic_cp.get_groups_and_subsamples
+
+
+def test_the_compiled_execution_is_checked_here():
+    """Says so (a skip with the reason) where the corpus cannot run the compiled execution."""
+    if not compiler.available():
+        pytest.skip(f"the compiled exact path is not checked: {compiler.unavailable_reason()}")
+    assert "compiled" in EXECUTIONS
+
+
+def _exact(case: Case, execution: str = "exact"):
     utils = _quiet_import("megatron.core.datasets.data_schedule_utils")
-    return exact_dynamic_cp.get_groups_and_subsamples(
+    return _execution(execution)(
         list(enumerate(case.lengths)),
         max_seq_len_per_rank=case.max_seqlen,
         total_ranks=case.dp_cp,
@@ -68,11 +91,15 @@ def _exact(case: Case):
     )
 
 
-def _compare(case: Case) -> tuple[tuple, tuple]:
-    exact = outcome(lambda: _exact(case), named=f"the exact path on {case.describe()}")
-    if exact[:2] == ("raised", "SchedulerWouldNotTerminate"):
-        return exact, outcome(lambda: _upstream(case), budget=LOOP_BUDGET, named=f"upstream on {case.describe()}")
-    return exact, outcome(lambda: _upstream(case), named=f"upstream on {case.describe()}")
+def _compare(case: Case) -> tuple[dict[str, tuple], tuple]:
+    """Every execution's outcome on `case`, and upstream's (run once)."""
+    ours = {
+        name: outcome(lambda name=name: _exact(case, name), named=f"the exact path ({name}) on {case.describe()}")
+        for name in EXECUTIONS
+    }
+    if ours["exact"][:2] == ("raised", "SchedulerWouldNotTerminate"):
+        return ours, outcome(lambda: _upstream(case), budget=LOOP_BUDGET, named=f"upstream on {case.describe()}")
+    return ours, outcome(lambda: _upstream(case), named=f"upstream on {case.describe()}")
 
 
 def _agree(exact: tuple, upstream: tuple) -> bool:
@@ -81,7 +108,7 @@ def _agree(exact: tuple, upstream: tuple) -> bool:
     return exact == upstream
 
 
-def _compare_all(cases: list[Case]) -> list[tuple[tuple, tuple]]:
+def _compare_all(cases: list[Case]) -> list[tuple[dict[str, tuple], tuple]]:
     return [_compare(case) for case in cases]
 
 
@@ -96,18 +123,17 @@ def test_corpus_of_ten_thousand_calls_gives_identical_plans_and_exceptions(capsy
         results = pool.map(_compare_all, chunks)
     differences, outcomes = [], []
     for chunk, compared in zip(chunks, results):
-        for case, (exact, upstream) in zip(chunk, compared):
-            outcomes.append(upstream if exact[:2] != ("raised", "SchedulerWouldNotTerminate") else ("loops for ever",))
-            if not _agree(exact, upstream):
-                differences.append((case, exact, upstream))
+        for case, (ours, upstream) in zip(chunk, compared):
+            outcomes.append(upstream if ours["exact"][:2] != ("raised", "SchedulerWouldNotTerminate") else ("loops for ever",))
+            differences += [(case, name, exact, upstream) for name, exact in ours.items() if not _agree(exact, upstream)]
     counts = tally(outcomes)
     with capsys.disabled():
         print(
-            f"\nexact vs upstream dynamic CP: {len(cases)} requests compared in {time.perf_counter() - started:.0f} s, "
-            f"{len(differences)} differences; upstream outcomes: {dict(sorted(counts.items()))}"
+            f"\nexact path ({', '.join(EXECUTIONS)}) vs upstream dynamic CP: {len(cases)} requests compared in "
+            f"{time.perf_counter() - started:.0f} s, {len(differences)} differences; upstream outcomes: {dict(sorted(counts.items()))}"
         )
     assert not differences, "\n".join(
-        f"{case.describe()}\n  exact: {str(exact)[:300]}\n  upstream: {str(upstream)[:300]}" for case, exact, upstream in differences[:5]
+        f"{case.describe()}\n  {name}: {str(exact)[:300]}\n  upstream: {str(upstream)[:300]}" for case, name, exact, upstream in differences[:5]
     )
     # The corpus reaches every kind of outcome: plans, upstream's own exceptions, and loops.
     assert counts["ok"] > CORPUS_SIZE // 2
@@ -117,9 +143,10 @@ def test_corpus_of_ten_thousand_calls_gives_identical_plans_and_exceptions(capsy
 @pytest.mark.parametrize("dp, cp, max_seqlen, lengths, group", LOOPING)
 def test_where_upstream_loops_for_ever_the_exact_path_stops_and_says_so(dp, cp, max_seqlen, lengths, group):
     case = Case(lengths, dp, cp, max_seqlen, 1, group, "reproducer")
-    exact = outcome(lambda: _exact(case), named=f"the exact path on {case.describe()}")
-    assert exact[:2] == ("raised", "SchedulerWouldNotTerminate")
-    assert "would loop for ever" in exact[2]
+    for name in EXECUTIONS:
+        exact = outcome(lambda name=name: _exact(case, name), named=f"the exact path ({name}) on {case.describe()}")
+        assert exact[:2] == ("raised", "SchedulerWouldNotTerminate"), name
+        assert "would loop for ever" in exact[2]
     upstream = outcome(lambda: _upstream(case), budget=LOOP_BUDGET, named=f"upstream on {case.describe()}")
     assert upstream[0] == "no end", f"upstream finished: {upstream}"
 
@@ -138,8 +165,9 @@ _LAYOUTS = st.sampled_from([(dp_cp, cp) for dp_cp in (2, 4, 6, 8, 10, 12, 16, 20
 def test_hypothesis_inputs_give_identical_plans_and_exceptions(layout, lengths, max_seqlen, min_cp, group):
     dp_cp, cp = layout
     case = Case(tuple(lengths), dp_cp // cp, cp, max_seqlen, min_cp, group, "hypothesis")
-    exact, upstream = _compare(case)
-    assert _agree(exact, upstream), f"{case.describe()}\n  exact: {exact}\n  upstream: {upstream}"
+    ours, upstream = _compare(case)
+    for name, exact in ours.items():
+        assert _agree(exact, upstream), f"{case.describe()}\n  {name}: {exact}\n  upstream: {upstream}"
 
 
 def test_the_whole_pipeline_serves_the_same_bytes_and_refusals(capsys):
@@ -161,6 +189,8 @@ def test_the_whole_pipeline_serves_the_same_bytes_and_refusals(capsys):
             continue  # upstream's own code never returns here; the loop tests cover it
         upstream = served_bytes(request, SchedulerImplementation.UPSTREAM)
         assert exact == upstream, case.describe()
+        if "compiled" in EXECUTIONS:
+            assert served_bytes(request, SchedulerImplementation.COMPILED) == upstream, f"compiled: {case.describe()}"
         compared += 1
         plans += exact[0] == "plan"
     with capsys.disabled():
@@ -173,6 +203,18 @@ def test_exact_path_runs_only_on_a_verified_build_and_setting(monkeypatch):
     assert discover_schedulers()[kind].available
     assert exact_path_status(kind).active, exact_path_status(kind).reason
     assert "verified against Megatron-Core" in exact_path_status(kind).reason
+    # The default: compiled where the compiler is importable, else the pure-Python exact path.
+    expected = SchedulerImplementation.COMPILED if compiler.available() else SchedulerImplementation.EXACT
+    assert exact_path_status(kind).implementation is expected, exact_path_status(kind).reason
+    for setting in SchedulerImplementation:
+        select_implementation(setting)
+        try:
+            assert exact_path_status(kind).implementation is (expected if setting is SchedulerImplementation.COMPILED else setting)
+        finally:
+            select_implementation(None)
+    # Hybrid CP has no compiled kernel: the compiled setting runs its pure-Python exact path, and says so.
+    hybrid = exact_path_status(SchedulerKind.HYBRID_CP)
+    assert hybrid.implementation is SchedulerImplementation.EXACT and "no compiled kernel" in hybrid.reason
 
     select_implementation("upstream")
     try:
@@ -186,7 +228,7 @@ def test_exact_path_runs_only_on_a_verified_build_and_setting(monkeypatch):
     assert not exact_path_status(kind).active
     monkeypatch.setenv("BATCH_PLANNER_SCHEDULER_IMPLEMENTATION", "fast")
     exact_path_status.cache_clear()
-    with pytest.raises(ValueError, match="BATCH_PLANNER_SCHEDULER_IMPLEMENTATION: got 'fast'; allowed: 'exact', 'upstream'"):
+    with pytest.raises(ValueError, match="BATCH_PLANNER_SCHEDULER_IMPLEMENTATION: got 'fast'; allowed: 'compiled', 'exact', 'upstream'"):
         exact_path_status(kind)
     monkeypatch.delenv("BATCH_PLANNER_SCHEDULER_IMPLEMENTATION")
     exact_path_status.cache_clear()

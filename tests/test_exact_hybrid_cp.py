@@ -159,7 +159,7 @@ def test_guard_against_a_micro_batch_that_consumes_nothing(monkeypatch):
 
 def test_the_whole_pipeline_serves_the_same_bytes_and_refusals(capsys):
     """Validation, the scheduler, the alignment of CP groups, invariants, statistics, plan id: the
-    response bytes (or the refusal) are the same whichever code plans hybrid CP."""
+    response bytes (or the refusal) are the same whichever implementation is set for hybrid CP."""
     from batch_planner.exact.verified import SchedulerImplementation, exact_path_status
     from batch_planner.request import PlanRequest, SchedulerKind
 
@@ -177,6 +177,8 @@ def test_the_whole_pipeline_serves_the_same_bytes_and_refusals(capsys):
         request = PlanRequest.of(lengths, ranks // cp, cp, max_seqlen, scheduler=SchedulerKind.HYBRID_CP)
         exact = served(request, SchedulerImplementation.EXACT)
         assert exact == served(request, SchedulerImplementation.UPSTREAM), f"ranks={ranks} cp={cp} max_seqlen={max_seqlen} lengths={lengths}"
+        # `compiled` has no hybrid-CP kernel: the pure-Python exact path, the same bytes.
+        assert served(request, SchedulerImplementation.COMPILED) == exact, f"compiled: ranks={ranks} cp={cp} lengths={lengths}"
         plans += exact[0] == "plan"
     with capsys.disabled():
         print(f"\nwhole pipeline, hybrid CP exact vs upstream: 300 requests, {plans} plans, identical bytes and refusals")

@@ -25,7 +25,7 @@ from pydantic_core import PydanticCustomError
 
 from batch_planner.cost_spec import spec_from_mapping
 from batch_planner.errors import InvalidRequestError
-from batch_planner.exact.verified import SchedulerImplementation
+from batch_planner.exact.verified import DEFAULT_IMPLEMENTATION, SchedulerImplementation
 from batch_planner.request import Count, PlanningOptions, SchedulerKind
 from trainer_client.errors import ConfigError
 
@@ -101,11 +101,12 @@ class PlannerClientConfig(PlanningOptions):
     fallback_cooldown_seconds: Seconds = 5.0
     # How fast the gRPC channel reconnects to a planner that comes back.
     max_reconnect_backoff_seconds: Positive = 1.0
-    # Which code plans in this process (the fallback): "exact", the planner's exact and faster
+    # Which code plans in this process (the fallback): "compiled", the planner's exact and faster
     # execution of Megatron-Core's algorithm where the installed build is one it was verified
-    # against (the same plan, byte for byte, as Megatron-Core's own code), or "upstream",
+    # against (the same plan, byte for byte, as Megatron-Core's own code), its hot loops compiled
+    # where the compiler (numba) is importable; "exact", the same in pure Python; or "upstream",
     # Megatron-Core's own code always. The service's setting is its --scheduler-implementation.
-    scheduler_implementation: SchedulerImplementation = SchedulerImplementation.EXACT
+    scheduler_implementation: SchedulerImplementation = DEFAULT_IMPLEMENTATION
 
     # TLS: off by default, like the chart's server (helm values tls.enabled); a mismatch with the
     # server raises TlsMismatchError on the first call instead of falling back. ca_file: the CA

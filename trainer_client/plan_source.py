@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 from batch_planner.convert import plan_from_proto, request_to_proto
 from batch_planner.errors import PlanningError
 from batch_planner.plan import MicroBatches, Plan, structure_problem
+from batch_planner.exact.prepare import prepare
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
 from batch_planner.v1 import planner_pb2 as pb
@@ -55,6 +56,8 @@ class PlanSource:
         self.config = config
         self.metrics = metrics
         self.rpc = PlannerRpcClient(config, metrics) if config.planner_endpoint else None
+        if config.fallback or self.rpc is None:
+            prepare(implementation=config.scheduler_implementation)  # the fallback's compilation, paid now rather than on its first plan
         self._lock = threading.Lock()
         self._outage_reason: str | None = None
         self._retry_service_at = 0.0

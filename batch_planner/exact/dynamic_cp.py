@@ -165,6 +165,14 @@ def _fill_empty_ranks(batch: _MicroBatch) -> bool:
     return False
 
 
+# Upstream's assertion messages, raised by both executions (the compiled one too).
+NOTHING_FITS_ONE_GROUP = "At least one sequence should fit in the full DPxCP group; try to increase 'max-seqlen-per-dp-cp-rank'."
+
+
+def first_needs_too_many(first_length: int, cp_size: int, total_ranks: int) -> str:
+    return f"Sequence length {first_length} requires CP size {cp_size}, but only {total_ranks} DPxCP ranks are available."
+
+
 def _one_group_over_every_rank(
     ids: list[int], lengths: list[int], total_ranks: int, max_seq_len_per_rank: int
 ) -> tuple[list[int], list[int]]:
@@ -180,9 +188,7 @@ def _one_group_over_every_rank(
             packed += per_rank
         else:
             left.append(position)
-    assert selected, (
-        "At least one sequence should fit in the full DPxCP group; try to increase 'max-seqlen-per-dp-cp-rank'."
-    )
+    assert selected, NOTHING_FITS_ONE_GROUP
     return selected, left
 
 
@@ -199,9 +205,7 @@ def next_micro_batch(
     its sample ids per DPxCP rank, and the positions of the samples left over, in order."""
     first_length = lengths[0]
     cp_size = cp_min(first_length, max_seq_len_per_rank, min_cp_size)
-    assert cp_size <= total_ranks, (
-        f"Sequence length {first_length} requires CP size {cp_size}, but only {total_ranks} DPxCP ranks are available."
-    )
+    assert cp_size <= total_ranks, first_needs_too_many(first_length, cp_size, total_ranks)
     cap = float(first_length) * float(max_seq_len_per_rank) * (1.0 + cap_delta)
     batch = _MicroBatch(total_ranks, max_seq_len_per_rank, cap)
     batch.place(ids[0], first_length, cp_size, -1)

@@ -4,7 +4,7 @@ The exact path (batch_planner/exact) is a faster execution of upstream's algorit
 byte for byte against upstream's own code by the differential tests. It is only as good as that
 check, so it runs only where
 
-- the setting asks for it (`SchedulerImplementation.EXACT`, the default): the server's
+- the setting asks for it (`SchedulerImplementation.COMPILED`, the default, or `EXACT`): the server's
   `--scheduler-implementation` (env `PLANNER_SCHEDULER_IMPLEMENTATION`, like every server flag)
   and the trainer client's `scheduler_implementation` set it for their process; the environment
   variable `BATCH_PLANNER_SCHEDULER_IMPLEMENTATION` is the default of a process that sets neither
@@ -13,6 +13,12 @@ check, so it runs only where
   to a fingerprint in `VERIFIED` below: the builds the differential corpus ran against. Any other
   build (a newer dev commit, a patched release) runs upstream's code, and says so once in the log,
   in GetCapabilities and in the metric `batch_planner_scheduler_exact_path`.
+
+Which execution of the exact path runs: `COMPILED` (the default) runs the schedulers that have a
+compiled kernel (`COMPILED_SCHEDULERS`: batch_planner/exact/compiled_dynamic_cp.py) through it
+where the compiler (batch_planner/exact/compiler.py) is importable, and the pure-Python exact path
+otherwise; `EXACT` always the pure-Python exact path. Both are gated by the same fingerprints: the
+differential corpus runs on each implementation.
 
 When upstream's own code changes, run the differential tests against the new build
 (tests/test_exact_differential.py), then add the fingerprint that `fingerprint()` prints here.
@@ -34,10 +40,19 @@ ENVIRONMENT_VARIABLE = "BATCH_PLANNER_SCHEDULER_IMPLEMENTATION"
 
 
 class SchedulerImplementation(str, Enum):
-    """Which code plans: the exact path where it is verified, or always Megatron-Core's own."""
+    """Which code plans where the exact path is verified: its compiled execution, its pure-Python
+    one, or (always) Megatron-Core's own code."""
 
+    COMPILED = "compiled"
     EXACT = "exact"
     UPSTREAM = "upstream"
+
+
+DEFAULT_IMPLEMENTATION = SchedulerImplementation.COMPILED
+
+# The schedulers whose exact path has a compiled kernel (the others run the pure-Python exact path
+# under COMPILED).
+COMPILED_SCHEDULERS = frozenset({SchedulerKind.DYNAMIC_CP})
 
 
 # The upstream objects each exact scheduler reproduces: "module:qualified name". Their source (and
@@ -75,10 +90,13 @@ class ExactPathStatus:
     scheduler: SchedulerKind
     active: bool
     reason: str
+    compiled: bool = False  # active, through the compiled kernel
 
     @property
     def implementation(self) -> SchedulerImplementation:
-        return SchedulerImplementation.EXACT if self.active else SchedulerImplementation.UPSTREAM
+        if not self.active:
+            return SchedulerImplementation.UPSTREAM
+        return SchedulerImplementation.COMPILED if self.compiled else SchedulerImplementation.EXACT
 
 
 def _resolve(reference: str) -> object:
@@ -134,7 +152,7 @@ def selected_implementation() -> SchedulerImplementation:
         return _selected
     from_environment = os.environ.get(ENVIRONMENT_VARIABLE, "")
     if not from_environment:
-        return SchedulerImplementation.EXACT
+        return DEFAULT_IMPLEMENTATION
     return parse_implementation(from_environment, ENVIRONMENT_VARIABLE)
 
 
@@ -153,10 +171,24 @@ def exact_path_status(scheduler: SchedulerKind, implementation: SchedulerImpleme
         return ExactPathStatus(scheduler, False, f"upstream code not found ({type(exc).__name__}: {exc})")
     verified = VERIFIED.get(scheduler, {})
     if found in verified:
-        return ExactPathStatus(scheduler, True, f"exact path, verified against Megatron-Core {verified[found]}")
+        return _active(scheduler, f"verified against Megatron-Core {verified[found]}", implementation or selected_implementation())
     return ExactPathStatus(
         scheduler,
         False,
         f"Megatron-Core's own code: the installed build's {scheduler.value} source (fingerprint {found[:16]}) "
         "is not one the exact path was verified against",
     )
+
+
+def _active(scheduler: SchedulerKind, verified: str, implementation: SchedulerImplementation) -> ExactPathStatus:
+    """The exact path's status where it is verified: compiled where the setting, a kernel and the
+    compiler allow, else the pure-Python exact path, saying why."""
+    from batch_planner.exact import compiler
+
+    if implementation is SchedulerImplementation.EXACT:
+        return ExactPathStatus(scheduler, True, f"exact path (pure Python, as the scheduler_implementation setting asks), {verified}")
+    if scheduler not in COMPILED_SCHEDULERS:
+        return ExactPathStatus(scheduler, True, f"exact path (pure Python: {scheduler.value} has no compiled kernel), {verified}")
+    if not compiler.available():
+        return ExactPathStatus(scheduler, True, f"exact path (pure Python: {compiler.unavailable_reason()}), {verified}")
+    return ExactPathStatus(scheduler, True, f"exact path, compiled ({compiler.version()}), {verified}", compiled=True)

@@ -1,5 +1,6 @@
 """The image build's import check (Dockerfile, build stage): torch is the build TORCH_VARIANT asked
-for, and Megatron-Core and the planner server import.
+for, Megatron-Core and the planner server import, and the compiled exact path compiles (numba's
+LLVM on the image's libc; the cache it writes is swept with the build's __pycache__).
 
     python scripts/image/check_imports.py cpu|cuda
 
@@ -46,10 +47,21 @@ def check_megatron_core() -> str:
     return f"megatron-core {megatron.core.__version__}, triton {triton.__version__}"
 
 
+def check_compiler() -> str:
+    """The compiled exact path compiles here (numba and its LLVM run on the image's libc)."""
+    from batch_planner.exact import compiler
+    from batch_planner.exact.compiled_dynamic_cp import prepare
+
+    if not compiler.available():
+        fail(f"the compiled exact path cannot run: {compiler.unavailable_reason()} (requirements/image.lock pins numba)")
+    prepare()
+    return f"{compiler.version()} compiles"
+
+
 def main(argv: list[str]) -> None:
     if len(argv) != 1 or argv[0] not in ("cpu", "cuda"):
         fail(f"usage: check_imports.py cpu|cuda (the TORCH_VARIANT build argument), got {argv}")
-    found = [check_torch(argv[0]), check_megatron_core()]
+    found = [check_torch(argv[0]), check_megatron_core(), check_compiler()]
     import planner_server.server  # noqa: F401  (the entry point's module, with grpc and the schedulers)
 
     print("check_imports: " + ", ".join(found) + ", planner_server.server imports")
