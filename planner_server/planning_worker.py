@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 from google.protobuf.message import DecodeError
 
+from batch_planner import bounded
 from batch_planner.auto import Candidate, Outcome, PlanOne, RunCandidates, plan_candidate, plan_serially
 from batch_planner.convert import JOB_METADATA_KEY, dp_cp_ranks, plan_to_proto, request_from_proto, scheduler_label, wants_columns
 from batch_planner.cost_spec import CostModel
@@ -56,6 +57,9 @@ class WorkerResult:
     auto_winner: str = ""  # auto: the scheduler of the plan served
     auto_not_planned: tuple[str, ...] = ()  # auto: the scheduler of each candidate without a plan
     planning_seconds: float = 0.0  # parse to serialized response, where it ran (the measured plan rates)
+    # The substitute was served (batch_planner/substitute.py): the scheduler asked for, and why.
+    substituted_for: str = ""
+    substitute_reason: str = ""
 
 
 def request_digest(request_bytes: bytes) -> str:
@@ -116,7 +120,8 @@ def plan_request_bytes(
         parsed = parse(request_bytes, deadline)
     except PlanningError as exc:
         return refusal(exc, request_bytes)
-    result = plan_parsed(parsed, limits, cost_model, run_candidates, admitted_job=admitted_job)
+    with bounded.request_deadline(deadline):  # upstream's own code is cut off in time for the substitute
+        result = plan_parsed(parsed, limits, cost_model, run_candidates, admitted_job=admitted_job)
     return replace(result, planning_seconds=time.perf_counter() - received)
 
 
@@ -155,7 +160,12 @@ def failure(exc: Exception, about: About = About()) -> WorkerResult:
 def _success(plan: Plan, elapsed: float, about: About, columns: bool) -> WorkerResult:
     """`columns`: the request asked for the columns form (batch_planner.v1.PlanForm)."""
     response = plan_to_proto(plan, columns).SerializeToString(deterministic=True)
+    substitution = plan.substitution
+    if substitution is not None:
+        log.warning("request %s: %s", about.request_digest, substitution.describe())
     return WorkerResult(ErrorCode.OK, response, about=about, plan_id=plan.plan_id, scheduler_seconds=elapsed, statistics=plan.statistics,
+                        substituted_for=substitution.requested.value if substitution else "",
+                        substitute_reason=substitution.reason.value if substitution else "",
                         **_auto_fields(plan.candidates))
 
 
@@ -192,11 +202,13 @@ def worker_initializer(
     warm_up()
 
 
-def plan_candidate_in_worker(candidate: Candidate, plan_one: PlanOne) -> tuple[Outcome, bytes]:
+def plan_candidate_in_worker(candidate: Candidate, plan_one: PlanOne, deadline: float | None = None) -> tuple[Outcome, bytes]:
     """One of auto's candidates planned in a worker for the handler's run_candidates: its Outcome,
     with the plan's micro-batches held apart as pickled bytes. They are most of a plan; the handler
-    loads only the served plan's (docs/design.md, "The auto policy", says what that saves)."""
-    outcome = plan_candidate(candidate, plan_one)
+    loads only the served plan's (docs/design.md, "The auto policy", says what that saves).
+    `deadline`: the request's (seconds since the epoch), before which upstream's own code is cut off."""
+    with bounded.request_deadline(deadline):
+        outcome = plan_candidate(candidate, plan_one)
     if outcome.plan is None:
         return outcome, b""
     return replace(outcome, plan=replace(outcome.plan, micro_batches=())), pickle.dumps(outcome.plan.micro_batches, protocol=5)
