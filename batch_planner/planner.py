@@ -98,18 +98,21 @@ def _plan_substitute(
 
 
 def substitute_cp_size(request: PlanRequest) -> int:
-    """The CP size of the substitute: the job's, or the smallest larger static CP size
-    (cp_groups.static_cp_sizes) static packing can plan the batch on: its capacity,
-    max_seqlen_per_dp_cp_rank x CP, holds the longest sample, and there are at least
-    DP x micro_batch_group_size samples (validation.py's rules for static_packing). The job's when
-    none can (static packing then refuses the batch, by name)."""
+    """The CP size of the substitute: the smallest static CP size (cp_groups.static_cp_sizes: a
+    group size parallel_state builds that tiles the ranks) from the job's CP size up on which static
+    packing can plan the batch: its capacity, max_seqlen_per_dp_cp_rank x CP, holds the longest
+    sample, and there are at least DP x micro_batch_group_size samples (validation.py's rules for
+    static_packing). That is the job's own CP size whenever parallel_state builds it and the batch
+    fits. When none can, the smallest size from the job's up (static packing then refuses the
+    batch, by name)."""
     job_cp, dp_cp = request.context_parallel_size, request.dp_cp_size
     longest, samples = max(request.sequence_lengths), len(request.sequence_lengths)
+    sizes = [cp for cp in static_cp_sizes(dp_cp) if cp >= job_cp]  # never empty: the whole group is one
     fitting = [
-        cp for cp in static_cp_sizes(dp_cp)
-        if cp >= job_cp and longest <= request.max_seqlen_per_dp_cp_rank * cp and samples >= dp_cp // cp * (request.micro_batch_group_size or 1)
+        cp for cp in sizes
+        if longest <= request.max_seqlen_per_dp_cp_rank * cp and samples >= dp_cp // cp * (request.micro_batch_group_size or 1)
     ]
-    return fitting[0] if fitting else job_cp
+    return (fitting or sizes)[0]
 
 
 def _plan_validated(request: PlanRequest, cost_model: CostModel, implementation: SchedulerImplementation | None) -> Plan:
