@@ -257,6 +257,7 @@ def test_the_domain_accepts_exactly_the_layouts_the_sweep_found_plannable(path: 
                 )
                 if size not in accepted:
                     assert domain.per_batch(size) == domain.substitutes, f"{name} on DPxCP {size}"
+                    assert (size in measured["substitute_sizes"]) == domain.per_batch(size), f"{path.name}: {name} on DPxCP {size}"
                 checked += 1
     assert checked > 50
 
