@@ -39,7 +39,7 @@ from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
 from tests.planner_process import ROOT, start_planner
 from tests.megatron_builds import require_scheduler
-from tests.reliability_support import assert_plan_well_formed, wait_for_metric
+from tests.reliability_support import assert_plan_well_formed, metric, wait_for_metric, wait_until
 
 DYNAMIC, STATIC, HYBRID, AUTO = SchedulerKind.DYNAMIC_CP, SchedulerKind.STATIC_PACKING, SchedulerKind.HYBRID_CP, SchedulerKind.AUTO
 
@@ -156,11 +156,17 @@ def test_failing_batches_get_the_named_substitute_in_process(name, request_, rea
 
 
 @pytest.mark.parametrize("name, request_, reason", SUBSTITUTED, ids=SUBSTITUTED_IDS)
-def test_substitutes_through_the_server_are_named_and_get_the_in_process_id(stub, name, request_, reason):
+def test_substitutes_through_the_server_are_named_counted_logged_and_get_the_in_process_id(planner, stub, name, request_, reason):
     _available(request_)
     expected = plan_batch(request_)
+    labels = {"scheduler": "dynamic_cp", "reason": reason.value}
+    before = metric(planner, "batch_planner_substituted_total", **labels)
     response = stub.Plan(request_to_proto(request_), timeout=30)
     assert response.plan_id == expected.plan_id
+    # Counted under its reason, and logged with the request's plan id and what it stands in for.
+    wait_for_metric(planner, "batch_planner_substituted_total", lambda v: v == before + 1, "the substitute counted", **labels)
+    wait_until(lambda: f"plan_id={expected.plan_id}" in planner.log and f"substitute_reason={reason.value}" in planner.log or None,
+               30, "the substitute logged")
     assert response.scheduler == pb.SCHEDULER_STATIC_PACKING and response.HasField("substitution")
     assert response.substitution.requested == pb.SCHEDULER_DYNAMIC_CP
     assert pb.SubstituteReason.Name(response.substitution.reason) == f"SUBSTITUTE_REASON_{reason.name}"
