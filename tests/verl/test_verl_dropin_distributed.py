@@ -55,13 +55,24 @@ def _schedule_both(batch, group, dp, cp, tp, layout, min_rows, where):
     theirs = VerlScheduler(MAX_SEQLEN, dp, cp).schedule(batch, group, tp_size=tp, cp_layout=layout, min_local_rows=min_rows)
     ours = DynamicCPScheduler(MAX_SEQLEN, dp, cp).schedule(batch, group, tp_size=tp, cp_layout=layout, min_local_rows=min_rows)
     assert_same_micro_batches(ours, theirs, where)
+    restored = _assert_outputs_restored(ours, batch, group, where)
+    reference = postprocess_dynamic_cp_batch(fake_outputs(theirs), len(batch), group)
+    assert restored["loss"] == reference["loss"] and restored["metrics"] == reference["metrics"], where
+    return ours
+
+
+def _assert_outputs_restored(ours, batch, group, where: str) -> dict:
+    """verl's `postprocess_dynamic_cp_batch` gives every sample's output back, in order, from our
+    micro-batches; returns what it restored."""
+    from verl.utils.dynamic_cp_scheduler import postprocess_dynamic_cp_batch
+
+    from tests.verl.support import fake_outputs
+
     restored = postprocess_dynamic_cp_batch(fake_outputs(ours), len(batch), group)
     expected = [t.float() * 0.5 for t in batch["input_ids"].unbind()]
     got = restored["model_output"]["log_probs"].unbind()
     assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected)), f"{where}: outputs"
-    reference = postprocess_dynamic_cp_batch(fake_outputs(theirs), len(batch), group)
-    assert restored["loss"] == reference["loss"] and restored["metrics"] == reference["metrics"], where
-    return ours
+    return restored
 
 
 def _equality_rank(rank: int, world: int, store_path: str, tp: int, cp: int, source: str) -> None:
@@ -145,19 +156,12 @@ def _rl_rank(rank: int, world: int, store_path: str, auto_config: str) -> None:
 
     # auto: restricted to dynamic CP through auto_schedulers; its plans run through verl's contract.
     os.environ["BATCH_PLANNER_CONFIG"] = auto_config
-    from verl.utils.dynamic_cp_scheduler import postprocess_dynamic_cp_batch
-
-    from tests.verl.support import fake_outputs
-
     scheduler = DynamicCPScheduler(MAX_SEQLEN, dp, cp)
     auto = scheduler.planner(group, tp_size=1)
     assert auto.client.config.scheduler is SchedulerKind.AUTO
     assert auto.client._options.auto_schedulers == (SchedulerKind.DYNAMIC_CP,)
     for batch in minis:
-        ours = scheduler.schedule(batch, group, tp_size=1)
-        restored = postprocess_dynamic_cp_batch(fake_outputs(ours), len(batch), group)
-        expected = [t.float() * 0.5 for t in batch["input_ids"].unbind()]
-        assert all(torch.equal(a, b) for a, b in zip(restored["model_output"]["log_probs"].unbind(), expected))
+        _assert_outputs_restored(scheduler.schedule(batch, group, tp_size=1), batch, group, f"rank {rank}, auto")
     close_planners()
     dist.destroy_process_group()
 
@@ -185,10 +189,9 @@ def _dp3_cp2_rank(rank: int, world: int, store_path: str) -> None:
     it hands the model exists, and every sample's output comes back in order."""
     from verl.utils import tensordict_utils as tu
     from verl.utils.dynamic_cp_scheduler import DynamicCPScheduler as VerlScheduler
-    from verl.utils.dynamic_cp_scheduler import postprocess_dynamic_cp_batch
 
     from tests.megatron_init import parallel_state_cp_group
-    from tests.verl.support import assert_same_micro_batches, fake_outputs, long_tail, mini_batch
+    from tests.verl.support import assert_same_micro_batches, long_tail, mini_batch
     from trainer_client.verl import DynamicCPScheduler, close_planners
 
     def built(size: int) -> bool:
@@ -223,10 +226,7 @@ def _dp3_cp2_rank(rank: int, world: int, store_path: str) -> None:
             assert plan.substitution is not None and plan.scheduler.value == "static_packing", where
             assert all(built(tu.get_non_tensor_data(mb, "local_cp_size", None)) for mb in ours), where
             substituted += 1
-        restored = postprocess_dynamic_cp_batch(fake_outputs(ours), len(batch), group)
-        expected = [t.float() * 0.5 for t in batch["input_ids"].unbind()]
-        got = restored["model_output"]["log_probs"].unbind()
-        assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected)), f"{where}: outputs"
+        _assert_outputs_restored(ours, batch, group, where)
     assert same >= 3 and substituted >= 1, (same, substituted)
     close_planners()
     dist.destroy_process_group()
