@@ -187,6 +187,25 @@ def test_the_trainer_client_gets_the_substitute_with_the_same_id(planner, with_s
     assert plan.plan_id == expected.plan_id and plan.substitution == expected.substitution
 
 
+def test_the_fallback_on_upstreams_own_code_cuts_the_loop_off_and_serves_the_same_plan(monkeypatch):
+    """A trainer planning in process with Megatron-Core's own code (scheduler_implementation=
+    upstream) on a batch where upstream loops for ever: the call is cut off (the limit lowered
+    here), the trainer does not hang, and it gets the substitute with the exact path's plan id."""
+    name, request_, reason = SUBSTITUTED[0]
+    assert reason is SubstituteReason.UPSTREAM_LOOP
+    _available(request_)
+    expected = plan_batch(request_)
+    monkeypatch.setattr(bounded, "DEFAULT_LIMIT_SECONDS", 1.0)
+    client = _client(request_, "", scheduler_implementation="upstream")
+    try:
+        plan = client.plan_step(0, list(request_.sequence_lengths))
+    finally:
+        client.close()
+        select_implementation(None)
+    assert plan.plan_id == expected.plan_id and plan.micro_batches == expected.micro_batches
+    assert plan.substitution.reason is SubstituteReason.UPSTREAM_LOOP and "cut off" in plan.substitution.detail
+
+
 @pytest.mark.parametrize("name, request_, code, field", REPRODUCERS, ids=IDS)
 def test_reproducers_through_the_server_get_the_in_process_answer(stub, name, request_, code, field):
     _available(request_)
@@ -197,7 +216,7 @@ def test_reproducers_through_the_server_get_the_in_process_answer(stub, name, re
     assert caught.value.details() == str(expected)
 
 
-def _client(request: PlanRequest, endpoint: str):
+def _client(request: PlanRequest, endpoint: str, **options):
     from trainer_client.client import BatchPlannerClient
     from trainer_client.config import PlannerClientConfig
 
@@ -205,7 +224,7 @@ def _client(request: PlanRequest, endpoint: str):
         planner_endpoint=endpoint, tls=False, scheduler=request.scheduler, context_parallel_size=request.context_parallel_size,
         max_seqlen_per_dp_cp_rank=request.max_seqlen_per_dp_cp_rank, micro_batch_group_size=request.micro_batch_group_size,
         max_seqs_per_micro_batch=request.max_seqs_per_micro_batch, calibration=False, job="domain",
-        deadline_seconds=30.0,
+        deadline_seconds=30.0, **options,
     )
     return BatchPlannerClient(config, dp_cp_size=request.dp_cp_size, rank=0)
 
@@ -308,6 +327,31 @@ def test_random_layouts_get_a_valid_plan_or_a_refusal():
         answers.append(result)
     refused = sum(isinstance(result, PlanningError) for result in answers)
     assert len(answers) - refused >= 40 and refused >= 20, (len(answers) - refused, refused)
+
+
+# --- upstream's own code on the server: a loop cut off within the deadline -----------------------
+
+
+def test_a_server_on_upstreams_own_code_cuts_loops_off_within_the_deadline_inline_and_on_a_worker():
+    """`--scheduler-implementation upstream`: the two looping reproducers, one planned inline in a
+    handler thread and one on a worker, each with a 4 s deadline. Each is cut off before its
+    deadline and answered with the substitute (not DEADLINE_EXCEEDED, not INTERNAL), with the exact
+    path's plan id; the worker and the handler are free again: the next requests are planned."""
+    require_scheduler(DYNAMIC)
+    server = start_planner("--inline-max-ranks", "16", "--inline-max-samples", "128", "--scheduler-implementation", "upstream",
+                           workers=1)
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = planner_pb2_grpc.BatchPlannerStub(channel)
+            for request_ in (LOOPS_INLINE, LOOPS_ON_A_WORKER):
+                response = stub.Plan(request_to_proto(request_), timeout=4.0)
+                assert response.plan_id == plan_batch(request_).plan_id
+                assert response.substitution.reason == pb.SUBSTITUTE_REASON_UPSTREAM_LOOP
+                assert "cut off" in response.substitution.detail, response.substitution.detail
+            for request_ in (LOOPS_INLINE.replace(micro_batch_group_size=None), LOOPS_ON_A_WORKER.replace(micro_batch_group_size=None)):
+                stub.Plan(request_to_proto(request_), timeout=30)
+    finally:
+        server.stop()
 
 
 # --- shutdown while upstream code loops ----------------------------------------------------------
