@@ -11,7 +11,10 @@ the job's CP 2, a few seeded batches each:
 - auto's predicted step cost with and without dynamic CP among its candidates (`auto_schedulers`
   of hybrid CP and static packing only): the ratio without / with, geometric mean and largest;
 - the median time of one dynamic-CP plan (the exact path, the whole pipeline), as a ratio to the
-  power-of-two neighbour below.
+  power-of-two neighbour below;
+- hybrid CP, measured only (it is still refused on these sizes): on how many of the same batches
+  Megatron-Core's BalancedCPScheduler returns a plan that keeps every invariant, with the layout
+  refusal bypassed for the measurement.
 
 The cost model is deterministic; the latencies are medians of the same batches planned one after
 another in one process, on a shared machine: read the ratios, not the milliseconds.
@@ -26,6 +29,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from batch_planner import validation
 from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
 from batch_planner.errors import PlanningError
 from batch_planner.planner import plan_batch
@@ -52,6 +56,7 @@ class SizeRow:
     auto_ratio_max: float
     auto_dynamic_wins: int  # batches where auto served a dynamic-CP plan
     plan_ms: float  # median of one dynamic-CP plan
+    hybrid_valid: int  # hybrid CP's plan keeps every invariant (layout refusal bypassed)
 
 
 def _request(distribution: str, dp_cp: int, per_rank_samples: int, seed: int, **options) -> PlanRequest:
@@ -59,11 +64,25 @@ def _request(distribution: str, dp_cp: int, per_rank_samples: int, seed: int, **
     return PlanRequest.of(lengths, dp_cp // JOB_CP, JOB_CP, PER_RANK, **options)
 
 
+def hybrid_plan_is_valid(request: PlanRequest) -> bool:
+    """Whether hybrid CP's own plan of the batch keeps every invariant, measured with the layout
+    refusal bypassed (validation's other rules still apply)."""
+    original = validation.layout_refusal
+    validation.layout_refusal = lambda *args, **kwargs: None
+    try:
+        plan_batch(request.replace(scheduler=SchedulerKind.HYBRID_CP, min_cp_size=None))
+        return True
+    except PlanningError:
+        return False
+    finally:
+        validation.layout_refusal = original
+
+
 def measure(dp_cp: int, seeds: int) -> SizeRow:
     outcomes: Counter[str] = Counter()
     ratios: list[float] = []
     seconds: list[float] = []
-    dynamic_wins = 0
+    dynamic_wins = hybrid_valid = 0
     for distribution in DISTRIBUTIONS:
         for per_rank_samples in SAMPLES_PER_RANK:
             for seed in range(seeds):
@@ -80,6 +99,7 @@ def measure(dp_cp: int, seeds: int) -> SizeRow:
                 without = plan_batch(request.replace(scheduler=SchedulerKind.AUTO, auto_schedulers=WITHOUT_DYNAMIC))
                 ratios.append(without.statistics.predicted_step_cost / with_dynamic.statistics.predicted_step_cost)
                 dynamic_wins += with_dynamic.scheduler is SchedulerKind.DYNAMIC_CP
+                hybrid_valid += hybrid_plan_is_valid(request)
     refused = sum(n for key, n in outcomes.items() if key.startswith("refused"))
     return SizeRow(
         dp_cp, sum(outcomes.values()), outcomes["upstream"],
@@ -87,7 +107,7 @@ def measure(dp_cp: int, seeds: int) -> SizeRow:
         refused,
         math.exp(statistics.fmean(math.log(r) for r in ratios)) if ratios else float("nan"),
         max(ratios, default=float("nan")), dynamic_wins,
-        1e3 * statistics.median(seconds) if seconds else float("nan"),
+        1e3 * statistics.median(seconds) if seconds else float("nan"), hybrid_valid,
     )
 
 
@@ -108,10 +128,12 @@ def run(out: Path, smoke: bool = False):
             f"**{size}**" if size & (size - 1) else size, r.batches, r.upstream,
             f"{substitutes} ({', '.join(f'{k} {n}' for k, n in r.substitutes.items()) or '-'})", r.refused,
             f"{r.auto_ratio_geomean:.3f}", f"{r.auto_ratio_max:.3f}", f"{r.auto_dynamic_wins} of {r.batches - r.refused}", latency,
+            f"{r.hybrid_valid} of {r.batches - r.refused}",
         ])
     table = markdown_table(
         ["DPxCP", "batches", "dynamic CP: upstream's plan", "dynamic CP: substitute (by reason)", "refused",
-         "auto without / with dynamic CP (geomean)", "(largest)", "auto served dynamic CP", "one dynamic-CP plan, median ms"],
+         "auto without / with dynamic CP (geomean)", "(largest)", "auto served dynamic CP", "one dynamic-CP plan, median ms",
+         "hybrid CP's plan valid (measured, not served)"],
         table_rows,
     )
     non_pow2 = [rows[s] for s in rows if s & (s - 1)]
