@@ -98,8 +98,8 @@ class SchedulerDomain:
 DOMAINS: dict[SchedulerKind, SchedulerDomain] = {
     SchedulerKind.DYNAMIC_CP: SchedulerDomain(
         SchedulerKind.DYNAMIC_CP, "dev 0.19.0+dev.d48bd6b (no PyPI release has it)",
-        "every even size (2 to 1024), with or without micro_batch_group_size; on a size that is not a power "
-        "of two, batch by batch: upstream's plan where it is valid, else the substitute (static_packing's plan, named)",
+        "even (2 to 1024), with or without micro_batch_group_size; where it is not a power of two, batch by "
+        "batch: upstream's plan where it is valid, else the substitute (static_packing's plan, named)",
         "", vpp=True, substitutes=True,
     ),
     SchedulerKind.HYBRID_CP: SchedulerDomain(
