@@ -7,7 +7,9 @@ Four steps: three whose batches Megatron-Core's dynamic-CP scheduler plans valid
 The three get upstream's dynamic-CP plans, the fourth the named substitute; every sample of every
 step is trained exactly once (each rank receives exactly its groups' tokens, bitwise); every CP
 group handed to the model (`local_cp_size` of each packed micro-batch) is a process group
-parallel_state built, over the ranks the plan gives it.
+parallel_state built, over the ranks the plan gives it. (Planted once: a server that serves
+upstream's plan unchecked hands the model a CP4 group on ranks 0-3 at the fourth step, and this
+test fails there, naming it.)
 """
 
 from __future__ import annotations
@@ -150,8 +152,6 @@ def test_six_ranks_dp3_cp2_dynamic_cp_plans_and_one_substitute_every_sample_once
         views = [r["steps"][step] for r in results]
         first = next(r["steps"][step] for r in results if r["dp_cp_rank"] == 0)
         assert first["source"] == "service", (step, first["source"])  # it asks; the others receive its answer
-        expected = (None, "dynamic_cp") if step < VALID_STEPS else (reason, "static_packing")
-        assert {(v["substitution"], v["scheduler"]) for v in views} == {expected}, step
         # Every sample trained once: each micro-batch's CP groups (the ranks holding the same ids)
         # hold disjoint samples whose union is the batch, and every rank got its groups' tokens.
         trained: list[int] = []
@@ -168,5 +168,7 @@ def test_six_ranks_dp3_cp2_dynamic_cp_plans_and_one_substitute_every_sample_once
                 # The group handed to the model exists in parallel_state, over the plan's ranks.
                 assert mb["local_cp_size"] == len(mb["group"]), (step, mb)
                 assert mb["built_group"] == mb["group"], (step, mb)
+        expected = (None, "dynamic_cp") if step < VALID_STEPS else (reason, "static_packing")
+        assert {(v["substitution"], v["scheduler"]) for v in views} == {expected}, step
     sizes = {mb["local_cp_size"] for r in results for s in r["steps"][:VALID_STEPS] for mb in s["micro_batches"]}
     assert sizes - {1}, f"the dynamic-CP steps used no CP size above 1: {sizes}"
