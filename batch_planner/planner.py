@@ -76,7 +76,7 @@ def _plan_substitute(
     more, the smallest static CP size that holds it (`substitute_cp_size`), named in the plan, with
     its own id (the request, the substitute's class and the scheduler it stands in for). When
     static packing cannot plan the batch either, OUT_OF_RANGE names both failures."""
-    substitution = Substitution(request.scheduler, failure.reason, str(failure))
+    substitution = Substitution(request.scheduler, failure.reason, failure.detail)
     cp = substitute_cp_size(request)
     concrete = request.replace(
         scheduler=SUBSTITUTE_SCHEDULER, context_parallel_size=cp, data_parallel_size=request.dp_cp_size // cp,
@@ -87,7 +87,7 @@ def _plan_substitute(
         plan = _plan_validated(concrete, cost_model, implementation)
     except PlanningError as refused:
         raise BatchNotPlannableError(
-            f"scheduler: {request.scheduler.value}'s plan of this batch is not valid ({failure.reason.value}: {failure}), "
+            f"scheduler: {request.scheduler.value}'s plan of this batch is not valid ({failure.reason.value}: {failure.detail}), "
             f"and its substitute, {SUBSTITUTE_SCHEDULER.value}, cannot plan it either ({refused}); send a batch "
             "static packing can hold at the job's CP size, or a power-of-two DPxCP",
             field="scheduler",

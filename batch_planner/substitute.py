@@ -52,6 +52,7 @@ class UpstreamPlanInvalid(PlanningError):
 
     code = ErrorCode.OUT_OF_RANGE
 
-    def __init__(self, reason: SubstituteReason, message: str):
-        super().__init__(message, field="scheduler")
+    def __init__(self, reason: SubstituteReason, detail: str):
+        super().__init__(f"scheduler: {reason.value}: {detail}", field="scheduler")
         self.reason = reason
+        self.detail = detail  # upstream's failure in words (Substitution.detail)

@@ -187,6 +187,25 @@ def test_the_trainer_client_gets_the_substitute_with_the_same_id(planner, with_s
     assert plan.plan_id == expected.plan_id and plan.substitution == expected.substitution
 
 
+@pytest.mark.parametrize("name, request_, reason", SUBSTITUTED, ids=SUBSTITUTED_IDS)
+def test_auto_plans_dynamic_cp_candidates_batch_by_batch_and_never_serves_a_substitute(name, request_, reason):
+    """auto on the same batches: each dynamic-CP candidate is planned where upstream's plan of the
+    batch (with that candidate's budget) is valid, and listed as not planned, naming upstream's
+    failure, where it is not; auto serves the cheapest plan it has, never a substitute."""
+    _available(request_)
+    plan = plan_batch(request_.replace(scheduler=AUTO, micro_batch_group_size=request_.micro_batch_group_size))
+    assert plan.substitution is None
+    dynamic = [c for c in plan.candidates if c.scheduler is DYNAMIC]
+    assert dynamic
+    for candidate in dynamic:
+        alone = plan_batch(request_.replace(max_seqlen_per_dp_cp_rank=candidate.max_seqlen_per_dp_cp_rank, min_cp_size=candidate.min_cp_size))
+        if alone.substitution is None:
+            assert candidate.predicted_step_cost is not None or candidate.skipped_lower_bound is not None, candidate
+        else:
+            assert candidate.predicted_step_cost is None and alone.substitution.reason.value in candidate.not_planned_reason, candidate
+    assert any(c.predicted_step_cost is None and "dynamic_cp" in c.name for c in dynamic if reason.value in c.not_planned_reason)
+
+
 def test_the_fallback_on_upstreams_own_code_cuts_the_loop_off_and_serves_the_same_plan(monkeypatch):
     """A trainer planning in process with Megatron-Core's own code (scheduler_implementation=
     upstream) on a batch where upstream loops for ever: the call is cut off (the limit lowered
