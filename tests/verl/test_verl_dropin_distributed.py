@@ -101,19 +101,23 @@ def _equality_rank(rank: int, world: int, store_path: str, tp: int, cp: int, sou
     dist.destroy_process_group()
 
 
+def _use_service(monkeypatch, address: str) -> None:
+    """The drop-in's ranks find the planner at `address`, through the environment, no config file."""
+    monkeypatch.setenv("BATCH_PLANNER_ENDPOINT", address)
+    monkeypatch.delenv("BATCH_PLANNER_CONFIG", raising=False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world,tp,cp", [(4, 1, 2), (4, 2, 2), (8, 1, 4), (8, 2, 2)])
 def test_micro_batches_equal_verls_own_where_the_service_plans(world, tp, cp, tmp_path, planner, monkeypatch):
-    monkeypatch.setenv("BATCH_PLANNER_ENDPOINT", planner.address)
-    monkeypatch.delenv("BATCH_PLANNER_CONFIG", raising=False)
+    _use_service(monkeypatch, planner.address)
     run_ranks(_equality_rank, (world, str(tmp_path / "store"), tp, cp, "service"), world, DEADLINE)
 
 
 @pytest.mark.slow
 def test_micro_batches_equal_verls_own_when_planned_in_process(tmp_path, monkeypatch):
     # Nothing listens there: every plan is the in-process fallback (Megatron-Core in this process).
-    monkeypatch.setenv("BATCH_PLANNER_ENDPOINT", "127.0.0.1:9")
-    monkeypatch.delenv("BATCH_PLANNER_CONFIG", raising=False)
+    _use_service(monkeypatch, "127.0.0.1:9")
     run_ranks(_equality_rank, (4, str(tmp_path / "store"), 1, 2, "fallback"), 4, DEADLINE)
 
 
@@ -168,8 +172,7 @@ def _rl_rank(rank: int, world: int, store_path: str, auto_config: str) -> None:
 
 @pytest.mark.slow
 def test_rl_loop_plans_each_mini_batch_once(tmp_path, planner, monkeypatch):
-    monkeypatch.setenv("BATCH_PLANNER_ENDPOINT", planner.address)
-    monkeypatch.delenv("BATCH_PLANNER_CONFIG", raising=False)
+    _use_service(monkeypatch, planner.address)
     auto = tmp_path / "auto.yaml"
     auto.write_text("batch_planner:\n  scheduler: auto\n  deadline_seconds: 20.0\n")
     run_ranks(_rl_rank, (4, str(tmp_path / "store"), str(auto)), 4, DEADLINE)
@@ -234,6 +237,5 @@ def _dp3_cp2_rank(rank: int, world: int, store_path: str) -> None:
 
 @pytest.mark.slow
 def test_dpxcp_6_equals_verls_own_where_it_runs_and_serves_the_substitute_where_it_would_fail(tmp_path, planner, monkeypatch):
-    monkeypatch.setenv("BATCH_PLANNER_ENDPOINT", planner.address)
-    monkeypatch.delenv("BATCH_PLANNER_CONFIG", raising=False)
+    _use_service(monkeypatch, planner.address)
     run_ranks(_dp3_cp2_rank, (6, str(tmp_path / "store")), 6, DEADLINE)
