@@ -21,12 +21,14 @@ from typing import Callable, Iterator, TypeVar
 
 T = TypeVar("T")
 
-# The longest one call of Megatron-Core's own scheduler code may run on a layout planned batch by
-# batch before it is taken for a loop: far above any plan within the server's limits (the slowest,
-# 16,384 samples on 1,024 ranks, takes about a second of upstream's code), far below a trainer's
-# patience. A request's own deadline shortens it (`request_deadline`).
-DEFAULT_LIMIT_SECONDS = 10.0
-# The part of the time left to a request kept for serving the substitute after a cut-off.
+# How long one call of Megatron-Core's own scheduler code may run, on a layout planned batch by
+# batch, before it is taken for a loop, when the caller has no deadline (a script, a trainer's
+# in-process fallback). Upstream's own code is slow (4,096 samples on 256 ranks take 10-30 s, README
+# "Schedulers"), so a batch it would plan in more than this is served the substitute too
+# (`upstream_loop`, its detail says "cut off"); the exact path, the default, never is.
+DEFAULT_LIMIT_SECONDS = 30.0
+# With a deadline (the server's requests, `request_deadline`): this share of the time left, the
+# rest kept for serving the substitute before the deadline.
 DEADLINE_SHARE = 0.8
 
 _deadline: ContextVar[float | None] = ContextVar("batch_planner_upstream_deadline", default=None)
@@ -44,12 +46,12 @@ def request_deadline(wall_deadline: float | None) -> Iterator[None]:
 
 
 def limit_seconds() -> float:
-    """How long the next call of upstream's own code may run (DEFAULT_LIMIT_SECONDS, or less: a
-    share of the time left to the request)."""
+    """How long the next call of upstream's own code may run: a share of the time left to the
+    request, or DEFAULT_LIMIT_SECONDS without one."""
     wall = _deadline.get()
     if wall is None:
         return DEFAULT_LIMIT_SECONDS
-    return min(DEFAULT_LIMIT_SECONDS, max(0.0, (wall - time.time()) * DEADLINE_SHARE))
+    return max(0.0, (wall - time.time()) * DEADLINE_SHARE)
 
 
 class CutOff(BaseException):

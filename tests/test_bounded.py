@@ -53,6 +53,8 @@ def test_the_requests_deadline_shortens_the_limit():
     assert bounded.limit_seconds() == bounded.DEFAULT_LIMIT_SECONDS
     with bounded.request_deadline(time.time() + 1.0):
         assert 0.0 < bounded.limit_seconds() <= 1.0 * bounded.DEADLINE_SHARE
+    with bounded.request_deadline(time.time() + 1000.0):  # a long deadline: its share, not the default
+        assert bounded.limit_seconds() > bounded.DEFAULT_LIMIT_SECONDS
     with bounded.request_deadline(time.time() - 1.0):
         assert bounded.limit_seconds() == 0.0
     assert bounded.limit_seconds() == bounded.DEFAULT_LIMIT_SECONDS
