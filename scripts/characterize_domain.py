@@ -129,7 +129,7 @@ def run_case(case: dict) -> dict:
     seqlens = list(enumerate(request.sequence_lengths))
     started = time.perf_counter()
     try:
-        assignment = _RUNNERS[kind](_load_class(kind), request, seqlens)
+        assignment = _RUNNERS[kind](_load_class(kind), request, seqlens, None)  # None: this process's implementation
         padding = PlanPadding.for_request(request)
         micro_batches = tuple(MicroBatch(groups_from_rank_assignment(r, padding)) for r in assignment)
         spec = SCHEDULER_SPECS[kind]
