@@ -23,7 +23,7 @@ import numpy as np
 
 from batch_planner.cost import static_cp_step_cost
 from batch_planner.cost_spec import CostModel
-from batch_planner.cp_groups import megatron_cp_group_sizes
+from batch_planner.cp_groups import static_cp_sizes
 from batch_planner.errors import BatchNotPlannableError, ErrorCode, InvalidRequestError, PlanningError, SchedulerFailedError
 from batch_planner.identity import plan_id
 from batch_planner.plan import CandidateSummary, Plan
@@ -136,7 +136,7 @@ def plan_candidates(
 def candidates(request: PlanRequest) -> list[Candidate]:
     """auto's candidates for `request`, in the documented order."""
     dp_cp = request.dp_cp_size
-    static_sizes = sorted(size for size in megatron_cp_group_sizes(dp_cp) if dp_cp % size == 0)
+    static_sizes = static_cp_sizes(dp_cp)
     job_cp = request.context_parallel_size
     found = [_static(request, job_cp)]
     for fraction in MAX_SEQLEN_FRACTIONS:

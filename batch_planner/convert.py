@@ -15,6 +15,7 @@ from batch_planner.cost_spec import COEFFICIENT_NAMES, CostModel, CostModelSpec,
 from batch_planner.errors import InvalidRequestError
 from batch_planner.plan import CandidateSummary, GroupColumns, MicroBatch, MicroBatches, Plan, PlanStatistics, new_cp_group
 from batch_planner.request import CapacityBound, CpLayout, PlanningOptions, PlanRequest, SchedulerKind
+from batch_planner.substitute import SubstituteReason, Substitution
 from batch_planner.v1 import planner_pb2 as pb
 
 # The request metadata key that carries PlanRequest.job: the server reads it at admission (per-job
@@ -29,6 +30,8 @@ SCHEDULER_TO_PROTO = {
     SchedulerKind.AUTO: pb.SCHEDULER_AUTO,
 }
 SCHEDULER_FROM_PROTO: dict[int, SchedulerKind] = {v: k for k, v in SCHEDULER_TO_PROTO.items()}
+REASON_TO_PROTO = {reason: pb.SubstituteReason.Value(f"SUBSTITUTE_REASON_{reason.name}") for reason in SubstituteReason}
+REASON_FROM_PROTO: dict[int, SubstituteReason] = {v: k for k, v in REASON_TO_PROTO.items()}
 LAYOUT_TO_PROTO = {CpLayout.ZIGZAG: pb.CP_LAYOUT_ZIGZAG, CpLayout.CONTIGUOUS: pb.CP_LAYOUT_CONTIGUOUS}
 LAYOUT_FROM_PROTO = {**{v: k for k, v in LAYOUT_TO_PROTO.items()}, pb.CP_LAYOUT_UNSPECIFIED: CpLayout.ZIGZAG}
 BOUND_TO_PROTO = {
@@ -191,6 +194,13 @@ def plan_to_proto(plan: Plan, columns: bool = False) -> pb.PlanResponse:
         cp_layout=LAYOUT_TO_PROTO[plan.cp_layout],
         tensor_parallel_size=plan.tensor_parallel_size,
         candidates=[_candidate_to_proto(c) for c in plan.candidates],
+        substitution=None if plan.substitution is None else _substitution_to_proto(plan.substitution),
+    )
+
+
+def _substitution_to_proto(substitution: Substitution) -> pb.Substitution:
+    return pb.Substitution(
+        requested=SCHEDULER_TO_PROTO[substitution.requested], reason=REASON_TO_PROTO[substitution.reason], detail=substitution.detail,
     )
 
 
@@ -256,7 +266,12 @@ def plan_from_proto(message: pb.PlanResponse) -> Plan:
             )
             for c in message.candidates
         ),
+        substitution=_substitution_from_proto(message.substitution) if message.HasField("substitution") else None,
     )
+
+
+def _substitution_from_proto(message: pb.Substitution) -> Substitution:
+    return Substitution(SCHEDULER_FROM_PROTO[message.requested], REASON_FROM_PROTO[message.reason], message.detail)
 
 
 def micro_batches_from_proto(messages: Iterable[pb.MicroBatch]) -> tuple[MicroBatch, ...]:

@@ -38,3 +38,9 @@ def largest_power_of_two_group(dp_cp_size: int) -> int:
     sample may be: max_seqlen_per_dp_cp_rank x this.
     """
     return max(size for size in megatron_cp_group_sizes(dp_cp_size) if is_power_of_two(size))
+
+
+def static_cp_sizes(dp_cp_size: int) -> list[int]:
+    """The CP sizes a static-CP plan over `dp_cp_size` ranks may use, smallest first: the group
+    sizes parallel_state builds that tile the ranks (auto's static candidates, the substitute's)."""
+    return sorted(size for size in megatron_cp_group_sizes(dp_cp_size) if dp_cp_size % size == 0)

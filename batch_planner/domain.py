@@ -1,20 +1,26 @@
-"""Which layouts each Megatron-Core scheduler plans: the one home of that rule, as measured.
+"""Which layouts each Megatron-Core scheduler plans, and how: the one home of that rule, as measured.
 
 Megatron-Core's schedulers loop for ever, crash or return plans no process group can run on some
-layouts: dynamic CP on a DPxCP that is not a power of two raises IndexError in
+batches of some layouts: dynamic CP on a DPxCP that is not a power of two raises IndexError in
 `fill_empty_gpus_once`, places a CP group parallel_state does not build (16 on 24 ranks) and, with
 VPP grouping, loops for ever in `align_sample_id_groups`; hybrid CP does the same on those sizes.
-`scripts/characterize_domain.py` plans a few hundred seeded batches per DPxCP size (every even size
-up to 256, then a seeded sample up to 1,024) on each build and records every failure; its output
-is docs/domain/<build>.json. A layout is accepted here only where no batch failed on it, other than
-by one of upstream's own refusals of the batch itself (`BATCH_LIMITS`): those are a property of the
-batch, not of the layout, and are answered OUT_OF_RANGE (errors.BatchNotPlannableError).
+`scripts/characterize_domain.py` plans a few hundred small, adversarial seeded batches per DPxCP
+size (every even size up to 256, then a seeded sample up to 1,024) on each build and records every
+failure; its output is docs/domain/<build>.json. On realistic batches (bench/nonpow2.py) the same
+layouts fail rarely: upstream's plan is valid for nearly every batch.
 
-validation.py asks `layout_refusal` before any scheduler runs, so no request reaches upstream code
-that can loop: the domain holds for Megatron-Core's own code (`scheduler_implementation=upstream`)
-as for the exact path, which agrees with it on every input that does not loop.
+So a layout is one of three things for a scheduler:
+- planned for every batch (`exact_sizes`): no batch of the sweep failed on it, other than by one
+  of upstream's own refusals of the batch itself (`BATCH_LIMITS`: a property of the batch, answered
+  OUT_OF_RANGE, errors.BatchNotPlannableError). An upstream failure there is our bug: INTERNAL.
+- planned batch by batch (`per_batch`, dynamic CP on every other even DPxCP): upstream's algorithm
+  runs bounded (the exact path detects a loop; Megatron-Core's own code is cut off,
+  batch_planner/bounded.py), its plan is served when every invariant holds, and otherwise the
+  named substitute (batch_planner/substitute.py: Megatron-Core's static-packing plan of the batch).
+- refused (INVALID_ARGUMENT on `layout`, before any scheduler runs).
+
 tests/test_scheduler_domain.py checks this module against the sweep's output and the table in
-docs/design.md against `domain_table()`.
+docs/design.md against `domain_table()`; the sweep is kept, since it finds where substitutes happen.
 """
 
 from __future__ import annotations
@@ -71,18 +77,30 @@ class SchedulerDomain:
     # Whether micro_batch_group_size > 1 (VPP grouping, which runs another upstream function:
     # dynamic CP's align_sample_id_groups, static packing's move of samples to a multiple) is planned.
     vpp: bool
+    # Whether the even sizes outside `exact_sizes` are planned batch by batch, with the substitute
+    # where upstream's plan is not valid (the module doc).
+    substitutes: bool = False
 
-    def plans(self, dp_cp_size: int) -> bool:
+    def exact_sizes(self, dp_cp_size: int) -> bool:
+        """Sizes where upstream's plan is valid for every batch the sweep tried."""
         if self.scheduler is SchedulerKind.STATIC_PACKING:
             return dp_cp_size >= 1
         return dp_cp_size >= 2 and is_power_of_two(dp_cp_size)
+
+    def per_batch(self, dp_cp_size: int) -> bool:
+        """Sizes planned batch by batch: upstream's plan where valid, the substitute elsewhere."""
+        return self.substitutes and dp_cp_size >= 2 and dp_cp_size % 2 == 0 and not self.exact_sizes(dp_cp_size)
+
+    def plans(self, dp_cp_size: int) -> bool:
+        return self.exact_sizes(dp_cp_size) or self.per_batch(dp_cp_size)
 
 
 DOMAINS: dict[SchedulerKind, SchedulerDomain] = {
     SchedulerKind.DYNAMIC_CP: SchedulerDomain(
         SchedulerKind.DYNAMIC_CP, "dev 0.19.0+dev.d48bd6b (no PyPI release has it)",
-        "a power of two (2 to 1024), with or without micro_batch_group_size",
-        "`auto` serves static_packing here", vpp=True,
+        "even (2 to 1024), with or without micro_batch_group_size; where it is not a power of two, batch by "
+        "batch: upstream's plan where it is valid, else the substitute (static_packing's plan, named)",
+        "", vpp=True, substitutes=True,
     ),
     SchedulerKind.HYBRID_CP: SchedulerDomain(
         SchedulerKind.HYBRID_CP, "0.19.2 and dev 0.19.0+dev.d48bd6b",
@@ -95,6 +113,11 @@ DOMAINS: dict[SchedulerKind, SchedulerDomain] = {
         "", vpp=True,
     ),
 }
+
+
+def per_batch(scheduler: SchedulerKind, dp_cp_size: int) -> bool:
+    """Whether `scheduler` plans `dp_cp_size` ranks batch by batch, with the substitute (the module doc)."""
+    return DOMAINS[scheduler].per_batch(dp_cp_size) if scheduler in DOMAINS else False
 
 
 def layout_refusal(scheduler: SchedulerKind, data_parallel_size: int, context_parallel_size: int) -> str | None:
@@ -118,6 +141,8 @@ def domain_table() -> str:
     ]
     for kind, domain in DOMAINS.items():
         limits = "; ".join(f"\"{b.upstream_message}\": {b.meaning}" for b in BATCH_LIMITS if b.scheduler is kind) or "none seen"
-        outside = "none" if kind is SchedulerKind.STATIC_PACKING else f"every other size; {domain.instead}"
+        outside = "odd sizes (the dev build's parallel_state needs an even DPxCP)" if domain.substitutes else (
+            "none" if kind is SchedulerKind.STATIC_PACKING else f"every other size; {domain.instead}"
+        )
         lines.append(f"| `{kind.value}` | {domain.builds} | {domain.rule} | {outside} | {limits} |")
     return "\n".join(lines)

@@ -16,6 +16,7 @@ from batch_planner.columns import INT64_EXACT, lengths_column, run_offsets, segm
 from batch_planner.errors import InvariantViolationError
 from batch_planner.padding import PlanPadding
 from batch_planner.request import CapacityBound, CpLayout, PlanRequest, SchedulerKind
+from batch_planner.substitute import Substitution
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,9 @@ class Plan:
     statistics: PlanStatistics | None = field(default=None, compare=False)
     # SCHEDULER_AUTO: every candidate, in the order they were planned; empty otherwise.
     candidates: tuple[CandidateSummary, ...] = ()
+    # Set when the requested scheduler's plan of this batch was not valid and the substitute was
+    # served instead (batch_planner/substitute.py); `scheduler` is then the substitute's.
+    substitution: Substitution | None = None
 
     def sample_cp_sizes(self) -> dict[int, int]:
         """Sample id -> the local CP size it runs with."""

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
+from batch_planner import bounded
 from batch_planner.cp_groups import is_power_of_two, megatron_cp_group_sizes
-from batch_planner.domain import batch_limit
+from batch_planner.domain import batch_limit, per_batch
 from batch_planner.errors import (
     BatchNotPlannableError,
     SchedulerFailedError,
@@ -31,6 +32,7 @@ from batch_planner.exact import dynamic_cp as exact_dynamic_cp
 from batch_planner.exact import hybrid_cp as exact_hybrid_cp
 from batch_planner.exact.verified import SchedulerImplementation, exact_path_status
 from batch_planner.request import CapacityBound, PlanRequest, SchedulerKind
+from batch_planner.substitute import SubstituteReason, UpstreamPlanInvalid
 
 log = logging.getLogger(__name__)
 
@@ -271,15 +273,27 @@ def run_scheduler(request: PlanRequest, implementation: SchedulerImplementation 
     `implementation` (None: this process's setting, batch_planner/exact/verified.py) allows it.
 
     One of upstream's own refusals of the batch (batch_planner/domain.py, BATCH_LIMITS) becomes a
-    BatchNotPlannableError (OUT_OF_RANGE) naming upstream's reason; any other upstream exception a
-    SchedulerFailedError (INTERNAL: the domain let through a layout it should not), naming the
+    BatchNotPlannableError (OUT_OF_RANGE) naming upstream's reason. On a layout planned batch by
+    batch (domain.per_batch) any other failure, a loop included, is an UpstreamPlanInvalid (the
+    planner serves the substitute), and Megatron-Core's own code runs bounded
+    (batch_planner/bounded.py): cut off where it would hang. Elsewhere any other upstream exception
+    is a SchedulerFailedError (INTERNAL: the domain let through a layout it should not), naming the
     scheduler and the error, never a stack trace to the caller (the server logs the trace).
     """
     spec = require_scheduler(request.scheduler)
     cls = _load_class(request.scheduler)
     seqlens = [(sample_id, int(length)) for sample_id, length in enumerate(request.sequence_lengths)]
+    batch_by_batch = per_batch(request.scheduler, request.dp_cp_size)
+    run = _RUNNERS[request.scheduler]
     try:
-        return _RUNNERS[request.scheduler](cls, request, seqlens, implementation)
+        if batch_by_batch and not exact_path_status(request.scheduler, implementation).active:
+            return bounded.call_within(lambda: run(cls, request, seqlens, implementation), bounded.limit_seconds())
+        return run(cls, request, seqlens, implementation)
+    except bounded.CutOff as cut:
+        raise UpstreamPlanInvalid(
+            SubstituteReason.UPSTREAM_LOOP,
+            f"Megatron-Core {spec.class_name} ({megatron_core_version()}, its own code) was cut off on this batch: {cut}",
+        ) from None
     except Exception as exc:  # noqa: BLE001 - translate every upstream failure
         limit = batch_limit(request.scheduler, exc)
         if limit is not None:
@@ -290,11 +304,17 @@ def run_scheduler(request: PlanRequest, implementation: SchedulerImplementation 
                 f"{limit.instead}",
                 field="sequence_lengths",
             ) from exc
+        failure = f"{type(exc).__name__}: {exc or '(no message)'}"
+        if batch_by_batch:
+            loop = isinstance(exc, SchedulerWouldNotTerminate)
+            reason = SubstituteReason.UPSTREAM_LOOP if loop else SubstituteReason.UPSTREAM_ERROR
+            raise UpstreamPlanInvalid(
+                reason, f"Megatron-Core {spec.class_name} ({megatron_core_version()}) failed on this batch of DPxCP {request.dp_cp_size}: {failure}"
+            ) from exc
         if isinstance(exc, SchedulerWouldNotTerminate):
             log.error("validation let through a request Megatron-Core's %s would loop on: %s", spec.class_name, exc)
         log.exception("Megatron-Core %s failed on a validated request", spec.class_name)
         raise SchedulerFailedError(
-            f"Megatron-Core {spec.class_name} ({megatron_core_version()}) failed on this batch: "
-            f"{type(exc).__name__}: {exc or '(no message)'}",
+            f"Megatron-Core {spec.class_name} ({megatron_core_version()}) failed on this batch: {failure}",
             field="scheduler",
         ) from exc

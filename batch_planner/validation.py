@@ -26,7 +26,7 @@ from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
 from batch_planner.cp_groups import is_power_of_two, largest_power_of_two_group, megatron_cp_group_sizes
-from batch_planner.domain import layout_refusal
+from batch_planner.domain import layout_refusal, per_batch
 from batch_planner.errors import InvalidRequestError
 from batch_planner.request import PlanRequest, SchedulerKind, option_bounds
 from batch_planner.schedulers import require_scheduler
@@ -174,11 +174,18 @@ def validate_request(request: PlanRequest, limits: RequestLimits) -> None:
                 "micro_batch_group_size samples (a micro-batch per sample at most); send more "
                 "samples or a smaller micro_batch_group_size",
             )
-        # A sample gets a power-of-two CP size, so the longest fits the largest power-of-two
-        # group (the whole group only when DPxCP is a power of two).
-        largest = largest_power_of_two_group(dp_cp)
-        capacity = request.max_seqlen_per_dp_cp_rank * largest
-        capacity_name = f"max_seqlen_per_dp_cp_rank x {largest} (the largest power-of-two CP group of DPxCP {dp_cp})"
+        if per_batch(kind, dp_cp):
+            # Planned batch by batch: a sample upstream cannot place (its power-of-two CP size is
+            # not built here) makes upstream's plan invalid, and the substitute may hold it on the
+            # whole DPxCP group (batch_planner/planner.py, substitute_cp_size).
+            capacity = request.max_seqlen_per_dp_cp_rank * dp_cp
+            capacity_name = f"max_seqlen_per_dp_cp_rank x DPxCP {dp_cp} (the whole group, which the substitute may use)"
+        else:
+            # A sample gets a power-of-two CP size, so the longest fits the largest power-of-two
+            # group (the whole group: DPxCP is a power of two here).
+            largest = largest_power_of_two_group(dp_cp)
+            capacity = request.max_seqlen_per_dp_cp_rank * largest
+            capacity_name = f"max_seqlen_per_dp_cp_rank x {largest} (the largest power-of-two CP group of DPxCP {dp_cp})"
     else:
         capacity = request.max_seqlen_per_dp_cp_rank * request.context_parallel_size
         capacity_name = "max_seqlen_per_dp_cp_rank x CP"

@@ -19,14 +19,14 @@ import time
 from pathlib import Path
 
 from bench import (
-    ahead, dropin, fairness, forkserver_loss, growth, hidden, overhead, quality, rl_wait, scaling, startup, trainer_cost,
+    ahead, dropin, fairness, forkserver_loss, growth, hidden, nonpow2, overhead, quality, rl_wait, scaling, startup, trainer_cost,
 )
 from bench.common import argument_parser, bars_path, markdown_table, planner_server, read_bars, verdict, write_report
 
 
 BENCHMARKS = (
-    "overhead", "hidden", "ahead", "scaling", "dropin", "trainer_cost", "quality", "growth", "startup", "fairness", "rl_wait",
-    "forkserver_loss",
+    "overhead", "hidden", "ahead", "scaling", "dropin", "trainer_cost", "quality", "nonpow2", "growth", "startup", "fairness",
+    "rl_wait", "forkserver_loss",
 )
 
 
@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
         trainer_cost.run(out, smoke)
     if "quality" in only:
         quality.run(out, smoke)
+    if "nonpow2" in only:
+        nonpow2.run(out, smoke)
     if "growth" in only:
         growth.run(out, smoke)
     if "startup" in only:

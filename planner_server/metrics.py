@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import threading
 
+from batch_planner.request import SchedulerKind
+from batch_planner.substitute import SubstituteReason
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -100,6 +103,12 @@ class PlannerMetrics:
             "auto candidates without a plan (refused, failed, breaking an invariant, or skipped by their lower bound), by their scheduler.", ["scheduler"],
             registry=r,
         )
+        self.substituted = Counter(
+            "batch_planner_substituted_total",
+            "Plans served as the substitute (Megatron-Core's static-packing plan of the batch) because the requested "
+            "scheduler's plan of the batch was not valid, by that scheduler and why (upstream_error, upstream_loop, "
+            "unbuildable_cp_group).", ["scheduler", "reason"], registry=r,
+        )
         self.invariant_violations = Counter(
             "batch_planner_invariant_violations_total",
             "Plans withheld because Megatron-Core's output broke a plan invariant.",
@@ -141,6 +150,8 @@ class PlannerMetrics:
         )
         for reason in ("died", "abandoned"):  # both series exist from the start, for rate()
             self.worker_restarts.labels(reason)
+        for reason in SubstituteReason:  # every reason's series exists from the start, for rate()
+            self.substituted.labels(SchedulerKind.DYNAMIC_CP.value, reason.value)
         self.scheduler_available = Gauge(
             "batch_planner_scheduler_available", "1 if the installed Megatron-Core provides the scheduler.",
             ["scheduler"], registry=r,

@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 
 from google.protobuf.message import DecodeError
 
+from batch_planner import bounded
 from batch_planner.auto import Candidate, Outcome, PlanOne, RunCandidates, plan_candidate, plan_serially
 from batch_planner.convert import JOB_METADATA_KEY, dp_cp_ranks, plan_to_proto, request_from_proto, scheduler_label, wants_columns
 from batch_planner.cost_spec import CostModel
@@ -62,6 +63,9 @@ class WorkerResult:
     # From when this process took the request to its serialized response; auto on the workers: its
     # candidates' worker time (the measured plan rates). Both timings are set by `plan_parsed`.
     planning_seconds: float = 0.0
+    # The substitute was served (batch_planner/substitute.py): the scheduler asked for, and why.
+    substituted_for: str = ""
+    substitute_reason: str = ""
 
 
 def request_digest(request_bytes: bytes) -> str:
@@ -123,7 +127,8 @@ def plan_request_bytes(
         parsed = parse(request_bytes, deadline, digest)
     except PlanningError as exc:
         return refusal(exc, request_bytes, digest)
-    return plan_parsed(parsed, limits, cost_model, run_candidates, admitted_job=admitted_job, received=received)
+    with bounded.request_deadline(deadline):  # upstream's own code is cut off in time for the substitute
+        return plan_parsed(parsed, limits, cost_model, run_candidates, admitted_job=admitted_job, received=received)
 
 
 def plan_parsed(
@@ -158,8 +163,14 @@ def plan_parsed(
         planning_seconds = time.perf_counter() - received
     else:
         elapsed = planning_seconds = worker_seconds()
+    substitution = plan.substitution
+    if substitution is not None:
+        log.warning("request %s: %s", parsed.about.request_digest, substitution.describe())
     return WorkerResult(ErrorCode.OK, response, about=parsed.about, plan_id=plan.plan_id, scheduler_seconds=elapsed,
-                        statistics=plan.statistics, planning_seconds=planning_seconds, **_auto_fields(plan.candidates))
+                        statistics=plan.statistics, planning_seconds=planning_seconds,
+                        substituted_for=substitution.requested.value if substitution else "",
+                        substitute_reason=substitution.reason.value if substitution else "",
+                        **_auto_fields(plan.candidates))
 
 
 def failure(exc: Exception, about: About = About()) -> WorkerResult:
@@ -210,11 +221,13 @@ def worker_initializer(
     warm_up()
 
 
-def plan_candidate_in_worker(candidate: Candidate, plan_one: PlanOne) -> tuple[Outcome, bytes]:
+def plan_candidate_in_worker(candidate: Candidate, plan_one: PlanOne, deadline: float | None = None) -> tuple[Outcome, bytes]:
     """One of auto's candidates planned in a worker for the handler's run_candidates: its Outcome,
     with the plan's micro-batches held apart as pickled bytes. They are most of a plan; the handler
-    loads only the served plan's (docs/design.md, "The auto policy", says what that saves)."""
-    outcome = plan_candidate(candidate, plan_one)
+    loads only the served plan's (docs/design.md, "The auto policy", says what that saves).
+    `deadline`: the request's (seconds since the epoch), before which upstream's own code is cut off."""
+    with bounded.request_deadline(deadline):
+        outcome = plan_candidate(candidate, plan_one)
     if outcome.plan is None:
         return outcome, b""
     return replace(outcome, plan=replace(outcome.plan, micro_batches=())), pickle.dumps(outcome.plan.micro_batches, protocol=5)

@@ -31,7 +31,12 @@ def log_request(result: WorkerResult, seconds: float, training_job: str) -> None
     }
     if result.code.value != "OK":
         fields["error"] = result.message
-    log.info("plan %s", " ".join(f"{k}={fields[k]}" for k in _FIELDS), extra={"fields": fields})
+    shown = list(_FIELDS)
+    if result.substitute_reason:  # the plan served is the substitute: say so, and why
+        fields["substituted_for"] = result.substituted_for
+        fields["substitute_reason"] = result.substitute_reason
+        shown += ["substituted_for", "substitute_reason"]
+    log.info("plan %s", " ".join(f"{k}={fields[k]}" for k in shown), extra={"fields": fields})
 
 
 class ViolationDump:

@@ -126,6 +126,8 @@ class PlannerServicer:
         series(m.balance_efficiency, scheduler).observe(stats.balance_efficiency)
         series(m.speedup, scheduler).observe(stats.predicted_speedup_over_static_cp)
         series(m.last_speedup, scheduler, job).set(stats.predicted_speedup_over_static_cp)
+        if result.substitute_reason:
+            series(m.substituted, result.substituted_for, result.substitute_reason).inc()
         if result.auto_winner:
             series(m.auto_winners, result.auto_winner).inc()
             for dropped in result.auto_not_planned:

@@ -4,8 +4,10 @@ workers. A request reserves its slots before any work starts (one; auto: one per
 most one per worker, its candidates running one per slot at a time); each comes back once its
 task has really stopped, and `Work.cancel()` (the caller went away, or its deadline passed) kills
 the workers running them: Megatron-Core's schedulers cannot be interrupted. An inline request runs in
-the handler thread and cannot be stopped, so it is bounded (`InlineBound`) and never given work
-that can loop (batch_planner/domain.py); a drain that finds one running ends the process.
+the handler thread and cannot be stopped, so it is bounded (`InlineBound`); the one upstream code
+that can loop (dynamic CP on a DPxCP that is not a power of two, batch_planner/domain.py) is
+detected by the exact path, or cut off before the deadline (batch_planner/bounded.py); a drain
+that finds one running ends the process.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import threading
 import time
 from dataclasses import replace
 
+from batch_planner import bounded
 from batch_planner.auto import Candidate, Outcome, PlanOne
 from batch_planner.cost_spec import CostModel
 from batch_planner.errors import PlanningError
@@ -245,7 +248,8 @@ class PlanningPool:
         with self._inline_lock:
             self.inline_running += 1
         try:
-            result = plan_parsed(parsed, self.limits, self.cost_model, admitted_job=job)
+            with bounded.request_deadline(time.time() + (end - time.monotonic())):
+                result = plan_parsed(parsed, self.limits, self.cost_model, admitted_job=job)
         finally:
             with self._inline_lock:
                 self.inline_running -= 1
@@ -277,7 +281,8 @@ class _WorkerCandidates:
         assert self._work is not None, "the core tells expect() the candidate count first"
         if time.monotonic() >= self._end:
             raise TimeoutError  # the deadline passed between rounds: start no worker on it
-        results = self._work.map(plan_candidate_in_worker, [(candidate, plan_one) for candidate in found], self._end)
+        deadline = time.time() + (self._end - time.monotonic())  # upstream's own code is cut off before it
+        results = self._work.map(plan_candidate_in_worker, [(candidate, plan_one, deadline) for candidate in found], self._end)
         for outcome, micro_batches in results:
             self._micro_batches[outcome.candidate.name] = micro_batches
             self.seconds += outcome.seconds

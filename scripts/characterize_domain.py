@@ -6,8 +6,10 @@ minimum CP size) straight through the scheduler adapter, bypassing validation, a
 failure: an exception of Megatron-Core's (IndexError, AssertionError ...), a loop (the exact
 dynamic-CP path raises SchedulerWouldNotTerminate where upstream's code would loop for ever; a call
 of upstream's own code that runs past --timeout is killed and counted as a loop) and a plan that
-breaks a plan invariant (docs/design.md, Plan invariants). A layout is accepted for a scheduler
-only where no batch failed on it.
+breaks a plan invariant (docs/design.md, Plan invariants). A scheduler plans every batch of a
+layout only where no batch failed on it (`accepted_sizes`); of the others, those batch_planner/domain.py
+plans batch by batch (dynamic CP: every even size) are listed as `substitute_sizes`: there the
+planner serves upstream's plan where it is valid and the named substitute where it fails.
 
 Each batch runs in a child process that streams one JSON line per case, so a looping upstream call
 (which no thread can interrupt) costs one killed child, not the sweep.
@@ -127,7 +129,7 @@ def run_case(case: dict) -> dict:
     seqlens = list(enumerate(request.sequence_lengths))
     started = time.perf_counter()
     try:
-        assignment = _RUNNERS[kind](_load_class(kind), request, seqlens)
+        assignment = _RUNNERS[kind](_load_class(kind), request, seqlens, None)  # None: this process's implementation
         padding = PlanPadding.for_request(request)
         micro_batches = tuple(MicroBatch(groups_from_rank_assignment(r, padding)) for r in assignment)
         spec = SCHEDULER_SPECS[kind]
@@ -216,6 +218,14 @@ def run_all(cases: list[dict], timeout: float, env: dict, enough_failures: int) 
     return results
 
 
+def substitute_sizes(kind, failing: dict) -> list[int]:
+    """The failing sizes planned batch by batch (batch_planner.domain, `per_batch`): there the
+    planner serves upstream's plan of each batch where it is valid, the named substitute elsewhere."""
+    from batch_planner.domain import per_batch
+
+    return sorted(int(size) for size in failing if per_batch(kind, int(size)))
+
+
 def render(report: dict) -> str:
     """The report as JSON, lists of numbers on one line each (diffs stay readable)."""
     import re
@@ -302,6 +312,7 @@ def main() -> None:
                 option_class: {
                     "sizes": entry["sizes"],
                     "accepted_sizes": [s for s in entry["sizes"] if str(s) not in entry["failing"]],
+                    "substitute_sizes": substitute_sizes(kind, entry["failing"]),
                     "outcomes": dict(sorted(entry["outcomes"].items())),
                     "slowest_seconds": entry["slowest_seconds"],
                     "failing": {s: {"failures": f["failures"], "reasons": dict(f["reasons"]), "example": f["example"]}

@@ -5,7 +5,7 @@ A case is one scheduler call: the batch, DP and CP, the per-rank budget and the 
 outcome is what the call returned, or the exception type and message it raised. Cases cover every
 distribution in batch_planner/distributions.py plus all-equal lengths, tiny lengths and one giant
 sample among small ones; DPxCP from 2 to 1,024 including the non-powers of two 6, 10, 12, 20, 24,
-40, 48 and 96; `min_cp_size` and the VPP `micro_batch_group_size`. Sizes are drawn so that
+40, 48 and 96 (`non_power_of_two_corpus`: those only); `min_cp_size` and the VPP `micro_batch_group_size`. Sizes are drawn so that
 upstream's own code, which is the slow side, answers each in milliseconds.
 """
 
@@ -70,8 +70,8 @@ def _sample_count(rng: random.Random, dp_cp: int) -> int:
     return rng.choice((1, 2, 3, rng.randint(4, 16), rng.randint(4, ceiling), rng.randint(4, ceiling)))
 
 
-def draw_case(rng: random.Random) -> Case:
-    dp_cp = rng.choice(POWERS_OF_TWO + NON_POWERS_OF_TWO + (2, 4, 8, 16, 32, 64))
+def draw_case(rng: random.Random, sizes: tuple[int, ...] = POWERS_OF_TWO + NON_POWERS_OF_TWO + (2, 4, 8, 16, 32, 64)) -> Case:
+    dp_cp = rng.choice(sizes)
     cp = rng.choice([c for c in (1, 2, 4, 8, 16) if dp_cp % c == 0])
     max_seqlen = rng.choice(BUDGETS)
     shape = rng.choice(SHAPES)
@@ -84,6 +84,13 @@ def draw_case(rng: random.Random) -> Case:
 def corpus(count: int, seed: int) -> list[Case]:
     rng = random.Random(f"exact-corpus:{seed}")
     return [draw_case(rng) for _ in range(count)]
+
+
+def non_power_of_two_corpus(count: int, seed: int) -> list[Case]:
+    """Cases on DPxCP sizes that are not a power of two only, where dynamic CP is planned batch by
+    batch (upstream's plan where it is valid, the substitute elsewhere)."""
+    rng = random.Random(f"exact-corpus-non-power-of-two:{seed}")
+    return [draw_case(rng, NON_POWERS_OF_TWO) for _ in range(count)]
 
 
 class _CallBudgetExceeded(Exception):

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the benchmarks plot with matplotlib: install the `bench` extra")
 
-from bench import ahead, auto_transfer, fairness, forkserver_loss, growth, hidden, overhead, quality, rl_wait, scaling, side_by_side, startup, trainer_cost  # noqa: E402
+from bench import ahead, auto_transfer, fairness, forkserver_loss, growth, hidden, nonpow2, overhead, quality, rl_wait, scaling, side_by_side, startup, trainer_cost  # noqa: E402
 from bench.__main__ import summary  # noqa: E402
 from bench.common import Bar, BatchSize, Report, read_bars, write_report  # noqa: E402
 
@@ -182,6 +182,15 @@ def test_quality_smoke(tmp_path):
     # auto: every distribution under every preset, never slower than the best static CP it tried.
     assert len(autos) == 4 * len(quality.AUTO_PRESETS)
     assert all(a.cost_over_bound >= 0.999 and (a.speedup_over_best_static or 1.0) >= 1.0 for a in autos)
+
+
+def test_nonpow2_smoke(tmp_path):
+    report = nonpow2.run(tmp_path, smoke=True)
+    assert [r.dp_cp for r in report.rows] == [8, 12, 16]
+    for r in report.rows:
+        assert r.batches == r.upstream + sum(r.substitutes.values()) + r.refused == 12
+        assert r.auto_ratio_geomean >= 1.0 - 1e-9  # auto with dynamic CP never predicts worse than without
+    assert_bars_stored(report)
 
 
 def test_auto_transfer_smoke(tmp_path):

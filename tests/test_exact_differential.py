@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -28,7 +29,7 @@ from batch_planner.exact.verified import (
 )
 from batch_planner.request import PlanRequest, SchedulerKind
 from batch_planner.schedulers import _load_class, _quiet_import, discover_schedulers
-from tests.exact_corpus import Case, corpus, outcome, served_bytes, tally
+from tests.exact_corpus import Case, corpus, non_power_of_two_corpus, outcome, served_bytes, tally
 from tests.megatron_builds import require_scheduler
 
 CORPUS_SIZE = 10_000
@@ -196,6 +197,81 @@ def test_the_whole_pipeline_serves_the_same_bytes_and_refusals(capsys):
     with capsys.disabled():
         print(f"\nwhole pipeline, exact vs upstream: {compared} requests, {plans} plans, identical bytes and refusals")
     assert plans > 100
+
+
+def _upstream_verdict(case: Case, request: PlanRequest) -> tuple:
+    """What upstream's own code does with the batch, judged independently of the planner:
+    ("valid", its assignment), ("batch limit",), or ("invalid", the substitute reason)."""
+    from batch_planner.domain import batch_limit
+    from batch_planner.errors import InvariantViolationError
+    from batch_planner.padding import PlanPadding
+    from batch_planner.plan import Plan, check_plan_invariants, micro_batches_from_assignment
+    from batch_planner.request import CapacityBound
+    from batch_planner.schedulers import valid_cp_sizes
+
+    upstream = outcome(lambda: _upstream(case), budget=LOOP_BUDGET, named=f"upstream on {case.describe()}")
+    if upstream[0] == "no end":
+        return ("invalid", "upstream_loop")
+    if upstream[0] == "raised":
+        limit = batch_limit(SchedulerKind.DYNAMIC_CP, _raised(upstream))
+        return ("batch limit",) if limit is not None else ("invalid", "upstream_error")
+    micro_batches, columns = micro_batches_from_assignment(upstream[1], PlanPadding.for_request(request))
+    plan = Plan("", SchedulerKind.DYNAMIC_CP, "", "", request.dp_cp_size, 1, request.cp_layout,
+                CapacityBound.PER_RANK_SUM, micro_batches)
+    try:
+        check_plan_invariants(plan, request, valid_cp_sizes(SchedulerKind.DYNAMIC_CP, request.dp_cp_size, request.context_parallel_size,
+                                                            request.min_cp_size), columns)
+    except InvariantViolationError as broken:
+        assert broken.invariant in ("2", "3"), f"upstream's plan loses or overfills samples: {broken}"
+        return ("invalid", "unbuildable_cp_group")
+    return ("valid", micro_batches)
+
+
+def _raised(upstream: tuple) -> BaseException:
+    return AssertionError(upstream[2]) if upstream[1] == "AssertionError" else RuntimeError(upstream[2])
+
+
+def test_non_power_of_two_sizes_serve_upstreams_plan_where_valid_and_the_named_substitute_elsewhere(capsys):
+    """Dynamic CP on 6, 10, 12, 20, 24, 40, 48 and 96 ranks, through the whole pipeline: where
+    upstream's own plan of the batch keeps every invariant the served plan is that plan, byte for
+    byte (and no substitution is named); where upstream raises, loops or places a group
+    parallel_state does not build, the substitute is served, named with that reason, and it is
+    Megatron-Core's static-packing plan of the same batch."""
+    from batch_planner.convert import plan_to_proto
+    from batch_planner.errors import PlanningError
+    from batch_planner.planner import plan_batch, substitute_cp_size
+
+    started = time.perf_counter()
+    counts: dict[str, int] = {}
+    for case in non_power_of_two_corpus(400, seed=2):
+        request = PlanRequest.of(
+            case.lengths, case.dp, case.cp, case.max_seqlen, scheduler=SchedulerKind.DYNAMIC_CP,
+            min_cp_size=case.min_cp_size if case.min_cp_size > 1 else None, micro_batch_group_size=case.micro_batch_group_size,
+        )
+        try:
+            served = plan_batch(request)
+        except PlanningError as refused:
+            assert refused.code.value in ("INVALID_ARGUMENT", "OUT_OF_RANGE"), f"{case.describe()}: {refused}"
+            counts[f"refused {refused.code.value}"] = counts.get(f"refused {refused.code.value}", 0) + 1
+            continue
+        verdict = _upstream_verdict(case, request)
+        assert verdict[0] != "batch limit", f"{case.describe()}: served although upstream refuses the batch"
+        if verdict[0] == "valid":
+            assert served.substitution is None and served.scheduler is SchedulerKind.DYNAMIC_CP, case.describe()
+            expected = plan_to_proto(replace(served, micro_batches=verdict[1]))
+            assert plan_to_proto(served).SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
+            counts["upstream's plan"] = counts.get("upstream's plan", 0) + 1
+        else:
+            assert served.substitution is not None and served.substitution.reason.value == verdict[1], (case.describe(), served.substitution)
+            cp = substitute_cp_size(request)
+            static = plan_batch(request.replace(scheduler=SchedulerKind.STATIC_PACKING, context_parallel_size=cp,
+                                                data_parallel_size=request.dp_cp_size // cp, min_cp_size=None))
+            assert served.micro_batches == static.micro_batches, case.describe()
+            counts[f"substitute: {verdict[1]}"] = counts.get(f"substitute: {verdict[1]}", 0) + 1
+    with capsys.disabled():
+        print(f"\nnon-power-of-two DPxCP, served vs upstream: {dict(sorted(counts.items()))} in {time.perf_counter() - started:.0f} s")
+    assert counts.get("upstream's plan", 0) > 100
+    assert all(counts.get(f"substitute: {reason}") for reason in ("upstream_error", "upstream_loop", "unbuildable_cp_group")), counts
 
 
 def test_exact_path_runs_only_on_a_verified_build_and_setting(monkeypatch):

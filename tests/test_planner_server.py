@@ -38,9 +38,9 @@ def test_served_plan_equals_megatron_core_in_process(stub, dp, cp, samples):
     assert response.statistics.micro_batch_count == len(response.micro_batches)
 
 
-# (DP, CP, samples): 8, 64, 256 and 16 ranks. Not 24 any more: dynamic CP is refused on a DPxCP
-# that is not a power of two (batch_planner/domain.py; tests/test_scheduler_domain.py).
-DYNAMIC_CP_LAYOUTS = [(4, 2, 64), (32, 2, 512), (64, 4, 1024), (8, 2, 256)]
+# (DP, CP, samples): 8, 64, 256, 16 and 24 ranks. On 24 (not a power of two) dynamic CP is planned
+# batch by batch (batch_planner/domain.py): this batch gets upstream's own plan, no substitute.
+DYNAMIC_CP_LAYOUTS = [(4, 2, 64), (32, 2, 512), (64, 4, 1024), (8, 2, 256), (12, 2, 384)]
 
 
 def test_served_dynamic_cp_plans_equal_megatron_core_across_two_servers(planner, stub):
@@ -62,6 +62,7 @@ def test_served_dynamic_cp_plans_equal_megatron_core_across_two_servers(planner,
         assert rank_view(plan) == megatron_dynamic_cp(list(request.sequence_lengths), request), request.dp_cp_size
         assert a.scheduler_class == "DefaultDynamicCPScheduler" and a.capacity_bound == pb.CAPACITY_BOUND_PER_RANK_SUM
         assert a.plan_id == b.plan_id and a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
+        assert not a.HasField("substitution")
     assert {len(r.micro_batches[0].cp_groups) > 1 for r in first} == {True}
     sizes_24 = {g.size for mb in first[-1].micro_batches for g in mb.cp_groups}
     assert sizes_24 <= {1, 2, 4, 8, 24} and len(sizes_24) > 1, sizes_24

@@ -31,6 +31,13 @@ class PlanForm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PLAN_FORM_MICRO_BATCHES: _ClassVar[PlanForm]
     PLAN_FORM_COLUMNS: _ClassVar[PlanForm]
+
+class SubstituteReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SUBSTITUTE_REASON_UNSPECIFIED: _ClassVar[SubstituteReason]
+    SUBSTITUTE_REASON_UPSTREAM_ERROR: _ClassVar[SubstituteReason]
+    SUBSTITUTE_REASON_UPSTREAM_LOOP: _ClassVar[SubstituteReason]
+    SUBSTITUTE_REASON_UNBUILDABLE_CP_GROUP: _ClassVar[SubstituteReason]
 SCHEDULER_UNSPECIFIED: Scheduler
 SCHEDULER_HYBRID_CP: Scheduler
 SCHEDULER_DYNAMIC_CP: Scheduler
@@ -44,6 +51,10 @@ CAPACITY_BOUND_PER_SAMPLE: CapacityBound
 CAPACITY_BOUND_PER_RANK_SUM: CapacityBound
 PLAN_FORM_MICRO_BATCHES: PlanForm
 PLAN_FORM_COLUMNS: PlanForm
+SUBSTITUTE_REASON_UNSPECIFIED: SubstituteReason
+SUBSTITUTE_REASON_UPSTREAM_ERROR: SubstituteReason
+SUBSTITUTE_REASON_UPSTREAM_LOOP: SubstituteReason
+SUBSTITUTE_REASON_UNBUILDABLE_CP_GROUP: SubstituteReason
 
 class ParallelLayout(_message.Message):
     __slots__ = ("data_parallel_size", "context_parallel_size", "tensor_parallel_size")
@@ -216,7 +227,7 @@ class PlanStatistics(_message.Message):
     def __init__(self, real_tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., padding_ratio: _Optional[float] = ..., micro_batch_count: _Optional[int] = ..., cp_size_mix: _Optional[_Iterable[_Union[CpSizeCount, _Mapping]]] = ..., predicted_step_cost: _Optional[float] = ..., lower_bound_cost: _Optional[float] = ..., balance_efficiency: _Optional[float] = ..., static_cp_step_cost: _Optional[float] = ..., predicted_speedup_over_static_cp: _Optional[float] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("plan_id", "scheduler", "scheduler_class", "megatron_core_version", "micro_batches", "statistics", "capacity_bound", "dp_cp_size", "cp_layout", "tensor_parallel_size", "candidates", "columns")
+    __slots__ = ("plan_id", "scheduler", "scheduler_class", "megatron_core_version", "micro_batches", "statistics", "capacity_bound", "dp_cp_size", "cp_layout", "tensor_parallel_size", "candidates", "columns", "substitution")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_CLASS_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +240,7 @@ class PlanResponse(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    SUBSTITUTION_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     scheduler: Scheduler
     scheduler_class: str
@@ -241,7 +253,18 @@ class PlanResponse(_message.Message):
     tensor_parallel_size: int
     candidates: _containers.RepeatedCompositeFieldContainer[Candidate]
     columns: PlanColumns
-    def __init__(self, plan_id: _Optional[str] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., scheduler_class: _Optional[str] = ..., megatron_core_version: _Optional[str] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., statistics: _Optional[_Union[PlanStatistics, _Mapping]] = ..., capacity_bound: _Optional[_Union[CapacityBound, str]] = ..., dp_cp_size: _Optional[int] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., tensor_parallel_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., columns: _Optional[_Union[PlanColumns, _Mapping]] = ...) -> None: ...
+    substitution: Substitution
+    def __init__(self, plan_id: _Optional[str] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., scheduler_class: _Optional[str] = ..., megatron_core_version: _Optional[str] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., statistics: _Optional[_Union[PlanStatistics, _Mapping]] = ..., capacity_bound: _Optional[_Union[CapacityBound, str]] = ..., dp_cp_size: _Optional[int] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., tensor_parallel_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., columns: _Optional[_Union[PlanColumns, _Mapping]] = ..., substitution: _Optional[_Union[Substitution, _Mapping]] = ...) -> None: ...
+
+class Substitution(_message.Message):
+    __slots__ = ("requested", "reason", "detail")
+    REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    requested: Scheduler
+    reason: SubstituteReason
+    detail: str
+    def __init__(self, requested: _Optional[_Union[Scheduler, str]] = ..., reason: _Optional[_Union[SubstituteReason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class Candidate(_message.Message):
     __slots__ = ("name", "scheduler", "max_seqlen_per_dp_cp_rank", "min_cp_size", "context_parallel_size", "planned", "predicted_step_cost", "served", "not_planned_reason", "skipped", "lower_bound_cost")

@@ -1,4 +1,5 @@
-"""The Bridge drop-in on 4 real gloo ranks (DP2 x CP2, and TP2 x CP2), a real planner on loopback,
+"""The Bridge drop-in on 4 real gloo ranks (DP2 x CP2, and TP2 x CP2) and on 6 (DP3 x CP2: a DPxCP
+that is not a power of two, dynamic CP planned batch by batch), a real planner on loopback,
 Bridge's own distributed initialisation, `train_step` with its rerun loop, `evaluate`, its GPT
 forward step and loss (tests/bridge/dropin_ranks.py names the CPU stand-ins).
 
@@ -21,14 +22,13 @@ from tests.bridge import dropin_ranks as ranks
 from tests.megatron_init import run_ranks
 from tests.planner_process import start_planner
 
-WORLD = 4
 STEPS = 3
 STOP_PLANNER_AFTER = 0  # step after which rank 0 kills the planner (the next one is planned already)
 DEADLINE_SECONDS = 600
-LAYOUTS = {"dp2_cp2": (1, 2), "tp2_cp2": (2, 2)}
+LAYOUTS = {"dp2_cp2": (1, 2, 4), "tp2_cp2": (2, 2, 4), "dp3_cp2": (1, 2, 6)}  # (TP, CP, ranks)
 # The TP layout also plans with min_dynamic_context_parallel_size 2 where the build has it: then
 # parallel_state builds no CP group of size 1.
-MIN_CP = {"dp2_cp2": None, "tp2_cp2": 2}
+MIN_CP = {"dp2_cp2": None, "tp2_cp2": 2, "dp3_cp2": None}
 
 
 def _rank(rank: int, *args) -> None:
@@ -36,13 +36,13 @@ def _rank(rank: int, *args) -> None:
         _train_and_evaluate(rank, *args)
 
 
-def _train_and_evaluate(rank: int, store_path: str, out_dir: str, tp: int, cp: int, min_cp: int | None, endpoint: str,
+def _train_and_evaluate(rank: int, world: int, store_path: str, out_dir: str, tp: int, cp: int, min_cp: int | None, endpoint: str,
                         planner_pid: int, port: int) -> None:
     import torch.distributed as dist
 
     model_overrides = {"min_dynamic_context_parallel_size": min_cp} if min_cp and ranks._has_dynamic_cp() else {}
     cfg, state, model, optimizer, scheduler, pgs, p2p = ranks.start_rank(
-        rank, WORLD, store_path, tp, cp, model=model_overrides,
+        rank, world, store_path, tp, cp, model=model_overrides,
         # Every step's (non-fatal) spiky-loss check is failed on purpose, so the state machine re-runs
         # the step in place and then continues.
         rerun_state_machine={"rerun_mode": "validate_results", "error_injection_rate": 1,
@@ -117,16 +117,16 @@ def _train_and_evaluate(rank: int, store_path: str, out_dir: str, tp: int, cp: i
 @pytest.mark.timeout(DEADLINE_SECONDS + 120)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_dynamic_cp_through_bridge_train_step(layout, tmp_path):
-    tp, cp = LAYOUTS[layout]
+    tp, cp, world = LAYOUTS[layout]
     planner = start_planner(workers=1, without_release_overlay=True)
     try:
-        run_ranks(_rank, (str(tmp_path / "store"), str(tmp_path), tp, cp, MIN_CP[layout], planner.address,
+        run_ranks(_rank, (world, str(tmp_path / "store"), str(tmp_path), tp, cp, MIN_CP[layout], planner.address,
                           planner.proc.pid, planner.port),
-                  WORLD, DEADLINE_SECONDS)
+                  world, DEADLINE_SECONDS)
     finally:
         planner.stop()
     assert planner.output_closed.wait(60), "the planner's output did not end"  # every request's log line read
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for rank, result in enumerate(results):
         for step, record in enumerate(result["steps"]):
             where = f"{layout} rank {rank} step {step}"
@@ -155,7 +155,7 @@ def test_dynamic_cp_through_bridge_train_step(layout, tmp_path):
     asked = Counter(re.findall(r"\bplan plan_id=(\S+) .*status=OK", planner.log))
     assert asked and set(asked.values()) == {1}, asked
     assert {r["plan_id"] for r in results[0]["steps"] if r["source"] == "service"} <= set(asked), (asked, results[0]["steps"])
-    assert [r["asks"] for result in results for r in result["steps"]] == [rank == 0 for rank in range(WORLD) for _ in range(STEPS)]
+    assert [r["asks"] for result in results for r in result["steps"]] == [rank == 0 for rank in range(world) for _ in range(STEPS)]
     for rank, result in enumerate(results):
         if result["dp_cp_ranks"][0] == rank:  # leads its DPxCP group
             assert [r["source"] for r in result["steps"]] == sources, (rank, result["steps"])

@@ -55,13 +55,24 @@ def _schedule_both(batch, group, dp, cp, tp, layout, min_rows, where):
     theirs = VerlScheduler(MAX_SEQLEN, dp, cp).schedule(batch, group, tp_size=tp, cp_layout=layout, min_local_rows=min_rows)
     ours = DynamicCPScheduler(MAX_SEQLEN, dp, cp).schedule(batch, group, tp_size=tp, cp_layout=layout, min_local_rows=min_rows)
     assert_same_micro_batches(ours, theirs, where)
+    restored = _assert_outputs_restored(ours, batch, group, where)
+    reference = postprocess_dynamic_cp_batch(fake_outputs(theirs), len(batch), group)
+    assert restored["loss"] == reference["loss"] and restored["metrics"] == reference["metrics"], where
+    return ours
+
+
+def _assert_outputs_restored(ours, batch, group, where: str) -> dict:
+    """verl's `postprocess_dynamic_cp_batch` gives every sample's output back, in order, from our
+    micro-batches; returns what it restored."""
+    from verl.utils.dynamic_cp_scheduler import postprocess_dynamic_cp_batch
+
+    from tests.verl.support import fake_outputs
+
     restored = postprocess_dynamic_cp_batch(fake_outputs(ours), len(batch), group)
     expected = [t.float() * 0.5 for t in batch["input_ids"].unbind()]
     got = restored["model_output"]["log_probs"].unbind()
     assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected)), f"{where}: outputs"
-    reference = postprocess_dynamic_cp_batch(fake_outputs(theirs), len(batch), group)
-    assert restored["loss"] == reference["loss"] and restored["metrics"] == reference["metrics"], where
-    return ours
+    return restored
 
 
 def _equality_rank(rank: int, world: int, store_path: str, tp: int, cp: int, source: str) -> None:
@@ -90,19 +101,23 @@ def _equality_rank(rank: int, world: int, store_path: str, tp: int, cp: int, sou
     dist.destroy_process_group()
 
 
+def _use_service(monkeypatch, address: str) -> None:
+    """The drop-in's ranks find the planner at `address`, through the environment, no config file."""
+    monkeypatch.setenv("BATCH_PLANNER_ENDPOINT", address)
+    monkeypatch.delenv("BATCH_PLANNER_CONFIG", raising=False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world,tp,cp", [(4, 1, 2), (4, 2, 2), (8, 1, 4), (8, 2, 2)])
 def test_micro_batches_equal_verls_own_where_the_service_plans(world, tp, cp, tmp_path, planner, monkeypatch):
-    monkeypatch.setenv("BATCH_PLANNER_ENDPOINT", planner.address)
-    monkeypatch.delenv("BATCH_PLANNER_CONFIG", raising=False)
+    _use_service(monkeypatch, planner.address)
     run_ranks(_equality_rank, (world, str(tmp_path / "store"), tp, cp, "service"), world, DEADLINE)
 
 
 @pytest.mark.slow
 def test_micro_batches_equal_verls_own_when_planned_in_process(tmp_path, monkeypatch):
     # Nothing listens there: every plan is the in-process fallback (Megatron-Core in this process).
-    monkeypatch.setenv("BATCH_PLANNER_ENDPOINT", "127.0.0.1:9")
-    monkeypatch.delenv("BATCH_PLANNER_CONFIG", raising=False)
+    _use_service(monkeypatch, "127.0.0.1:9")
     run_ranks(_equality_rank, (4, str(tmp_path / "store"), 1, 2, "fallback"), 4, DEADLINE)
 
 
@@ -145,27 +160,82 @@ def _rl_rank(rank: int, world: int, store_path: str, auto_config: str) -> None:
 
     # auto: restricted to dynamic CP through auto_schedulers; its plans run through verl's contract.
     os.environ["BATCH_PLANNER_CONFIG"] = auto_config
-    from verl.utils.dynamic_cp_scheduler import postprocess_dynamic_cp_batch
-
-    from tests.verl.support import fake_outputs
-
     scheduler = DynamicCPScheduler(MAX_SEQLEN, dp, cp)
     auto = scheduler.planner(group, tp_size=1)
     assert auto.client.config.scheduler is SchedulerKind.AUTO
     assert auto.client._options.auto_schedulers == (SchedulerKind.DYNAMIC_CP,)
     for batch in minis:
-        ours = scheduler.schedule(batch, group, tp_size=1)
-        restored = postprocess_dynamic_cp_batch(fake_outputs(ours), len(batch), group)
-        expected = [t.float() * 0.5 for t in batch["input_ids"].unbind()]
-        assert all(torch.equal(a, b) for a, b in zip(restored["model_output"]["log_probs"].unbind(), expected))
+        _assert_outputs_restored(scheduler.schedule(batch, group, tp_size=1), batch, group, f"rank {rank}, auto")
     close_planners()
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_rl_loop_plans_each_mini_batch_once(tmp_path, planner, monkeypatch):
-    monkeypatch.setenv("BATCH_PLANNER_ENDPOINT", planner.address)
-    monkeypatch.delenv("BATCH_PLANNER_CONFIG", raising=False)
+    _use_service(monkeypatch, planner.address)
     auto = tmp_path / "auto.yaml"
     auto.write_text("batch_planner:\n  scheduler: auto\n  deadline_seconds: 20.0\n")
     run_ranks(_rl_rank, (4, str(tmp_path / "store"), str(auto)), 4, DEADLINE)
+
+
+def _all_ranks(flag: bool, group) -> bool:
+    """Whether `flag` holds on every rank of `group`."""
+    value = torch.tensor([1 if flag else 0])
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return bool(value.item())
+
+
+def _dp3_cp2_rank(rank: int, world: int, store_path: str) -> None:
+    """DPxCP 6: where verl's own plan runs (it returns one, and every CP group it hands the model
+    is one parallel_state built), ours equals it; where it would fail (verl raises, or a group of
+    a size parallel_state does not build on 6 ranks), ours is the named substitute, every group
+    it hands the model exists, and every sample's output comes back in order."""
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dynamic_cp_scheduler import DynamicCPScheduler as VerlScheduler
+
+    from tests.megatron_init import parallel_state_cp_group
+    from tests.verl.support import assert_same_micro_batches, long_tail, mini_batch
+    from trainer_client.verl import DynamicCPScheduler, close_planners
+
+    def built(size: int) -> bool:
+        try:
+            parallel_state_cp_group(size)
+            return True
+        except KeyError:
+            return False
+
+    group, dp, cp = _init(rank, world, store_path, 1, 2)
+    same = substituted = 0
+    for seed in range(16):
+        # Half the batches within one CP2 group's budget (upstream's plan mostly runs), half up to the
+        # whole group's (upstream needs a CP4 or CP8 group that 6 ranks do not have).
+        lengths = long_tail(5 * world, MAX_SEQLEN * (2 if seed % 2 else world), seed=600 + seed)
+        batch = mini_batch(lengths, seed=seed)
+        where = f"rank {rank}, DP{dp} x CP{cp}, batch {seed}"
+        try:
+            theirs = VerlScheduler(MAX_SEQLEN, dp, cp).schedule(batch, group, tp_size=1)
+            runs = all(built(tu.get_non_tensor_data(mb, "local_cp_size", None)) for mb in theirs)
+        except (AssertionError, IndexError, RuntimeError) as failed:  # upstream's failure, the same on every rank
+            theirs, runs = None, False
+            where += f" (verl raised {type(failed).__name__})"
+        runs = _all_ranks(runs, group)
+        ours = DynamicCPScheduler(MAX_SEQLEN, dp, cp).schedule(batch, group, tp_size=1)
+        plan = DynamicCPScheduler(MAX_SEQLEN, dp, cp).planner(group, tp_size=1).plan(lengths)  # the cached plan
+        if runs:
+            assert plan.substitution is None, f"{where}: {plan.substitution}"
+            assert_same_micro_batches(ours, theirs, where)
+            same += 1
+        else:
+            assert plan.substitution is not None and plan.scheduler.value == "static_packing", where
+            assert all(built(tu.get_non_tensor_data(mb, "local_cp_size", None)) for mb in ours), where
+            substituted += 1
+        _assert_outputs_restored(ours, batch, group, where)
+    assert same >= 3 and substituted >= 1, (same, substituted)
+    close_planners()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_dpxcp_6_equals_verls_own_where_it_runs_and_serves_the_substitute_where_it_would_fail(tmp_path, planner, monkeypatch):
+    _use_service(monkeypatch, planner.address)
+    run_ranks(_dp3_cp2_rank, (6, str(tmp_path / "store")), 6, DEADLINE)
