@@ -1,0 +1,79 @@
+"""A tiny Megatron-Core GPTModel whose tokens interact: Megatron-Core's own `SelfAttention` (its
+linear layers and its RoPE code, unfused) with only core attention replaced by the CPU stand-in for
+Transformer Engine's THD attention (tests/cp_attention_standin.py). Build it after
+`parallel_state.initialize_model_parallel` and inside `CudaDeviceRequestsOnCpu()`; every rank
+that builds it with the same config gets the same weights."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+from tests.cp_attention_standin import layer_spec_with_standin
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionModelConfig:
+    vocab_size: int = 64
+    hidden_size: int = 32
+    """Hidden width; 4 attention heads of hidden_size / 4."""
+    num_layers: int = 2
+    max_position: int = 512
+    """The longest sequence the model takes (RoPE tables, learned positions)."""
+    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    """"rope": Megatron-Core's RoPE on THD input ignores position_ids and rotates by each row's
+    place in the CP layout; "learned_absolute" reads position_ids."""
+    cp_partition_mode: Literal["zigzag", "contiguous"] = "zigzag"
+    """The layout of the model's input shards (TransformerConfig.cp_partition_mode, dev build):
+    Megatron-Core converts contiguous input to zigzag around attention."""
+    context_parallel_size: int = 1
+    """parallel_state's static CP size (TransformerConfig.context_parallel_size)."""
+    init_method_std: float = 0.3
+    """Larger than Megatron-Core's 0.02, so that attention at initialisation is far from uniform and
+    a token that attends to the wrong keys (or at the wrong positions) changes the loss visibly."""
+    seed: int = 1234
+    transformer_overrides: tuple[tuple[str, object], ...] = ()
+    """Further TransformerConfig fields, as (name, value) pairs (e.g. MTP or MoE settings)."""
+
+
+def transformer_config(cfg: AttentionModelConfig):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = dict(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=4,
+        context_parallel_size=cfg.context_parallel_size, use_cpu_initialization=True,
+        apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, bf16=False, fp16=False,
+        init_method_std=cfg.init_method_std,
+    )
+    has_mode = any(f.name == "cp_partition_mode" for f in dataclasses.fields(TransformerConfig))
+    if cfg.cp_partition_mode != "zigzag" and not has_mode:
+        raise ValueError("this Megatron-Core build's TransformerConfig has no cp_partition_mode: zigzag only")
+    fields.update(dict(cfg.transformer_overrides))
+    config = TransformerConfig(**fields)
+    if has_mode:
+        # Set after the config's checks: contiguous with CP asks for a sequence_packing_scheduler,
+        # and with one set the check asks for Transformer Engine >= 2.9, which GPU trainers have and
+        # this machine cannot. (With a static CP size > 1 upstream refuses contiguous for standard
+        # attention whatever the scheduler: contiguous models here keep context_parallel_size=1,
+        # as dynamic CP runs.)
+        config.cp_partition_mode = cfg.cp_partition_mode
+    return config
+
+
+def attention_gpt_model(cfg: AttentionModelConfig = AttentionModelConfig(), *, pre_process: bool = True,
+                        post_process: bool = True, **model_kwargs):
+    """GPTModel(position_embedding_type=cfg's) on the local spec with the attention stand-in."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+
+    torch.manual_seed(cfg.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, inference_rng_tracker=True, force_reset_rng=True)
+    return GPTModel(
+        config=transformer_config(cfg), transformer_layer_spec=layer_spec_with_standin(), vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position, position_embedding_type=cfg.position_embedding_type,
+        share_embeddings_and_output_weights=False, pre_process=pre_process, post_process=post_process, **model_kwargs,
+    )

@@ -1,0 +1,148 @@
+"""The CPU stand-in for Transformer Engine's THD attention with a CP group
+(tests/cp_attention_standin.py), on four real gloo ranks with Megatron-Core's parallel_state and
+its per-size CP groups: a GPTModel with Megatron-Core's own SelfAttention and RoPE, fed THD shards
+cut as Transformer Engine documents them (tests/attention_parity.py), gives the loss, each real
+token's loss and every parameter's gradient of a single-process run over the whole sequences.
+
+Plans: CP2 and CP4, a micro-batch mixing CP4, CP2 and CP1 groups (dynamic CP), sequence lengths
+that need padding to 2 x CP; the zigzag layout, and the contiguous one through Megatron-Core's own
+conversion (config.cp_partition_mode="contiguous", dev build); RoPE, and learned absolute positions
+(which read position_ids). A contiguous shard reaching the stand-in, as Transformer Engine would
+silently read it as zigzag, is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.megatron_init import run_ranks
+
+WORLD = 4
+DEADLINE_SECONDS = 240
+LENGTHS = (17, 5, 30, 9, 40, 3, 12, 26)
+# (name, layout, position embedding, micro-batches: each {CP group's ranks: sample ids})
+CASES = [
+    ("cp2", "zigzag", "rope", [{(0, 1): [0, 1], (2, 3): [2]}, {(0, 1): [3, 7], (2, 3): [4, 5, 6]}]),
+    ("cp4", "zigzag", "rope", [{(0, 1, 2, 3): [4, 0]}, {(0, 1, 2, 3): [2, 1, 3, 5, 6, 7]}]),
+    ("mixed", "zigzag", "rope", [{(0, 1, 2, 3): [4]}, {(0, 1): [2, 1], (2,): [0, 3], (3,): [5]}, {(2, 3): [6, 7]}]),
+    ("mixed-learned", "zigzag", "learned_absolute", [{(0, 1, 2, 3): [4]}, {(0, 1): [2, 1], (2,): [0, 3], (3,): [5]}, {(2, 3): [6, 7]}]),
+    ("contiguous", "contiguous", "rope", [{(0, 1, 2, 3): [4, 0]}, {(0, 1): [2, 1], (2, 3): [3, 5, 6, 7]}]),
+]
+
+
+def samples():
+    from tests.attention_parity import Sample
+
+    out = []
+    for i, n in enumerate(LENGTHS):
+        g = torch.Generator().manual_seed(100 + i)
+        tokens = torch.randint(0, 64, (n,), generator=g)
+        mask = (torch.rand(n, generator=g) < 0.8).float()
+        mask[-1] = 0.0
+        out.append(Sample(tokens, torch.roll(tokens, -1), mask))
+    return out
+
+
+def run_case(layout: str, position_embedding: str, micro_batches) -> dict:
+    """One case on this rank: its shards of every micro-batch, the packed result and the reference."""
+    from tests.attention_model import AttentionModelConfig, attention_gpt_model
+    from tests.attention_parity import packed_loss_and_grads, parity_errors, reference_loss_and_grads, shard
+    from tests.megatron_init import parallel_state_cp_group
+
+    rank = dist.get_rank()
+    data = samples()
+    # contiguous: static CP1, as upstream allows contiguous for standard attention (attention_model.py)
+    cfg = AttentionModelConfig(position_embedding_type=position_embedding, cp_partition_mode=layout,
+                               context_parallel_size=2 if layout == "zigzag" else 1)
+    model = attention_gpt_model(cfg)
+    reference = reference_loss_and_grads(model, data, parallel_state_cp_group(1))
+    shards = []
+    for mb in micro_batches:
+        for ranks, sample_ids in mb.items():
+            if rank in ranks:
+                group = parallel_state_cp_group(len(ranks))
+                assert dist.get_process_group_ranks(group) == list(ranks), (ranks, dist.get_process_group_ranks(group))
+                shards.append(shard(data, sample_ids, group, layout))
+    got = packed_loss_and_grads(model, shards, data)
+    return {"loss": got.loss, "reference": reference.loss, "errors": parity_errors(got, reference, data)}
+
+
+def _run_rank(rank: int, store_path: str, out_dir: str, names: list[str]) -> None:
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)  # forked: never enter the parent's OpenMP pool
+    from megatron.core import parallel_state
+
+    from tests.cuda_requests_on_cpu import CudaDeviceRequestsOnCpu
+    from tests.megatron_init import initialize_dpxcp_groups
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    initialize_dpxcp_groups(context_parallel_size=2)
+    results = {}
+    try:
+        with CudaDeviceRequestsOnCpu():
+            for name, layout, position_embedding, micro_batches in CASES:
+                if name in names:
+                    try:
+                        results[name] = run_case(layout, position_embedding, micro_batches)
+                    except Exception as error:  # reported by the test, with the rank
+                        results[name] = {"raised": f"{type(error).__name__}: {error}"}
+                        raise
+            if "refused" in names:
+                results["refused"] = _contiguous_shard_on_zigzag_model()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _contiguous_shard_on_zigzag_model() -> str:
+    """Contiguous shards, marked as such in PackedSeqParams, fed to a model whose config says
+    zigzag: Megatron-Core converts nothing, and the stand-in refuses what TE would misread."""
+    from tests.attention_model import AttentionModelConfig, attention_gpt_model
+    from tests.attention_parity import packed_loss_and_grads, shard
+    from tests.megatron_init import parallel_state_cp_group
+
+    data = samples()
+    model = attention_gpt_model(AttentionModelConfig(cp_partition_mode="zigzag", context_parallel_size=2))
+    group = parallel_state_cp_group(4)
+    try:
+        packed_loss_and_grads(model, [shard(data, [4, 0], group, "contiguous")], data)
+    except ValueError as error:
+        return str(error)
+    return "not refused"
+
+
+def _results(tmp_path, names: list[str]) -> list[dict]:
+    run_ranks(_run_rank, (str(tmp_path / "store"), str(tmp_path), names), WORLD, DEADLINE_SECONDS)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.fixture(autouse=True)
+def _needs_dynamic_build():
+    from tests.megatron_init import is_dynamic_build
+
+    if not is_dynamic_build():
+        pytest.skip("needs the Megatron-LM dev build's per-size CP groups of size 1 (the reference's CP1 group) "
+                    "and cp_partition_mode")
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+@pytest.mark.parametrize("names", [["cp2", "cp4", "mixed"], ["mixed-learned", "contiguous", "refused"]], ids=["zigzag", "positions-and-layouts"])
+def test_packed_cp_forward_and_backward_equal_the_single_process_reference(tmp_path, names):
+    per_rank = _results(tmp_path, names)
+    for name in (n for n in names if n != "refused"):
+        for rank, results in enumerate(per_rank):
+            r = results[name]
+            assert "raised" not in r, (name, rank, r)
+            assert r["errors"] == [], (name, rank, r)
+            assert r["loss"] == pytest.approx(r["reference"], rel=1e-5), (name, rank, r)
+    if "refused" in names:
+        for results in per_rank:
+            assert "cp_partition_mode='contiguous'" in results["refused"], results["refused"]
+            assert "config.cp_partition_mode='contiguous'" in results["refused"], results["refused"]
