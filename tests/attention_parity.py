@@ -54,6 +54,24 @@ class LossAndGrads:
     token_losses: torch.Tensor | None  # [all tokens of all samples], NaN where no rank reported one
 
 
+EXAMPLE_LENGTHS = (17, 5, 30, 9, 40, 3, 12, 26)
+"""Sequence lengths the attention tests share: short and long, most of them needing padding to
+2 x CP for CP2 and CP4."""
+
+
+def example_samples(lengths: Sequence[int] = EXAMPLE_LENGTHS) -> list[Sample]:
+    """Deterministic samples of `lengths`: random tokens, labels the next token, a loss mask with
+    about a fifth of the tokens off and the last one off."""
+    out = []
+    for i, n in enumerate(lengths):
+        g = torch.Generator().manual_seed(100 + i)
+        tokens = torch.randint(0, 64, (n,), generator=g)
+        mask = (torch.rand(n, generator=g) < 0.8).float()
+        mask[-1] = 0.0
+        out.append(Sample(tokens, torch.roll(tokens, -1), mask))
+    return out
+
+
 def token_offsets(samples: Sequence[Sample]) -> list[int]:
     offsets = [0]
     for s in samples:

@@ -24,8 +24,7 @@ from tests.megatron_init import run_ranks
 
 WORLD = 4
 DEADLINE_SECONDS = 240
-LENGTHS = (17, 5, 30, 9, 40, 3, 12, 26)
-# (name, layout, position embedding, micro-batches: each {CP group's ranks: sample ids})
+# (name, layout, position embedding, micro-batches: each {CP group's ranks: ids of attention_parity.example_samples()})
 CASES = [
     ("cp2", "zigzag", "rope", [{(0, 1): [0, 1], (2, 3): [2]}, {(0, 1): [3, 7], (2, 3): [4, 5, 6]}]),
     ("cp4", "zigzag", "rope", [{(0, 1, 2, 3): [4, 0]}, {(0, 1, 2, 3): [2, 1, 3, 5, 6, 7]}]),
@@ -35,27 +34,14 @@ CASES = [
 ]
 
 
-def samples():
-    from tests.attention_parity import Sample
-
-    out = []
-    for i, n in enumerate(LENGTHS):
-        g = torch.Generator().manual_seed(100 + i)
-        tokens = torch.randint(0, 64, (n,), generator=g)
-        mask = (torch.rand(n, generator=g) < 0.8).float()
-        mask[-1] = 0.0
-        out.append(Sample(tokens, torch.roll(tokens, -1), mask))
-    return out
-
-
 def run_case(layout: str, position_embedding: str, micro_batches) -> dict:
     """One case on this rank: its shards of every micro-batch, the packed result and the reference."""
     from tests.attention_model import AttentionModelConfig, attention_gpt_model
-    from tests.attention_parity import packed_loss_and_grads, parity_errors, reference_loss_and_grads, shard
+    from tests.attention_parity import example_samples, packed_loss_and_grads, parity_errors, reference_loss_and_grads, shard
     from tests.megatron_init import parallel_state_cp_group
 
     rank = dist.get_rank()
-    data = samples()
+    data = example_samples()
     # contiguous: static CP1, as upstream allows contiguous for standard attention (attention_model.py)
     cfg = AttentionModelConfig(position_embedding_type=position_embedding, cp_partition_mode=layout,
                                context_parallel_size=2 if layout == "zigzag" else 1)
@@ -105,10 +91,10 @@ def _contiguous_shard_on_zigzag_model() -> str:
     """Contiguous shards, marked as such in PackedSeqParams, fed to a model whose config says
     zigzag: Megatron-Core converts nothing, and the stand-in refuses what TE would misread."""
     from tests.attention_model import AttentionModelConfig, attention_gpt_model
-    from tests.attention_parity import packed_loss_and_grads, shard
+    from tests.attention_parity import example_samples, packed_loss_and_grads, shard
     from tests.megatron_init import parallel_state_cp_group
 
-    data = samples()
+    data = example_samples()
     model = attention_gpt_model(AttentionModelConfig(cp_partition_mode="zigzag", context_parallel_size=2))
     group = parallel_state_cp_group(4)
     try:
