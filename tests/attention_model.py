@@ -30,6 +30,10 @@ class AttentionModelConfig:
     Megatron-Core converts contiguous input to zigzag around attention."""
     context_parallel_size: int = 1
     """parallel_state's static CP size (TransformerConfig.context_parallel_size)."""
+    num_moe_experts: int | None = None
+    """An MoE MLP of this many experts (Megatron-Core's alltoall token dispatcher, top-2 routing,
+    no load-balancing loss, no token dropping: each token's output depends on itself alone);
+    the expert-parallel size comes from parallel_state. CPU stand-ins: tests/moe_on_cpu.py."""
     init_method_std: float = 0.3
     """Larger than Megatron-Core's 0.02, so that attention at initialisation is far from uniform and
     a token that attends to the wrong keys (or at the wrong positions) changes the loss visibly."""
@@ -52,6 +56,15 @@ def transformer_config(cfg: AttentionModelConfig):
     has_mode = any(f.name == "cp_partition_mode" for f in dataclasses.fields(TransformerConfig))
     if cfg.cp_partition_mode != "zigzag" and not has_mode:
         raise ValueError("this Megatron-Core build's TransformerConfig has no cp_partition_mode: zigzag only")
+    if cfg.num_moe_experts is not None:
+        from megatron.core import parallel_state
+
+        fields.update(
+            num_moe_experts=cfg.num_moe_experts, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+            moe_router_load_balancing_type="none", moe_grouped_gemm=False, moe_permute_fusion=False,
+            add_bias_linear=False, ffn_hidden_size=cfg.hidden_size,
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        )
     fields.update(dict(cfg.transformer_overrides))
     config = TransformerConfig(**fields)
     if has_mode:
@@ -73,7 +86,7 @@ def attention_gpt_model(cfg: AttentionModelConfig = AttentionModelConfig(), *, p
     torch.manual_seed(cfg.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, inference_rng_tracker=True, force_reset_rng=True)
     return GPTModel(
-        config=transformer_config(cfg), transformer_layer_spec=layer_spec_with_standin(), vocab_size=cfg.vocab_size,
+        config=transformer_config(cfg), transformer_layer_spec=layer_spec_with_standin(cfg.num_moe_experts), vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position, position_embedding_type=cfg.position_embedding_type,
         share_embeddings_and_output_weights=False, pre_process=pre_process, post_process=post_process, **model_kwargs,
     )

@@ -89,9 +89,12 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for name, p in model.named_parameters()}
 
 
-def packed_loss_and_grads(model, shards: Sequence[RankShard], samples: Sequence[Sample], group=None) -> LossAndGrads:
-    """Runs this rank's `shards` forward and backward; every rank of `group` (default: the world)
-    calls it with its own shards (possibly none) and gets the same summed result."""
+def packed_loss_and_grads(model, shards: Sequence[RankShard], samples: Sequence[Sample], group=None, expert_group=None) -> LossAndGrads:
+    """Runs this rank's `shards` forward and backward; every rank of `group` (default: the world,
+    as DP x CP) calls it with its own shards (possibly none) and gets the same summed loss and
+    gradients. Parameters Megatron-Core marks `allreduce=False` (MoE experts, which differ from
+    rank to rank under expert parallelism) are summed over `expert_group` instead (Megatron-Core's
+    expert-data-parallel group; None: not summed)."""
     model.zero_grad(set_to_none=True)
     total = float(sum(float(s.loss_mask.sum()) for s in samples))
     loss = torch.zeros(())
@@ -105,12 +108,16 @@ def packed_loss_and_grads(model, shards: Sequence[RankShard], samples: Sequence[
     if loss.requires_grad:
         loss.backward()
     grads = _grads(model)
-    flat = torch.cat([loss.detach().reshape(1)] + [g.reshape(-1) for g in grads.values()])
+    experts = [n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False]
+    dense = [n for n in grads if n not in experts]
+    flat = torch.cat([loss.detach().reshape(1)] + [grads[n].reshape(-1) for n in dense])
     dist.all_reduce(flat, group=group)
-    summed, offset = {}, 1
-    for name, g in grads.items():
-        summed[name] = flat[offset:offset + g.numel()].reshape(g.shape)
-        offset += g.numel()
+    summed = _unflatten(flat[1:], dense, grads)
+    if experts:
+        flat_experts = torch.cat([grads[n].reshape(-1) for n in experts])
+        if expert_group is not None:
+            dist.all_reduce(flat_experts, group=expert_group)
+        summed.update(_unflatten(flat_experts, experts, grads))
     token_losses = None
     if all(s.token_ids is not None for s in shards):
         everyone = [None] * dist.get_world_size(group)
@@ -121,6 +128,14 @@ def packed_loss_and_grads(model, shards: Sequence[RankShard], samples: Sequence[
                 raise AssertionError(f"token ids {sorted(set(ids.tolist()))[:8]}... reported by more than one rank")
             token_losses[ids] = values
     return LossAndGrads(float(flat[0]), summed, token_losses)
+
+
+def _unflatten(flat: torch.Tensor, names: Sequence[str], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for n in names:
+        out[n] = flat[offset:offset + like[n].numel()].reshape(like[n].shape)
+        offset += like[n].numel()
+    return out
 
 
 def reference_loss_and_grads(model, samples: Sequence[Sample], solo_group) -> LossAndGrads:

@@ -163,12 +163,12 @@ def _or(first, second):
     return first if first is not None else second
 
 
-def layer_spec_with_standin():
-    """Megatron-Core's local GPT layer spec with only `self_attention.submodules.core_attention`
-    replaced by the stand-in."""
+def layer_spec_with_standin(num_experts: int | None = None):
+    """Megatron-Core's local GPT layer spec (with an MoE MLP of `num_experts` experts when given)
+    with only `self_attention.submodules.core_attention` replaced by the stand-in."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     attention = spec.submodules.self_attention
     attention.submodules = dataclasses.replace(attention.submodules, core_attention=TeThdCpAttentionStandIn)
     return spec

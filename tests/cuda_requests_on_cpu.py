@@ -1,8 +1,9 @@
-"""CPU stand-in, named as such, for where Megatron-Core asks for CUDA tensors on a machine that has
-none: a `TorchFunctionMode` that keeps tensors asked for on a CUDA device on the CPU. Used by the
-Bridge drop-in tests (Bridge's batch helpers, DDP's grad buffer, the optimizer) and by the attention
-model of tests/attention_model.py (RoPE's `get_emb` moves `inv_freq` to
-`torch.cuda.current_device()`)."""
+"""CPU stand-ins, named as such, for where Megatron-Core asks for CUDA on a machine that has none:
+`CudaDeviceRequestsOnCpu`, a `TorchFunctionMode` that keeps tensors asked for on a CUDA device on
+the CPU (Bridge's batch helpers, DDP's grad buffer, the optimizer; RoPE's `get_emb` moves
+`inv_freq` to `torch.cuda.current_device()`), and `CpuStandInStream`, the one stream of a CPU
+(DDP's grad sync waits on the current stream; MoE's token dispatcher copies to the host on a side
+stream, tests/moe_on_cpu.py)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,27 @@ def _current_device_on_cpu():
         yield
     finally:
         torch.cuda.current_device = original
+
+
+class _CompleteEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+class CpuStandInStream:
+    """CPU stand-in for a CUDA stream: nothing to wait for, every event it records already complete."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self, event=None) -> _CompleteEvent:
+        return _CompleteEvent()
+
+    def synchronize(self) -> None:
+        pass

@@ -39,7 +39,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from tests.cuda_requests_on_cpu import CudaDeviceRequestsOnCpu  # noqa: F401 (the tests enter it as ranks.CudaDeviceRequestsOnCpu)
+from tests.cuda_requests_on_cpu import CpuStandInStream, CudaDeviceRequestsOnCpu  # noqa: F401 (the tests enter it as ranks.CudaDeviceRequestsOnCpu)
 
 VOCAB = 64
 HIDDEN = 16
@@ -105,16 +105,6 @@ class CountingIterator:
         item = self.items[len(self.reads)]
         self.reads.append(item)
         return micro_batch(*item)
-
-
-class CpuStandInStream:
-    """CPU stand-in for `torch.cuda.current_stream()`: no streams, no CUDA-graph events to wait for."""
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def wait_stream(self, stream) -> None:
-        pass
 
 
 def stand_in_for_cuda_calls_on_cpu() -> None:
