@@ -10,77 +10,41 @@ packed run the expert gradients are not summed over ranks (expert-data-parallel 
 
 from __future__ import annotations
 
-import json
-import os
-import warnings
-
 import pytest
-import torch
-import torch.distributed as dist
 
-from tests.megatron_init import run_ranks
+from tests.attention_ranks import require_dynamic_build, run_attention_ranks
 
 WORLD = 2
-DEADLINE_SECONDS = 240
 # micro-batches: each {CP group's ranks: ids of attention_parity.example_samples()}
 MICRO_BATCHES = [{(0, 1): [4, 0]}, {(0,): [2, 1], (1,): [3]}, {(0, 1): [5, 6, 7]}]
 
 
-def _run_rank(rank: int, store_path: str, out_dir: str) -> None:
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)  # forked: never enter the parent's OpenMP pool
+def _moe_rank(rank: int) -> dict:
     from megatron.core import parallel_state
 
     from tests.attention_model import AttentionModelConfig, attention_gpt_model
     from tests.attention_parity import example_samples, packed_loss_and_grads, parity_errors, reference_loss_and_grads, shard
-    from tests.cuda_requests_on_cpu import CudaDeviceRequestsOnCpu
-    from tests.megatron_init import _stand_in_for_cuda_calls_on_cpu, parallel_state_cp_group
+    from tests.megatron_init import parallel_state_cp_group
     from tests.moe_on_cpu import stand_in_for_moe_calls_on_cpu
 
-    _stand_in_for_cuda_calls_on_cpu()
     stand_in_for_moe_calls_on_cpu()
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
-    record: dict = {}
-    try:
-        with CudaDeviceRequestsOnCpu():
-            parallel_state.initialize_model_parallel(expert_model_parallel_size=2, context_parallel_size=2, dynamic_context_parallel=True)
-            model = attention_gpt_model(AttentionModelConfig(
-                num_moe_experts=4, context_parallel_size=2, transformer_overrides=(("variable_seq_lengths", True),)))
-            experts = {n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False}
-            data = example_samples()
-            reference = reference_loss_and_grads(model, data, parallel_state_cp_group(1))
-            for name in experts:
-                reference.grads[name] = reference.grads[name] / 2
-            shards = []
-            for mb in MICRO_BATCHES:
-                for ranks, ids in mb.items():
-                    if rank in ranks:
-                        shards.append(shard(data, ids, parallel_state_cp_group(len(ranks))))
-            got = packed_loss_and_grads(model, shards, data)
-            record = {"experts": len(experts), "loss": got.loss, "reference": reference.loss,
-                      "errors": parity_errors(got, reference, data)}
-    except Exception as error:
-        record = {"raised": f"{type(error).__name__}: {error}"}
-        raise
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(record, f)
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-@pytest.fixture(autouse=True)
-def _needs_dynamic_build():
-    from tests.megatron_init import is_dynamic_build
-
-    if not is_dynamic_build():
-        pytest.skip("needs the Megatron-LM dev build's dynamic-CP groups (the reference's CP1 group)")
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2, context_parallel_size=2, dynamic_context_parallel=True)
+    model = attention_gpt_model(AttentionModelConfig(
+        num_moe_experts=4, context_parallel_size=2, transformer_overrides=(("variable_seq_lengths", True),)))
+    experts = {n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False}
+    data = example_samples()
+    reference = reference_loss_and_grads(model, data, parallel_state_cp_group(1))
+    for name in experts:
+        reference.grads[name] = reference.grads[name] / 2
+    shards = [shard(data, ids, parallel_state_cp_group(len(ranks))) for mb in MICRO_BATCHES for ranks, ids in mb.items() if rank in ranks]
+    got = packed_loss_and_grads(model, shards, data)
+    return {"experts": len(experts), "loss": got.loss, "reference": reference.loss, "errors": parity_errors(got, reference, data)}
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_moe_with_expert_parallel_2_on_packed_cp_micro_batches_equals_whole_samples(tmp_path):
-    run_ranks(_run_rank, (str(tmp_path / "store"), str(tmp_path)), WORLD, DEADLINE_SECONDS)
-    for rank in range(WORLD):
-        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    require_dynamic_build()
+    for rank, r in enumerate(run_attention_ranks(_moe_rank, WORLD, tmp_path)):
+        assert "raised" not in r, (rank, r)
         assert r["experts"] > 0 and r["errors"] == [], (rank, r)
         assert r["loss"] == pytest.approx(r["reference"], rel=1e-5), (rank, r)

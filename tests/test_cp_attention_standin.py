@@ -12,18 +12,14 @@ silently read it as zigzag, is refused."""
 
 from __future__ import annotations
 
-import json
-import os
-import warnings
+from functools import partial
 
 import pytest
-import torch
 import torch.distributed as dist
 
-from tests.megatron_init import run_ranks
+from tests.attention_ranks import require_dynamic_build, run_attention_ranks
 
 WORLD = 4
-DEADLINE_SECONDS = 240
 # (name, layout, position embedding, micro-batches: each {CP group's ranks: ids of attention_parity.example_samples()})
 CASES = [
     ("cp2", "zigzag", "rope", [{(0, 1): [0, 1], (2, 3): [2]}, {(0, 1): [3, 7], (2, 3): [4, 5, 6]}]),
@@ -58,33 +54,20 @@ def run_case(layout: str, position_embedding: str, micro_batches) -> dict:
     return {"loss": got.loss, "reference": reference.loss, "errors": parity_errors(got, reference, data)}
 
 
-def _run_rank(rank: int, store_path: str, out_dir: str, names: list[str]) -> None:
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)  # forked: never enter the parent's OpenMP pool
-    from megatron.core import parallel_state
-
-    from tests.cuda_requests_on_cpu import CudaDeviceRequestsOnCpu
+def _standin_rank(names: list[str], rank: int) -> dict:
     from tests.megatron_init import initialize_dpxcp_groups
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     initialize_dpxcp_groups(context_parallel_size=2)
     results = {}
-    try:
-        with CudaDeviceRequestsOnCpu():
-            for name, layout, position_embedding, micro_batches in CASES:
-                if name in names:
-                    try:
-                        results[name] = run_case(layout, position_embedding, micro_batches)
-                    except Exception as error:  # reported by the test, with the rank
-                        results[name] = {"raised": f"{type(error).__name__}: {error}"}
-                        raise
-            if "refused" in names:
-                results["refused"] = _contiguous_shard_on_zigzag_model()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+    for name, layout, position_embedding, micro_batches in CASES:
+        if name in names:
+            try:
+                results[name] = run_case(layout, position_embedding, micro_batches)
+            except Exception as error:  # reported by the test with the rank and the case
+                raise RuntimeError(f"case {name}: {type(error).__name__}: {error}") from error
+    if "refused" in names:
+        results["refused"] = _contiguous_shard_on_zigzag_model()
+    return results
 
 
 def _contiguous_shard_on_zigzag_model() -> str:
@@ -104,28 +87,15 @@ def _contiguous_shard_on_zigzag_model() -> str:
     return "not refused"
 
 
-def _results(tmp_path, names: list[str]) -> list[dict]:
-    run_ranks(_run_rank, (str(tmp_path / "store"), str(tmp_path), names), WORLD, DEADLINE_SECONDS)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-
-
-@pytest.fixture(autouse=True)
-def _needs_dynamic_build():
-    from tests.megatron_init import is_dynamic_build
-
-    if not is_dynamic_build():
-        pytest.skip("needs the Megatron-LM dev build's per-size CP groups of size 1 (the reference's CP1 group) "
-                    "and cp_partition_mode")
-
-
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 @pytest.mark.parametrize("names", [["cp2", "cp4", "mixed"], ["mixed-learned", "contiguous", "refused"]], ids=["zigzag", "positions-and-layouts"])
 def test_packed_cp_forward_and_backward_equal_the_single_process_reference(tmp_path, names):
-    per_rank = _results(tmp_path, names)
+    require_dynamic_build()
+    per_rank = run_attention_ranks(partial(_standin_rank, names), WORLD, tmp_path)
+    assert all("raised" not in r for r in per_rank), per_rank
     for name in (n for n in names if n != "refused"):
         for rank, results in enumerate(per_rank):
             r = results[name]
-            assert "raised" not in r, (name, rank, r)
             assert r["errors"] == [], (name, rank, r)
             assert r["loss"] == pytest.approx(r["reference"], rel=1e-5), (name, rank, r)
     if "refused" in names:
