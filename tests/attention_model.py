@@ -34,6 +34,12 @@ class AttentionModelConfig:
     """An MoE MLP of this many experts (Megatron-Core's alltoall token dispatcher, top-2 routing,
     no load-balancing loss, no token dropping: each token's output depends on itself alone);
     the expert-parallel size comes from parallel_state. CPU stand-ins: tests/moe_on_cpu.py."""
+    mtp_num_layers: int | None = None
+    """Multi-token prediction layers (Megatron-Core's MTP block on the same local spec and stand-in),
+    on the last pipeline stage as upstream places them without a custom layout. Megatron-Core
+    scales each forward's MTP loss by that forward's own token counts (process_mtp_loss), so only
+    with mtp_loss_scaling_factor=0 do the gradients equal a whole-sample run's."""
+    mtp_loss_scaling_factor: float = 0.0
     init_method_std: float = 0.3
     """Larger than Megatron-Core's 0.02, so that attention at initialisation is far from uniform and
     a token that attends to the wrong keys (or at the wrong positions) changes the loss visibly."""
@@ -65,6 +71,9 @@ def transformer_config(cfg: AttentionModelConfig):
             add_bias_linear=False, ffn_hidden_size=cfg.hidden_size,
             expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         )
+    if cfg.mtp_num_layers is not None:
+        fields.update(mtp_num_layers=cfg.mtp_num_layers, mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
+                      calculate_per_token_loss=True)
     fields.update(dict(cfg.transformer_overrides))
     config = TransformerConfig(**fields)
     if has_mode:
@@ -83,10 +92,17 @@ def attention_gpt_model(cfg: AttentionModelConfig = AttentionModelConfig(), *, p
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
 
+    config = transformer_config(cfg)
+    spec = layer_spec_with_standin(cfg.num_moe_experts)
+    if cfg.mtp_num_layers is not None:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        model_kwargs.setdefault("mtp_block_spec", get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False,
+                                                                         vp_stage=model_kwargs.get("vp_stage")))
     torch.manual_seed(cfg.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, inference_rng_tracker=True, force_reset_rng=True)
     return GPTModel(
-        config=transformer_config(cfg), transformer_layer_spec=layer_spec_with_standin(cfg.num_moe_experts), vocab_size=cfg.vocab_size,
+        config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position, position_embedding_type=cfg.position_embedding_type,
         share_embeddings_and_output_weights=False, pre_process=pre_process, post_process=post_process, **model_kwargs,
     )

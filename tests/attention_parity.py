@@ -52,6 +52,9 @@ class LossAndGrads:
     loss: float
     grads: dict[str, torch.Tensor]
     token_losses: torch.Tensor | None  # [all tokens of all samples], NaN where no rank reported one
+    mtp_losses: list[float] | None = None
+    """Per MTP layer: its masked loss summed over every token and the tokens it counts (what
+    Megatron-Core's MTPLossLoggingHelper accumulates with calculate_per_token_loss); None: no MTP."""
 
 
 EXAMPLE_LENGTHS = (17, 5, 30, 9, 40, 3, 12, 26)
@@ -79,10 +82,26 @@ def token_offsets(samples: Sequence[Sample]) -> list[int]:
     return offsets
 
 
-def _forward(model, tokens, position_ids, labels, packed_seq_params) -> torch.Tensor:
+def _forward(model, tokens, position_ids, labels, loss_mask, packed_seq_params) -> torch.Tensor:
     losses = model(input_ids=tokens[None], position_ids=position_ids[None], attention_mask=None, labels=labels[None],
-                   packed_seq_params=packed_seq_params)
+                   loss_mask=loss_mask[None], packed_seq_params=packed_seq_params)
     return losses.reshape(-1)
+
+
+def _clear_mtp_tracker() -> None:
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
+
+
+def _mtp_losses() -> torch.Tensor | None:
+    """[loss sums..., token counts...] of the MTP layers since the tracker was cleared; None: no MTP ran."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    if "loss_sums" not in tracker:
+        return None
+    return torch.cat([tracker["loss_sums"], tracker["num_tokens"]]).detach().clone()
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -96,11 +115,12 @@ def packed_loss_and_grads(model, shards: Sequence[RankShard], samples: Sequence[
     rank to rank under expert parallelism) are summed over `expert_group` instead (Megatron-Core's
     expert-data-parallel group; None: not summed)."""
     model.zero_grad(set_to_none=True)
+    _clear_mtp_tracker()
     total = float(sum(float(s.loss_mask.sum()) for s in samples))
     loss = torch.zeros(())
     reported = []
     for shard in shards:
-        per_token = _forward(model, shard.tokens, shard.position_ids, shard.labels, shard.packed_seq_params)
+        per_token = _forward(model, shard.tokens, shard.position_ids, shard.labels, shard.loss_mask, shard.packed_seq_params)
         loss = loss + (per_token * shard.loss_mask).sum() / total
         if shard.token_ids is not None:
             keep = shard.token_ids >= 0
@@ -118,6 +138,9 @@ def packed_loss_and_grads(model, shards: Sequence[RankShard], samples: Sequence[
         if expert_group is not None:
             dist.all_reduce(flat_experts, group=expert_group)
         summed.update(_unflatten(flat_experts, experts, grads))
+    mtp = _mtp_losses()
+    if mtp is not None:
+        dist.all_reduce(mtp, group=group)
     token_losses = None
     if all(s.token_ids is not None for s in shards):
         everyone = [None] * dist.get_world_size(group)
@@ -127,7 +150,7 @@ def packed_loss_and_grads(model, shards: Sequence[RankShard], samples: Sequence[
             if not torch.isnan(token_losses[ids]).all():
                 raise AssertionError(f"token ids {sorted(set(ids.tolist()))[:8]}... reported by more than one rank")
             token_losses[ids] = values
-    return LossAndGrads(float(flat[0]), summed, token_losses)
+    return LossAndGrads(float(flat[0]), summed, token_losses, None if mtp is None else mtp.tolist())
 
 
 def _unflatten(flat: torch.Tensor, names: Sequence[str], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -144,6 +167,7 @@ def reference_loss_and_grads(model, samples: Sequence[Sample], solo_group) -> Lo
     from megatron.core.packed_seq_params import PackedSeqParams
 
     model.zero_grad(set_to_none=True)
+    _clear_mtp_tracker()
     total = float(sum(float(s.loss_mask.sum()) for s in samples))
     loss = torch.zeros(())
     token_losses = []
@@ -152,11 +176,12 @@ def reference_loss_and_grads(model, samples: Sequence[Sample], solo_group) -> Lo
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                                  cu_seqlens_kv_padded=cu, max_seqlen_q=len(s), max_seqlen_kv=len(s), local_cp_size=1,
                                  cp_group=solo_group)
-        per_token = _forward(model, s.tokens, torch.arange(len(s)), s.labels, params)
+        per_token = _forward(model, s.tokens, torch.arange(len(s)), s.labels, s.loss_mask, params)
         loss = loss + (per_token * s.loss_mask).sum() / total
         token_losses.append(per_token.detach())
     loss.backward()
-    return LossAndGrads(float(loss.detach()), _grads(model), torch.cat(token_losses))
+    mtp = _mtp_losses()
+    return LossAndGrads(float(loss.detach()), _grads(model), torch.cat(token_losses), None if mtp is None else mtp.tolist())
 
 
 def parity_errors(got: LossAndGrads, want: LossAndGrads, samples: Sequence[Sample], rtol: float = 1e-4, atol: float = 1e-6) -> list[str]:
@@ -165,6 +190,10 @@ def parity_errors(got: LossAndGrads, want: LossAndGrads, samples: Sequence[Sampl
     errors = []
     if abs(got.loss - want.loss) > atol + rtol * abs(want.loss):
         errors.append(f"loss {got.loss!r} != reference {want.loss!r}")
+    if (got.mtp_losses is None) != (want.mtp_losses is None) or any(
+        abs(g - w) > atol + rtol * abs(w) for g, w in zip(got.mtp_losses or [], want.mtp_losses or [])
+    ):
+        errors.append(f"MTP loss sums and token counts {got.mtp_losses} != reference {want.mtp_losses}")
     if got.token_losses is not None:
         real = torch.cat([torch.ones(len(s), dtype=torch.bool) for s in samples])
         missing = torch.isnan(got.token_losses) & real

@@ -31,7 +31,7 @@ def stand_in_for_pipeline_calls_on_cpu() -> None:
 def _forward_step(data_iterator, model):
     shard = next(data_iterator)
     losses = model(input_ids=shard.tokens[None], position_ids=shard.position_ids[None], attention_mask=None,
-                   labels=shard.labels[None], packed_seq_params=shard.packed_seq_params)
+                   labels=shard.labels[None], loss_mask=shard.loss_mask[None], packed_seq_params=shard.packed_seq_params)
 
     def loss_func(output):
         loss = (output.reshape(-1) * shard.loss_mask).sum()

@@ -7,8 +7,9 @@ token's loss and every parameter's gradient of a single-process run over the who
 Plans: CP2 and CP4, a micro-batch mixing CP4, CP2 and CP1 groups (dynamic CP), sequence lengths
 that need padding to 2 x CP; the zigzag layout, and the contiguous one through Megatron-Core's own
 conversion (config.cp_partition_mode="contiguous", dev build); RoPE, and learned absolute positions
-(which read position_ids). A contiguous shard reaching the stand-in, as Transformer Engine would
-silently read it as zigzag, is refused."""
+(which read position_ids); one MTP layer (its loss sum and token count too; gradients with
+mtp_loss_scaling_factor=0, attention_model.py says why). A contiguous shard reaching the stand-in,
+as Transformer Engine would silently read it as zigzag, is refused."""
 
 from __future__ import annotations
 
@@ -20,17 +21,19 @@ import torch.distributed as dist
 from tests.attention_ranks import require_dynamic_build, run_attention_ranks
 
 WORLD = 4
-# (name, layout, position embedding, micro-batches: each {CP group's ranks: ids of attention_parity.example_samples()})
+MIXED = [{(0, 1, 2, 3): [4]}, {(0, 1): [2, 1], (2,): [0, 3], (3,): [5]}, {(2, 3): [6, 7]}]
+# (name, layout, AttentionModelConfig fields, micro-batches: each {CP group's ranks: ids of attention_parity.example_samples()})
 CASES = [
-    ("cp2", "zigzag", "rope", [{(0, 1): [0, 1], (2, 3): [2]}, {(0, 1): [3, 7], (2, 3): [4, 5, 6]}]),
-    ("cp4", "zigzag", "rope", [{(0, 1, 2, 3): [4, 0]}, {(0, 1, 2, 3): [2, 1, 3, 5, 6, 7]}]),
-    ("mixed", "zigzag", "rope", [{(0, 1, 2, 3): [4]}, {(0, 1): [2, 1], (2,): [0, 3], (3,): [5]}, {(2, 3): [6, 7]}]),
-    ("mixed-learned", "zigzag", "learned_absolute", [{(0, 1, 2, 3): [4]}, {(0, 1): [2, 1], (2,): [0, 3], (3,): [5]}, {(2, 3): [6, 7]}]),
-    ("contiguous", "contiguous", "rope", [{(0, 1, 2, 3): [4, 0]}, {(0, 1): [2, 1], (2, 3): [3, 5, 6, 7]}]),
+    ("cp2", "zigzag", {}, [{(0, 1): [0, 1], (2, 3): [2]}, {(0, 1): [3, 7], (2, 3): [4, 5, 6]}]),
+    ("cp4", "zigzag", {}, [{(0, 1, 2, 3): [4, 0]}, {(0, 1, 2, 3): [2, 1, 3, 5, 6, 7]}]),
+    ("mixed", "zigzag", {}, MIXED),
+    ("mixed-learned", "zigzag", {"position_embedding_type": "learned_absolute"}, MIXED),
+    ("mixed-mtp", "zigzag", {"mtp_num_layers": 1}, MIXED),
+    ("contiguous", "contiguous", {}, [{(0, 1, 2, 3): [4, 0]}, {(0, 1): [2, 1], (2, 3): [3, 5, 6, 7]}]),
 ]
 
 
-def run_case(layout: str, position_embedding: str, micro_batches) -> dict:
+def run_case(layout: str, fields: dict, micro_batches) -> dict:
     """One case on this rank: its shards of every micro-batch, the packed result and the reference."""
     from tests.attention_model import AttentionModelConfig, attention_gpt_model
     from tests.attention_parity import example_samples, packed_loss_and_grads, parity_errors, reference_loss_and_grads, shard
@@ -39,8 +42,7 @@ def run_case(layout: str, position_embedding: str, micro_batches) -> dict:
     rank = dist.get_rank()
     data = example_samples()
     # contiguous: static CP1, as upstream allows contiguous for standard attention (attention_model.py)
-    cfg = AttentionModelConfig(position_embedding_type=position_embedding, cp_partition_mode=layout,
-                               context_parallel_size=2 if layout == "zigzag" else 1)
+    cfg = AttentionModelConfig(cp_partition_mode=layout, context_parallel_size=2 if layout == "zigzag" else 1, **fields)
     model = attention_gpt_model(cfg)
     reference = reference_loss_and_grads(model, data, parallel_state_cp_group(1))
     shards = []
@@ -51,7 +53,7 @@ def run_case(layout: str, position_embedding: str, micro_batches) -> dict:
                 assert dist.get_process_group_ranks(group) == list(ranks), (ranks, dist.get_process_group_ranks(group))
                 shards.append(shard(data, sample_ids, group, layout))
     got = packed_loss_and_grads(model, shards, data)
-    return {"loss": got.loss, "reference": reference.loss, "errors": parity_errors(got, reference, data)}
+    return {"loss": got.loss, "reference": reference.loss, "mtp": got.mtp_losses, "errors": parity_errors(got, reference, data)}
 
 
 def _standin_rank(names: list[str], rank: int) -> dict:
@@ -59,10 +61,10 @@ def _standin_rank(names: list[str], rank: int) -> dict:
 
     initialize_dpxcp_groups(context_parallel_size=2)
     results = {}
-    for name, layout, position_embedding, micro_batches in CASES:
+    for name, layout, fields, micro_batches in CASES:
         if name in names:
             try:
-                results[name] = run_case(layout, position_embedding, micro_batches)
+                results[name] = run_case(layout, fields, micro_batches)
             except Exception as error:  # reported by the test with the rank and the case
                 raise RuntimeError(f"case {name}: {type(error).__name__}: {error}") from error
     if "refused" in names:
@@ -88,7 +90,8 @@ def _contiguous_shard_on_zigzag_model() -> str:
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
-@pytest.mark.parametrize("names", [["cp2", "cp4", "mixed"], ["mixed-learned", "contiguous", "refused"]], ids=["zigzag", "positions-and-layouts"])
+@pytest.mark.parametrize("names", [["cp2", "cp4", "mixed"], ["mixed-learned", "mixed-mtp", "contiguous", "refused"]],
+                         ids=["zigzag", "positions-mtp-and-layouts"])
 def test_packed_cp_forward_and_backward_equal_the_single_process_reference(tmp_path, names):
     require_dynamic_build()
     per_rank = run_attention_ranks(partial(_standin_rank, names), WORLD, tmp_path)
