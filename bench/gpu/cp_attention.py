@@ -101,30 +101,38 @@ class AllGatherAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         local = q.shape[2]
         length = local * self.cp_size
-        keys = _GatherSequence.apply(k, self.group)
-        values = _GatherSequence.apply(v, self.group)
+        keys = all_gather_with_grad(k, self.group, dim=2)
+        values = all_gather_with_grad(v, self.group, dim=2)
         q_pos = zigzag_positions(length, self.cp_size, self.cp_rank, q.device)
         k_pos = torch.cat([zigzag_positions(length, self.cp_size, r, q.device) for r in range(self.cp_size)])
         mask = q_pos[:, None] >= k_pos[None, :]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along the sequence dim (2); backward sums the full gradient and keeps this
-    rank's slice (all_reduce: gloo has no reduce_scatter)."""
+def all_gather_with_grad(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """The group's `x` concatenated along `dim` in group-rank order, differentiably: the backward
+    sums every member's gradient of this rank's slice and hands it back to this rank (the
+    tests' CPU attention stand-in, tests/cp_attention_standin.py, gathers K and V with it too)."""
+    return _GatherAlongDim.apply(x, group, dim)
+
+
+class _GatherAlongDim(torch.autograd.Function):
+    """All-gather along `dim`; backward sums the full gradient and keeps this rank's slice
+    (all_reduce: gloo has no reduce_scatter)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=2)
+        return torch.cat(parts, dim=dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
-        return grad.chunk(dist.get_world_size(ctx.group), dim=2)[dist.get_rank(ctx.group)], None
+        mine = grad.chunk(dist.get_world_size(ctx.group), dim=ctx.dim)[dist.get_rank(ctx.group)]
+        return mine, None, None
 
 
 def make_attention(cp_size: int, group: dist.ProcessGroup | None, device: torch.device) -> SequenceAttention:

@@ -38,7 +38,8 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
+
+from tests.cuda_requests_on_cpu import CpuStandInStream, CudaDeviceRequestsOnCpu  # noqa: F401 (the tests enter it as ranks.CudaDeviceRequestsOnCpu)
 
 VOCAB = 64
 HIDDEN = 16
@@ -104,39 +105,6 @@ class CountingIterator:
         item = self.items[len(self.reads)]
         self.reads.append(item)
         return micro_batch(*item)
-
-
-def _is_cuda(device) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    return isinstance(device, int) and not isinstance(device, bool)  # an int device is a CUDA ordinal
-
-
-class CudaDeviceRequestsOnCpu(TorchFunctionMode):
-    """CPU stand-in (see the module docstring): a tensor asked for on a CUDA device is made, or
-    kept, on the CPU. Only the device of such requests changes; every function runs as called."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if "device" in kwargs and _is_cuda(kwargs["device"]):
-            kwargs = {**kwargs, "device": "cpu"}
-        if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)) and _is_cuda(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        return func(*args, **kwargs)
-
-
-class CpuStandInStream:
-    """CPU stand-in for `torch.cuda.current_stream()`: no streams, no CUDA-graph events to wait for."""
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def wait_stream(self, stream) -> None:
-        pass
 
 
 def stand_in_for_cuda_calls_on_cpu() -> None:
