@@ -11,7 +11,10 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the benchmarks plot with matplotlib: install the `bench` extra")
 
-from bench import ahead, auto_transfer, fairness, forkserver_loss, growth, hidden, nonpow2, overhead, quality, rl_wait, scaling, side_by_side, startup, trainer_cost  # noqa: E402
+from bench import (  # noqa: E402
+    ahead, auto_transfer, fairness, forkserver_loss, growth, hidden, nonpow2, overhead, quality, rl_wait, scaling, side_by_side, startup,
+    trainer_cost,
+)
 from bench.__main__ import summary  # noqa: E402
 from bench.common import Bar, BatchSize, Report, read_bars, write_report  # noqa: E402
 
