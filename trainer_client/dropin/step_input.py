@@ -119,14 +119,14 @@ def agree_on_step(step: int, local: LocalBatch | None, error: str | None, groups
     if error is None and local is not None:
         error = local.problem()
     failure = DropInInputError(f"step {step}: DPxCP rank {groups.dp_cp.rank()} (DP rank {groups.dp.rank()}): {error}") if error else None
-    mine = {
+    mine = None if failure is not None else {
         "dp_rank": groups.dp.rank(),
         "exhausted": local is None,
         "lengths": None if local is None else (local.rows, local.padded, local.original),
         "fields": None if local is None else local.field_spec(),
     }
     try:
-        everyone = fail_together(failure, groups.dp_cp, mine if failure is None else None, context="{message}")
+        everyone = fail_together(failure, groups.dp_cp, mine, context="{message}")
     except DropInInputError as agreed:
         return ReadStep(step, error=str(agreed))
     problem = _group_problem(everyone)
