@@ -6,6 +6,7 @@ import argparse
 import sys
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batch_planner.convert import JOB_METADATA_KEY, SCHEDULER_FROM_PROTO, plan_from_proto, request_to_proto
 from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
@@ -91,6 +92,16 @@ def best_scheduler(caps: pb.Capabilities) -> SchedulerKind:
     return next((kind for kind in PREFERENCE if kind in available), SchedulerKind.HYBRID_CP)
 
 
+def _wait_until_serving(channel: grpc.Channel, timeout: float) -> None:
+    """Returns once the planner's readiness (health "") says SERVING: it has warmed up."""
+    serving = health_pb2.HealthCheckResponse.SERVING
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=timeout, wait_for_ready=True)
+    for answer in watch:
+        if answer.status == serving:
+            watch.cancel()
+            return
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="planner-demo", description=__doc__)
     parser.add_argument("--endpoint", default="localhost:50051")
@@ -111,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     with grpc.insecure_channel(args.endpoint) as channel:
         stub = planner_pb2_grpc.BatchPlannerStub(channel)
         try:
+            _wait_until_serving(channel, args.timeout)  # a warming replica answers Plan UNAVAILABLE at once
             caps = stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=args.timeout, wait_for_ready=True)
             request = PlanRequest.of(
                 sequence_lengths=lengths,
