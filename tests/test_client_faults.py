@@ -74,8 +74,9 @@ def test_training_survives_a_slow_a_dead_and_a_restarted_planner():
     config = PlannerClientConfig(
         planner_endpoint=server.address, tls=False, max_seqlen_per_dp_cp_rank=8192, job="faults",
         scheduler=best_local_scheduler(),  # in-process fallback plans with this process's build
-        # 2 s: the deadline covers both of gRPC's attempts.
-        deadline_seconds=2.0, max_attempts=2, initial_backoff_seconds=0.05,
+        # 5 s: the deadline covers the client's two calls (the failover to the next replica) and
+        # gRPC's attempts of each, also on a loaded machine; the frozen planner still outlasts it.
+        deadline_seconds=5.0, max_attempts=2, initial_backoff_seconds=0.05,
         fallback_cooldown_seconds=COOLDOWN, max_reconnect_backoff_seconds=0.5,
     )
     client = BatchPlannerClient(config, dp_cp_size=RANKS, rank=0)
