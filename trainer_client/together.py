@@ -50,7 +50,7 @@ def fail_together(
             if rank == dist.get_rank(group) and failure is not None:
                 raise failure
             raise _copy(data, rank, context)
-    return [pickle.loads(data) for _, data in everyone]
+    return [_payload(kind, data) for kind, data in everyone]
 
 
 def share_from_first(outcome: Any, group: Any) -> Any:
@@ -67,7 +67,7 @@ def share_from_first(outcome: Any, group: Any) -> Any:
     if first:
         return outcome
     kind, data = holder[0]
-    return _copy(data, 0, "{message}") if kind == "error" else pickle.loads(data)
+    return _copy(data, 0, "{message}") if kind == "error" else _payload(kind, data)
 
 
 def naming_rank(error: Exception | None, group: Any) -> Exception | None:
@@ -78,13 +78,21 @@ def naming_rank(error: Exception | None, group: Any) -> Exception | None:
 
 def _entry(failure: BaseException | None, payload: Any) -> tuple[str, bytes]:
     """What one rank contributes, pickled here so that a pickling error is this rank's failure
-    rather than an exception inside the collective that would stop this rank alone."""
+    rather than an exception inside the collective that would stop this rank alone. Bytes (a
+    serialized plan, pickled outputs) travel as they are: they cannot fail to pickle, and a second
+    copy of megabytes would cost the step."""
     if failure is None:
+        if type(payload) is bytes:
+            return ("bytes", payload)
         try:
             return ("ok", pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
         except Exception as exc:  # noqa: BLE001 - pickle raises several types
             failure = TypeError(f"this rank's result cannot be sent to the other ranks ({type(exc).__name__}: {str(exc):.160})")
     return ("error", _pickled_error(failure))
+
+
+def _payload(kind: str, data: bytes) -> Any:
+    return data if kind == "bytes" else pickle.loads(data)
 
 
 def _pickled_error(error: BaseException) -> bytes:
