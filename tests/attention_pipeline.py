@@ -46,22 +46,32 @@ def pipeline_loss_and_grads(models: Sequence[torch.nn.Module], shards: Sequence[
     model chunks (one per virtual stage). Returns (the summed loss of the micro-batches, 0.0 off
     the last stage; each parameter's gradient, named '<chunk>.<name>'). Gradients are the raw sums
     (the config's calculate_per_token_loss=True and no finalize_model_grads)."""
+    iterators = [iter(list(shards)) for _ in models]
+    loss, _, grads = run_pipeline(models, iterators, len(shards), _forward_step)
+    return loss, grads
+
+
+def run_pipeline(models: Sequence[torch.nn.Module], iterators: Sequence, num_microbatches: int, forward_step) -> tuple[float, float, dict[str, torch.Tensor]]:
+    """One forward-backward step through Megatron-Core's schedule: `iterators` one per model chunk,
+    `forward_step(data_iterator, model)` as Megatron-Core calls it, its loss function returning
+    {"loss": [loss, tokens]}. Returns (the summed loss and loss-mask tokens of the micro-batches,
+    0.0 off the last stage; each parameter's gradient, named '<chunk>.<name>')."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for m in models:
         m.zero_grad(set_to_none=True)
-    iterators = [iter(list(shards)) for _ in models]
     results = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=iterators if len(models) > 1 else iterators[0],
-        model=list(models) if len(models) > 1 else models[0], num_microbatches=len(shards), seq_length=0,
+        forward_step_func=forward_step, data_iterator=list(iterators) if len(models) > 1 else iterators[0],
+        model=list(models) if len(models) > 1 else models[0], num_microbatches=num_microbatches, seq_length=0,
         micro_batch_size=1, forward_only=False,
     )
     loss = float(sum(float(r["loss"][0]) for r in results))
+    tokens = float(sum(float(r["loss"][1]) for r in results))
     grads = {
         f"{i}.{name}": (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
         for i, m in enumerate(models) for name, p in m.named_parameters()
     }
-    return loss, grads
+    return loss, tokens, grads
 
 
 def whole_sample_shards(samples: Sequence[Sample], solo_group) -> list[RankShard]:

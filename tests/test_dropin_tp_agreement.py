@@ -1,8 +1,8 @@
 """The TP ranks of one step agree before any of them runs it (2 real gloo ranks as one TP group,
-the drop-in core's StepPlanner with `tp_agreement`, as the Bridge drop-in builds it): when one TP
+the drop-in core's StepPlanner with a TP `Agreement`, as the Bridge drop-in builds it): when one TP
 rank cannot plan the step, every TP rank raises the same error; when they hold different plans,
 every TP rank refuses. Reading and planning are stood in for (`StepPlannerWithStandInPlanning`,
-named as such): its step has a given plan id or raises, so the test controls what each TP rank's
+named as such): its step has a given plan or raises, so the test controls what each TP rank's
 own planning gave; the agreement itself is the real one."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ WORLD = 2
 
 
 def _planner(plan_id: str | None, error: Exception | None, group):
-    from trainer_client.dropin import StepPlanner
+    from trainer_client.dropin import Agreement, StepPlanner
 
     class StepPlannerWithStandInPlanning(StepPlanner):
         """The real StepPlanner, whose read and plan of a step are stood in for."""
@@ -29,9 +29,9 @@ def _planner(plan_id: str | None, error: Exception | None, group):
         def _plan_and_route(self, current):
             if error is not None:
                 raise error
-            return types.SimpleNamespace(plan=types.SimpleNamespace(plan_id=plan_id))
+            return types.SimpleNamespace(step=0, sample_id_groups=[[[ord(plan_id)]]])
 
-    return StepPlannerWithStandInPlanning(read_local=None, groups=None, client=None, tp_agreement=group)
+    return StepPlannerWithStandInPlanning(read_local=None, groups=None, client=None, agreements=(Agreement(group, "TP rank"),))
 
 
 def _rank(rank: int, store_path: str, out: str, case: str) -> None:

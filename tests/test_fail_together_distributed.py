@@ -43,7 +43,7 @@ def _cases(rank: int):
     """(name, a call every rank makes, in which rank FAILING, or rank 0, fails)."""
     from trainer_client.broadcast import agree_on_plan, share_over_tp
     from trainer_client.config import WhoAsks
-    from trainer_client.dropin import LocalBatch, StepPlanner, agree_on_read, agree_on_step
+    from trainer_client.dropin import Agreement, LocalBatch, StepPlanner, agree_on_read, agree_on_step
     from trainer_client.errors import DropInInputError, PlannerUnavailableError, PlanRejectedError
     from trainer_client.megatron import DataGroups
     from trainer_client.outputs import restore_outputs
@@ -64,9 +64,9 @@ def _cases(rank: int):
             def _plan_and_route(self, current):
                 if failing:
                     raise ValueError("this TP rank could not route the step")
-                return types.SimpleNamespace(plan=plan)
+                return types.SimpleNamespace(step=0, sample_id_groups=[[[0]]])
 
-        return StepPlannerWithStandInPlanning(read_local=None, groups=None, client=None, tp_agreement=world).next_step()
+        return StepPlannerWithStandInPlanning(read_local=None, groups=None, client=None, agreements=(Agreement(world, "TP rank"),)).next_step()
 
     def agreed_step():
         groups = DataGroups(dp_cp=world, dp=world, tp=world, pp=None)

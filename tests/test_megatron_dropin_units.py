@@ -54,19 +54,48 @@ def test_plan_in_megatron_cores_shape():
     assert sorted(i for mb in groups for ids in {tuple(r) for r in mb} for i in ids) == list(range(8))
 
 
-def test_virtual_pipeline_parallelism_and_batch_size_ramp_up_are_refused_by_the_refusal_table():
-    """wrap_data_iterator refuses VPP before it touches a process group, and a step whose
-    num_microbatches changed (batch-size ramp-up); both are rows of the one table."""
+def test_batch_size_ramp_up_is_refused_by_the_refusal_table_and_virtual_stages_are_not():
+    """wrap_data_iterator refuses a step whose num_microbatches changed (batch-size ramp-up), a row of
+    the one table that Bridge reads at its own path; virtual pipeline stages it runs (one iterator
+    per virtual stage), so no row of its own refuses them."""
     from trainer_client.compatibility import RULES, UnsupportedCombinationError
-    from trainer_client.megatron_lm.packing import PackingDropIn, wrap_data_iterator
+    from trainer_client.dropin.stages import StageData
+    from trainer_client.megatron_lm.packing import PackingDropIn
 
-    with pytest.raises(UnsupportedCombinationError, match="virtual_pipeline_model_parallel_size=2.*one per virtual pipeline stage") as vpp:
-        wrap_data_iterator(iter([]), megatron_config(virtual_pipeline_model_parallel_size=2), 2)
-    wrapper = PackingDropIn(None, megatron_config(), 2, None, SchedulerKind.DYNAMIC_CP)
+    wrapper = PackingDropIn(None, megatron_config(), 2, None, SchedulerKind.DYNAMIC_CP, StageData(frozenset(), None))
     with pytest.raises(UnsupportedCombinationError, match="num_microbatches=changed from 2 to 4.*ramp-up") as ramp_up:
         wrapper.next_step(4)
-    assert vpp.value.option == "config.virtual_pipeline_model_parallel_size" and ramp_up.value.option == "num_microbatches"
-    assert {id(vpp.value.rule), id(ramp_up.value.rule)} == {id(r) for r in RULES if r.reads("wrap_data_iterator")}
-    # Bridge reads the same two rows at its own paths.
-    assert {p.path for r in (vpp.value.rule, ramp_up.value.rule) for p in r.places if p.source == "bridge"} == {
-        "model.virtual_pipeline_model_parallel_size", "train.rampup_batch_size"}
+    assert ramp_up.value.option == "num_microbatches"
+    assert any(r is ramp_up.value.rule for r in RULES if r.reads("megatron_lm"))
+    assert {p.path for p in ramp_up.value.rule.places if p.source == "bridge"} == {"train.rampup_batch_size"}
+    assert not any(p.path == "virtual_pipeline_model_parallel_size" for r in RULES for p in r.places if p.source == "megatron_lm")
+
+
+def test_a_rope_model_is_refused_before_the_first_step_where_megatron_core_rotates_over_the_static_cp_group():
+    """0.19 rotates THD input over the static CP group: both Megatron-LM drop-ins refuse a RoPE model
+    when they are built (before any step), by the one row Bridge reads too; the dev build rotates
+    over the micro-batch's group, and the drop-ins start."""
+    from types import SimpleNamespace
+
+    from trainer_client.compatibility import InstalledMegatron, UnsupportedCombinationError
+    from trainer_client.megatron_lm import HybridCPDataLoaderWrapper, wrap_data_iterator
+    from trainer_client.megatron_lm.checks import check_model
+
+    class GroupOfSize:
+        def __init__(self, size):
+            self.size = lambda: size
+
+    groups = SimpleNamespace(dp_cp=GroupOfSize(2), dp=GroupOfSize(1), tp=GroupOfSize(1), pp=None)
+    rope = dict(position_embedding_type="rope")
+    if InstalledMegatron.detect().build == "dev":
+        from trainer_client.dropin.settings import planner_config_for
+
+        for kind in (SchedulerKind.HYBRID_CP, SchedulerKind.DYNAMIC_CP):
+            check_model(megatron_config(**rope), planner_config_for(megatron_config(), kind, 2, {}))
+        return
+    with pytest.raises(UnsupportedCombinationError, match="position_embedding_type=rope.*static CP group.*dev build") as hybrid:
+        HybridCPDataLoaderWrapper(iter([]), megatron_config(**rope), groups, planner={})
+    assert hybrid.value.option == "position_embedding_type"
+    config = megatron_config(sequence_packing_scheduler="default_dynamic_cp", **rope)
+    with pytest.raises(UnsupportedCombinationError, match="position_embedding_type=rope"):
+        wrap_data_iterator(iter([]), config, 1, groups, planner={})

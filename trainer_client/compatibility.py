@@ -10,7 +10,8 @@ caller hands `check`:
   with the batch and the plan);
 - bridge: Megatron-Bridge's `ConfigContainer` (`megatron_bridge.check_bridge_support`, which also
   hands over its model config as transformer and model, and its planner settings);
-- wrap_data_iterator: the arguments of the Megatron-LM drop-in's `wrap_data_iterator`.
+- megatron_lm: what Megatron-LM's drop-ins are handed (`wrap_data_iterator`'s `num_microbatches`
+  each step) and read of the model once (`position_embedding_type`, from Megatron-LM's arguments).
 
 A rule is checked where its sources were given (so the rows that read a drop-in's source apply to
 that drop-in only), on the Megatron-Core build (`build`) and for the schedulers (`schedulers`) its
@@ -39,8 +40,10 @@ PACKING_SCHEDULERS = (SchedulerKind.DYNAMIC_CP, SchedulerKind.STATIC_PACKING)
 MULTIMODAL_BATCH_FIELDS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "multi_modal_inputs")
 
 # What a caller may hand `check`, by name; a drop-in's own source is read by its rows only.
-SOURCES = ("engine", "model", "transformer", "planner config", "plan", "batch", "bridge", "wrap_data_iterator")
-DROP_IN_SOURCES = {"bridge": "Megatron-Bridge's drop-in", "wrap_data_iterator": "Megatron-LM's wrap_data_iterator drop-in"}
+SOURCES = ("engine", "model", "transformer", "planner config", "plan", "batch", "bridge", "megatron_lm")
+DROP_IN_SOURCES = {"bridge": "Megatron-Bridge's drop-in", "megatron_lm": "Megatron-LM's drop-ins"}
+# Position embeddings that rotate queries and keys by position (RoPE and its variants).
+ROTARY_EMBEDDINGS = ("rope", "mrope", "yarn")
 
 Build = Literal["release", "dev"]
 BUILD_WORDS = {"release": "on a Megatron-Core release (0.19)", "dev": "on a Megatron-Core dev build (dynamic CP groups)"}
@@ -282,7 +285,7 @@ def _old_transformer_engine(value: Any, inputs: Inputs) -> bool:
 
 # The places of each source, by path.
 _engine, _model, _transformer, _planner, _bridge, _megatron_lm = (
-    partial(Place, source) for source in ("engine", "model", "transformer", "planner config", "bridge", "wrap_data_iterator")
+    partial(Place, source) for source in ("engine", "model", "transformer", "planner config", "bridge", "megatron_lm")
 )
 
 
@@ -353,12 +356,10 @@ RULES: tuple[Rule, ...] = (
     Rule(_bridge("model.pipeline_model_parallel_size"), "> 1",
          "the drop-in plans for pipeline parallelism 1 (Bridge's middle stages read other fields); set "
          "pipeline_model_parallel_size=1", _above_one),
-    # Before the next row: the drop-ins refuse VPP on every build.
-    Rule((_megatron_lm("config.virtual_pipeline_model_parallel_size"), _bridge("model.virtual_pipeline_model_parallel_size")),
-         "> 1",
-         "the drop-in hands the trainer one iterator of planned micro-batches, not one per virtual pipeline "
-         "stage; unset virtual pipeline parallelism (Megatron-LM: or use Megatron-Core's own wrap_data_iterator)",
-         _above_one),
+    # Before the next row: Bridge's drop-in refuses VPP on every build.
+    Rule(_bridge("model.virtual_pipeline_model_parallel_size"), "> 1",
+         "the drop-in hands Bridge's train_step one iterator of planned micro-batches, not one per virtual "
+         "pipeline stage; unset virtual pipeline parallelism", _above_one),
     Rule(_transformer("virtual_pipeline_model_parallel_size"), "> 1",
          "the installed Megatron-Core has no VPP-aware packing scheduler (needs a dev-branch build "
          "with data_schedule.DefaultDynamicCPScheduler); unset virtual pipeline parallelism",
@@ -417,11 +418,14 @@ RULES: tuple[Rule, ...] = (
     Rule(_bridge("model.hybrid_context_parallel"), "false",
          _NO_DPXCP_GROUPS + "on 0.19 set cfg.model.hybrid_context_parallel=True (the plans still come from dynamic CP)",
          _is_false, build="release", schedulers=(SchedulerKind.DYNAMIC_CP,)),
-    Rule(_bridge("model.position_embedding_type"), "rope, mrope or yarn",
+    # One row for every drop-in that runs plans of CP groups other than the static one on a release
+    # (verl's dynamic CP needs the dev build's per-size DPxCP groups, so it has no release route).
+    Rule((_megatron_lm("position_embedding_type"), _bridge("model.position_embedding_type")), "rope, mrope or yarn",
          "0.19's attention rotates THD input over the static CP group (transformer/attention.py), not the "
-         "micro-batch's, so positions are wrong in CP groups of another size; run the trainer on the "
-         "Megatron-LM dev build (it rotates over the micro-batch's group)",
-         lambda v, _: v in ("rope", "mrope", "yarn"), build="release"),
+         "micro-batch's, so positions are wrong in CP groups of another size: the model would train silently "
+         "wrong. Run the trainer on the Megatron-LM dev build (deps/megatron-core.env; it rotates over the "
+         "micro-batch's group: Megatron-LM with --sequence-packing-scheduler default_dynamic_cp), or use static CP",
+         lambda v, _: v in ROTARY_EMBEDDINGS, build="release"),
 )
 
 

@@ -211,11 +211,26 @@ def build_packed_microbatches(samples_with_id, sample_id_groups, dcp_rank, devic
     return build(samples_with_id, sample_id_groups, dcp_rank, device, is_dynamic_cp)
 
 
-def create_packed_data_iterator(new_samples, tp_group, config, is_dynamic_cp):
-    """Megatron-Core's (dev) iterator over the packed micro-batches (None on TP ranks > 0)."""
+def create_packed_data_iterator(new_samples, tp_group, config, is_dynamic_cp, vpp_needs_data=None):
+    """Megatron-Core's (dev) iterator over the packed micro-batches (None on TP ranks > 0); with
+    virtual stages, one per virtual stage (`vpp_needs_data`: which get the data, not only metadata)."""
     from megatron.core.datasets.data_schedule_utils import create_data_iterator
 
-    return create_data_iterator(new_samples, tp_group, config, None, is_dynamic_cp)
+    return create_data_iterator(new_samples, tp_group, config, vpp_needs_data, is_dynamic_cp)
+
+
+def mtp_stages(config: Any, vpp_size: int) -> tuple[bool, tuple[bool, ...]]:
+    """Whether this pipeline stage holds MTP layers, and which of its `vpp_size` virtual stages do:
+    Megatron-Core's own `mtp_on_this_rank` (parallel_state's pipeline rank, the config's layout)."""
+    from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
+
+    layout, layers = getattr(config, "pipeline_model_parallel_layout", None), getattr(config, "mtp_num_layers", None)
+    if layout is None and layers is None:
+        return False, (False,) * vpp_size  # upstream's answer, without asking parallel_state
+    stage = bool(mtp_on_this_rank(layout, layers, ignore_virtual=True))
+    if vpp_size == 1:
+        return stage, (stage,)
+    return stage, tuple(bool(mtp_on_this_rank(layout, layers, ignore_virtual=False, vp_stage=v)) for v in range(vpp_size))
 
 
 def broadcast_scalars(values: list, tp_group, device) -> list:

@@ -30,11 +30,11 @@ from trainer_client.dropin.step_input import (
     check_packed_sample,
     raise_on_bad_packed_sample,
 )
-from trainer_client.dropin.step_planner import PlannedStep, StepPlanner
+from trainer_client.dropin.step_planner import Agreement, PlannedStep, StepPlanner
 from trainer_client.errors import DropInInputError
 
 __all__ = [
-    "CONFIG_ENV", "DropInInputError", "GlobalLayout", "LocalBatch", "PACKING_SCHEDULERS", "PlannedStep", "StepPlanner",
+    "Agreement", "CONFIG_ENV", "DropInInputError", "GlobalLayout", "LocalBatch", "PACKING_SCHEDULERS", "PlannedStep", "StepPlanner",
     "Traffic", "agree_on_read", "agree_on_step", "check_packed_sample", "client_for", "data_device",
     "given_planner_settings", "merged_settings", "planner_config_for", "raise_on_bad_packed_sample", "route_samples",
     "sample_id_groups",

@@ -39,6 +39,9 @@ def planner_config_for(
         derived["min_cp_size"] = getattr(megatron_config, "min_dynamic_context_parallel_size", None)
     if scheduler is SchedulerKind.STATIC_PACKING:
         derived["max_seqs_per_micro_batch"] = mcore.max_real_seqs_per_micro_batch(megatron_config)
+    if getattr(megatron_config, "virtual_pipeline_model_parallel_size", None) is not None:
+        # Megatron-Core's packing schedulers group micro-batches per virtual stage (its wrap_data_iterator).
+        derived["micro_batch_group_size"] = getattr(megatron_config, "microbatch_group_size_per_vp_stage", None)
     return PlannerClientConfig.from_dict(merged_settings(given, derived, "Megatron"))
 
 

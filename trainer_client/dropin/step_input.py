@@ -137,18 +137,18 @@ def agree_on_step(step: int, local: LocalBatch | None, error: str | None, groups
     return ReadStep(step, local, _layout(everyone, groups.dp.size()))
 
 
-def agree_on_read(failure: BaseException | None, group: Any) -> None:
-    """One all-gather over `group` (the Bridge drop-in's TP group) before a step is planned: every
-    rank of it plans the step, or none does. `failure`: what this rank's read of the step raised,
+def agree_on_read(failure: BaseException | None, group: Any, who: str = "TP rank") -> None:
+    """One all-gather over `group` (the Bridge drop-in's TP group, the pipeline stages; `who` names
+    one of its ranks) before a step is planned: every rank of it plans the step, or none does. `failure`: what this rank's read of the step raised,
     StopIteration at the end of its data. A rank that failed: its error on every rank. All ended:
     StopIteration on every rank. Some ended while others read on: a PlanMismatchError on every rank."""
     ended = isinstance(failure, StopIteration)
-    everyone = fail_together(None if ended else failure, group, ended, context="TP rank {rank} could not read this step: {message}")
+    everyone = fail_together(None if ended else failure, group, ended, context=who + " {rank} could not read this step: {message}")
     if all(everyone):
         raise StopIteration
     if any(everyone):
         first = everyone.index(True)
-        raise PlanMismatchError(f"TP rank {first} could not read this step (its data ended, the others read on); no TP rank plans it")
+        raise PlanMismatchError(f"{who} {first} could not read this step (its data ended, the others read on); no {who} plans it")
 
 
 def _group_problem(everyone: list[dict]) -> str | None:

@@ -4,13 +4,18 @@ While step k is handed out, the local part of step k+1 is already read from the 
 and its lengths are all-gathered, so the plan for k+1 is made while step k trains. Memory: at most
 two local batches (this rank's share of steps k and k+1) per rank, never a global one.
 
-Where every TP rank reads and plans the same batch (Megatron-Bridge), `tp_agreement` is the TP
-group: its ranks first agree that each read the step (`agree_on_read`), then that each holds the
-same plan for it, or every one of them raises the same error, before any enters the model's TP
-collectives."""
+Ranks that read and plan the same global batch on their own must train one plan: the TP ranks
+where every TP rank reads (Megatron-Bridge), and the pipeline stages, each of which reads and plans
+the step on its TP rank 0 (Megatron-Core's packing contract). Each such group is an `Agreement`:
+its ranks first agree that each read the step (`agree_on_read`), then that each holds the same
+plan for it (the micro-batch count, each micro-batch's samples and CP groups), or every one of
+them raises the same error, naming the step and the ranks, before any enters the model's TP
+collectives or sends an activation to another stage."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -42,6 +47,21 @@ class PlannedStep:
     source: str | None
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """A group whose ranks read and plan the same global batch each on their own, and must train one
+    plan: `who` names one of its ranks in errors ("TP rank", "pipeline stage")."""
+
+    group: Any
+    who: str
+
+    @classmethod
+    def pipeline(cls, groups: mcore.DataGroups) -> tuple[Agreement, ...]:
+        """The pipeline stages' agreement, where there are several stages."""
+        pp = groups.pp
+        return (cls(pp, "pipeline stage"),) if pp is not None and pp.size() > 1 else ()
+
+
 @dataclass
 class StepPlanner:
     """Reads step k+1 while step k is handed out, plans it ahead, and routes step k's samples,
@@ -51,35 +71,32 @@ class StepPlanner:
     groups: mcore.DataGroups
     client: BatchPlannerClient
     transformer_config: Any = None
-    # The TP group when every TP rank reads and plans each step (Bridge; the client then shares the
-    # planner's answer over TP): all of them plan a step or none, and all hold the same plan.
-    # None: only TP rank 0 reads (Megatron-LM), no agreement over TP.
-    tp_agreement: Any = None
+    # The groups whose ranks plan each step on their own and must hold one plan, in the order they
+    # agree: the TP group where every TP rank reads (Bridge; the client shares the planner's answer
+    # over TP), the pipeline stages (`Agreement.pipeline`). Empty: no agreement beyond the DPxCP group.
+    agreements: tuple[Agreement, ...] = ()
     _ahead: ReadStep | None = field(default=None, init=False)
     _step: int = field(default=0, init=False)
 
     def next_step(self) -> PlannedStep:
-        if self.tp_agreement is None:
+        if not self.agreements:
             return self._plan_and_route(self._next_read())
         try:
             current, failure = self._next_read(), None
         except StopIteration as end:
             current, failure = None, end
-        except Exception as error:  # noqa: BLE001 - agreed on over the group first, then raised
+        except Exception as error:  # noqa: BLE001 - agreed on over the groups first, then raised
             current, failure = None, error
-        agree_on_read(failure, self.tp_agreement)
+        for agreement in self.agreements:
+            agree_on_read(failure, agreement.group, agreement.who)
         assert current is not None
         planned, failure = None, None
         try:
             planned = self._plan_and_route(current)
-        except Exception as error:  # noqa: BLE001 - travels to the other TP ranks, then raised on all
+        except Exception as error:  # noqa: BLE001 - travels to the other ranks, then raised on all
             failure = error
-        plan_ids = fail_together(
-            failure, self.tp_agreement, planned.plan.plan_id if planned else None,
-            context="TP rank {rank} could not plan this step: {message}",
-        )
-        if len(set(plan_ids)) > 1:
-            raise PlanMismatchError(f"the TP ranks hold different plans for this step: {plan_ids}")
+        for agreement in self.agreements:
+            _agree_on_plan(planned, failure, agreement)
         assert planned is not None
         return planned
 
@@ -130,3 +147,28 @@ class StepPlanner:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _agree_on_plan(planned: PlannedStep | None, failure: BaseException | None, agreement: Agreement) -> None:
+    """Every rank of the agreement holds the same plan for the step (its micro-batches' samples and
+    CP groups), or every one raises: the first failed rank's error, or a PlanMismatchError naming
+    the step and what each rank holds."""
+    digests = fail_together(
+        failure, agreement.group, plan_digest(planned) if planned is not None else None,
+        context=agreement.who + " {rank} could not plan this step: {message}",
+    )
+    if len(set(digests)) > 1:
+        assert planned is not None
+        held = "; ".join(f"{agreement.who} {rank}: {digest}" for rank, digest in enumerate(digests))
+        raise PlanMismatchError(
+            f"the {agreement.who}s hold different plans for this step (step {planned.step}): {held}; every one "
+            "must read the same global batch and plan it with the same settings"
+        )
+
+
+def plan_digest(planned: PlannedStep) -> str:
+    """The plan a step trains, in words short enough for an error: its micro-batch count and a
+    digest of each micro-batch's samples per DPxCP rank (which also fixes its CP groups)."""
+    groups = planned.sample_id_groups
+    digest = hashlib.sha256(json.dumps(groups).encode()).hexdigest()[:12]
+    return f"{len(groups)} micro-batches, samples and CP groups {digest}"

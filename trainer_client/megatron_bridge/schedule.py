@@ -23,7 +23,7 @@ from trainer_client.config import ConfigError
 from trainer_client.distributed import is_distributed
 from trainer_client.dropin.device import data_device
 from trainer_client.dropin.settings import checked_transformer_config, client_for
-from trainer_client.dropin.step_planner import PlannedStep, StepPlanner
+from trainer_client.dropin.step_planner import Agreement, PlannedStep, StepPlanner
 from trainer_client.megatron_bridge.micro_batches import PlannedMicroBatches, rank_micro_batches, read_local_batch
 from trainer_client.megatron_bridge.settings import BridgeSettings
 from trainer_client.micro_batch import RankMicroBatch
@@ -47,8 +47,10 @@ class PlannedIterator:
         # Every TP rank reads and plans each step: TP rank 0 asks the planner for all of them (the
         # client's tp_group), and the TP ranks agree that each read the step and holds its plan.
         client = client_for(self.settings.planner, self.groups, every_tp_rank_plans=True)
-        agreement = self.groups.tp if is_distributed(self.groups.tp) else None
-        self.planner = StepPlanner(self._read_local, self.groups, client, checked_transformer_config(self.settings.model), agreement)
+        agreements = (Agreement(self.groups.tp, "TP rank"),) if is_distributed(self.groups.tp) else ()
+        self.planner = StepPlanner(
+            self._read_local, self.groups, client, checked_transformer_config(self.settings.model), agreements
+        )
 
     def _read_local(self):
         return read_local_batch([next(self.data_iterator) for _ in range(self.num_microbatches)])

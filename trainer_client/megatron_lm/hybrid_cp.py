@@ -9,6 +9,7 @@ from trainer_client.config import PlannerClientConfig
 from trainer_client.dropin.settings import checked_transformer_config, client_for, planner_config_for
 from trainer_client.dropin.step_input import LocalBatch, raise_on_bad_packed_sample
 from trainer_client.dropin.step_planner import PlannedStep, StepPlanner
+from trainer_client.megatron_lm.checks import check_model
 
 
 class HybridCPDataLoaderWrapper:
@@ -34,6 +35,7 @@ class HybridCPDataLoaderWrapper:
             return
         cp_size = self.total_hdp_gpus // self.groups.dp.size()
         planner_config = planner_config_for(config, SchedulerKind.HYBRID_CP, cp_size, planner)
+        check_model(config, planner_config)
         client = client_for(planner_config, self.groups)
         self._planner = StepPlanner(self._read_local, self.groups, client, checked_transformer_config(config))
 

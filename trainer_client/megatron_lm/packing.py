@@ -1,9 +1,17 @@
 """The drop-in for the dev branch's `wrap_data_iterator` (`--sequence-packing-scheduler
 default_dynamic_cp | dp_balanced`): dynamic CP and static packing into THD micro-batches.
 
-Megatron-LM calls `wrap_data_iterator(data_iterator, ...)` once per step with the same iterator, so
-the state kept between steps (the read-ahead planner, the last step) lives on one `PackingDropIn`
-per wrapped iterator, found by the iterator it wraps."""
+Megatron-LM calls `wrap_data_iterator(data_iterator, ...)` once per step with the same iterator (with
+virtual pipeline stages, the same list of one iterator per virtual stage), so the state kept between
+steps (the read-ahead planner, the last step) lives on one `PackingDropIn` per wrapped iterator,
+found by the object it was handed.
+
+Pipeline parallelism, as Megatron-Core's own packing schedulers run it: every stage's TP rank 0
+reads the whole step from its iterator and plans it (one planner request per stage and step: the
+stages' DPxCP groups are disjoint, and each asks the planner for the same lengths), keeps the
+fields its model chunks read (`StageData`), and the stages agree on the plan before any of them
+sends an activation (`Agreement.pipeline`). With virtual stages the plan is made with
+`microbatch_group_size_per_vp_stage` and each virtual stage gets its own iterator."""
 
 from __future__ import annotations
 
@@ -18,9 +26,11 @@ from trainer_client.compatibility import Changed, check
 from trainer_client.config import ConfigError
 from trainer_client.dropin.device import data_device
 from trainer_client.dropin.settings import PACKING_SCHEDULERS, checked_transformer_config, client_for, planner_config_for
-from trainer_client.dropin.step_input import LENGTH_KEYS, GlobalLayout, LocalBatch, raise_on_bad_packed_sample
-from trainer_client.dropin.step_planner import PlannedStep, StepPlanner
+from trainer_client.dropin.stages import StageData
+from trainer_client.dropin.step_input import GlobalLayout, LocalBatch, raise_on_bad_packed_sample
+from trainer_client.dropin.step_planner import Agreement, PlannedStep, StepPlanner
 from trainer_client.errors import DropInInputError
+from trainer_client.megatron_lm.checks import check_model
 
 
 @dataclass
@@ -32,6 +42,7 @@ class PackingDropIn:
     num_microbatches: int
     groups: mcore.DataGroups
     scheduler: SchedulerKind
+    stage: StageData
     planner: StepPlanner = field(init=False)
     last_step: PlannedStep | None = None
 
@@ -40,15 +51,19 @@ class PackingDropIn:
         name = getattr(config, "sequence_packing_scheduler", None)
         if name not in PACKING_SCHEDULERS:
             raise ConfigError(f"sequence_packing_scheduler: {name!r} is not allowed; allowed: {sorted(PACKING_SCHEDULERS)}")
-        wrapper = cls(data_iterator, config, num_microbatches, groups, PACKING_SCHEDULERS[name])
+        wrapper = cls(data_iterator, config, num_microbatches, groups, PACKING_SCHEDULERS[name], StageData.of(groups, config))
         cp_size = groups.dp_cp.size() // groups.dp.size()
-        client = client_for(planner_config_for(config, wrapper.scheduler, cp_size, planner), groups)
-        wrapper.planner = StepPlanner(wrapper.read_local, groups, client, checked_transformer_config(config))
+        planner_config = planner_config_for(config, wrapper.scheduler, cp_size, planner)
+        check_model(config, planner_config)
+        client = client_for(planner_config, groups)
+        wrapper.planner = StepPlanner(
+            wrapper.read_local, groups, client, checked_transformer_config(config), Agreement.pipeline(groups)
+        )
         return wrapper
 
     def next_step(self, num_microbatches: int) -> tuple[Any, int, float, float]:
         """wrap_data_iterator's answer for the next step."""
-        check({"wrap_data_iterator": {"num_microbatches": Changed.of(self.num_microbatches, num_microbatches)}})
+        check({"megatron_lm": {"num_microbatches": Changed.of(self.num_microbatches, num_microbatches)}})
         step = self.last_step = self.planner.next_step()
         device = data_device(self.groups.dp_cp)
         dynamic = self.scheduler is SchedulerKind.DYNAMIC_CP
@@ -57,11 +72,12 @@ class PackingDropIn:
         padded = step.layout.padded
         sums = [len(step.sample_id_groups), float(sum(padded)), float(sum(p * p for p in padded))]
         count, total, squares = mcore.broadcast_scalars(sums, self.groups.tp, device)
-        iterator = mcore.create_packed_data_iterator(packed, self.groups.tp, self.config, dynamic)
+        iterator = mcore.create_packed_data_iterator(packed, self.groups.tp, self.config, dynamic, self.stage.vpp_needs_data)
         return iterator, int(count), total, squares
 
     def read_local(self) -> LocalBatch:
-        items = [next(self.data_iterator) for _ in range(self.num_microbatches)]
+        source = _first_iterator(self.data_iterator)
+        items = [next(source) for _ in range(self.num_microbatches)]
         batch = [sample for item in items for sample in (item if isinstance(item, list) else [item])]
         for index, sample in enumerate(batch):
             if "padded_seq_len" not in sample:
@@ -71,18 +87,8 @@ class PackingDropIn:
         subsamples = mcore.unpack_packing_batch(batch)
         padded = [int(s["padded_seq_len"].reshape(-1)[0]) for s in subsamples]
         original = [int(s["original_seq_len"].reshape(-1)[0]) for s in subsamples]
-        keys = self._stage_keys()
+        keys = self.stage.keys
         return LocalBatch.of([{k: v for k, v in s.items() if k in keys} for s in subsamples], padded, original)
-
-    def _stage_keys(self) -> set[str]:
-        """The fields this pipeline stage needs (Megatron-Core's own choice), plus the two lengths."""
-        pp = self.groups.pp
-        keys = set(LENGTH_KEYS)
-        if pp is None or pp.rank() == 0:
-            keys |= {"tokens", "position_ids"}
-        if pp is None or pp.rank() == pp.size() - 1:
-            keys |= {"labels", "loss_mask"}
-        return keys
 
     def close(self) -> None:
         self.planner.close()
@@ -104,11 +110,11 @@ def wrap_data_iterator(data_iterator, config, num_microbatches, pg_collection=No
     sum of the global batch's sequence lengths, sum of their squares)`, built with Megatron-Core's
     own packing helpers; TP ranks other than the first get None and the broadcast numbers.
     """
-    check({"wrap_data_iterator": {"config": config}})
     groups = mcore.DataGroups.of(pg_collection)
-    if data_iterator is None:
+    if _first_iterator(data_iterator) is None:  # TP ranks > 0: the TP broadcasts only, as upstream's
         values = mcore.broadcast_scalars([0, 0.0, 0.0], groups.tp, data_device(groups.dp_cp))
-        return None, int(values[0]), values[1], values[2]
+        dynamic = PACKING_SCHEDULERS.get(getattr(config, "sequence_packing_scheduler", None)) is SchedulerKind.DYNAMIC_CP
+        return mcore.create_packed_data_iterator(None, groups.tp, config, dynamic), int(values[0]), values[1], values[2]
     wrapper = _wrapper_of(data_iterator)
     if wrapper is None:
         wrapper = PackingDropIn.start(data_iterator, config, num_microbatches, groups, planner)
@@ -128,6 +134,14 @@ def close_wrapped(data_iterator) -> None:
     if wrapper is not None:
         _wrappers.remove(wrapper)
         wrapper.close()
+
+
+def _first_iterator(data_iterator):
+    """The iterator a step is read from: with virtual stages, the first of the list that is not
+    None (all of a stage's virtual stages read one dataset), as Megatron-Core's schedulers pick it."""
+    if isinstance(data_iterator, (list, tuple)):
+        return next((it for it in data_iterator if it is not None), None)
+    return data_iterator
 
 
 def _length_tensors(layout: GlobalLayout, sample_id: int, device) -> dict[str, torch.Tensor]:
