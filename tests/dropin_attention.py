@@ -115,15 +115,35 @@ def packed_forward_step(config, vpp_size: int | None):
     return forward_step
 
 
-def grad_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], group) -> list[str]:
-    """Gradients summed over `group` (Megatron-Core reduces them over DP x CP) against the
-    reference's, each relative to its largest entry."""
+def expert_sums(models, expert_parallel: int):
+    """How MoE experts' gradients compare (None: no experts): (their names, the group Megatron-Core
+    sums them over, the expert-data-parallel group, and the factor of the reference's: the
+    reference runs every sample on every rank of an expert-parallel group, whose all-to-all sends
+    each expert every token `expert_parallel` times)."""
+    from megatron.core import parallel_state
+
+    names = {f"{i}.{n}" for i, m in enumerate(models) for n, p in m.named_parameters() if getattr(p, "allreduce", True) is False}
+    if not names:
+        return None
+    return names, parallel_state.get_expert_data_parallel_group(), 1.0 / expert_parallel
+
+
+def grad_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], group, experts=None) -> list[str]:
+    """Gradients summed over `group` (Megatron-Core reduces them over DP x CP; experts': `experts`,
+    from `expert_sums`) against the reference's, each relative to its largest entry."""
     import torch.distributed as dist
 
     errors = []
+    expert_names, expert_group, factor = experts or (set(), None, 1.0)
+    if experts is not None and not expert_names:
+        errors.append("no expert parameters")
     for name, reference in want.items():
         summed = got[name].clone()
-        dist.all_reduce(summed, group=group)
+        if name in expert_names:
+            reference = reference * factor
+            dist.all_reduce(summed, group=expert_group)
+        else:
+            dist.all_reduce(summed, group=group)
         scale = float(reference.abs().max())
         diff = float((summed - reference).abs().max())
         if diff > 1e-6 + 1e-4 * scale:

@@ -15,6 +15,7 @@ Each step, on every stage:
 - the planner was asked once per stage (the design: docs/megatron-lm.md, "Pipeline parallelism").
 
 With MTP (one layer, on the last stage as upstream places it), the last stage keeps all four fields.
+With MoE (expert parallel 2), expert gradients are summed over the expert-data-parallel group.
 Stages that read different data refuse the step on every rank, naming it and the stages."""
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ STEPS = 2
 JOB = "pipeline-dropin-{case}"
 
 CASES = {
-    "pp2": dict(vpp=None, mtp=None),
-    "pp2-vpp2": dict(vpp=2, mtp=None),
-    "pp2-mtp": dict(vpp=None, mtp=1),
+    "pp2": dict(vpp=None, mtp=None, experts=None),
+    "pp2-vpp2": dict(vpp=2, mtp=None, experts=None),
+    "pp2-mtp": dict(vpp=None, mtp=1, experts=None),
+    # MoE: 4 experts, Megatron-Core's alltoall dispatcher, expert parallel 2 (tests/moe_on_cpu.py).
+    "pp2-moe-ep2": dict(vpp=None, mtp=None, experts=4),
 }
+EXPERT_PARALLEL = 2
 
 
 def _models(case: dict):
@@ -51,7 +55,7 @@ def _models(case: dict):
         overrides += [("virtual_pipeline_model_parallel_size", vpp), ("overlap_p2p_comm", True), ("batch_p2p_comm", False),
                       ("microbatch_group_size_per_vp_stage", 2)]
     cfg = AttentionModelConfig(num_layers=2 * (vpp or 1), context_parallel_size=2, mtp_num_layers=case["mtp"],
-                               transformer_overrides=tuple(overrides))
+                               num_moe_experts=case["experts"], transformer_overrides=tuple(overrides))
     models = []
     for v in range(vpp or 1):
         kwargs = {"vp_stage": v} if vpp else {}
@@ -75,16 +79,19 @@ def _pipeline_dropin_rank(name: str, endpoint: str, rank: int) -> dict:
 
     from tests.attention_parity import example_samples  # noqa: F401 - imported before the ranks fork
     from tests.attention_pipeline import run_pipeline, stand_in_for_pipeline_calls_on_cpu, whole_sample_shards, _forward_step
-    from tests.dropin_attention import (SAMPLES_PER_DP_RANK, dp_rank_items, grad_errors, packed_forward_step, packing_config,
+    from tests.dropin_attention import (SAMPLES_PER_DP_RANK, dp_rank_items, expert_sums, grad_errors, packed_forward_step, packing_config,
                                         same_micro_batches, stand_in_for_te_partitioning_on_cpu, step_samples)
     from tests.megatron_init import parallel_state_cp_group
+    from tests.moe_on_cpu import stand_in_for_moe_calls_on_cpu
     from trainer_client.megatron_lm import close_wrapped, last_planned_step, wrap_data_iterator
 
     case = CASES[name]
     vpp = case["vpp"]
     stand_in_for_pipeline_calls_on_cpu()
     stand_in_for_te_partitioning_on_cpu()
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, context_parallel_size=2,
+    stand_in_for_moe_calls_on_cpu()
+    experts = EXPERT_PARALLEL if case["experts"] else 1
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, context_parallel_size=2, expert_model_parallel_size=experts,
                                              virtual_pipeline_model_parallel_size=vpp, dynamic_context_parallel=True)
     models = _models(case)
     config = packing_config(models[0].config)
@@ -116,7 +123,7 @@ def _pipeline_dropin_rank(name: str, endpoint: str, rank: int) -> dict:
             dist.all_reduce(summed, group=dp_cp)
             steps.append({
                 "problems": problems, "count": count, "loss": float(summed[0]), "tokens": float(summed[1]),
-                "reference": want_loss, "reference_tokens": want_tokens, "grad_errors": grad_errors(grads, want_grads, dp_cp),
+                "reference": want_loss, "reference_tokens": want_tokens, "grad_errors": grad_errors(grads, want_grads, dp_cp, expert_sums(models, experts)),
                 "params": len(want_grads), "source": planned.source,
                 "sample_ids": sorted({i for mb in planned.sample_id_groups for ids in mb for i in ids}),
                 "samples": len(samples), "fields": fields,
