@@ -164,3 +164,48 @@ def test_one_replicas_failure_plans_this_step_in_process_and_starts_no_cooldown(
         assert counter(client, "fallbacks", reason="deadline_exceeded") == 1
     finally:
         source.close()
+
+
+class _AnsweredCall:
+    """A gRPC call future that has already ended when it is made (the order a loaded machine can
+    give: the second call's answer arrives before the first call's failure is handled)."""
+
+    def __init__(self, code: grpc.StatusCode | None):
+        self.code = code
+
+    def done(self) -> bool:
+        return True
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_done_callback(self, callback) -> None:
+        callback(self)
+
+    def exception(self):
+        return None if self.code is None else _Failed(self.code)
+
+    def result(self) -> bytes:
+        return pb.PlanResponse().SerializeToString()
+
+
+class _Failed(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode):
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return f"scripted {self._code.name}"
+
+
+def test_an_answer_that_arrives_before_the_first_failure_is_handled_wins(scripted):
+    """The first call fails with a RETRY code; the second call, sent then, has answered by the time
+    the failure's handling asks whether every call ended: that answer is the plan, not a failure of
+    the whole service (which would plan in-process and throw away a served plan)."""
+    _, client = scripted([], max_attempts=2)
+    answers = iter([_AnsweredCall(grpc.StatusCode.UNAVAILABLE), _AnsweredCall(None)])
+    client._plan = type("Calls", (), {"future": lambda self, *args, **kwargs: next(answers)})()
+    assert pb.PlanResponse.FromString(client.plan_bytes(REQUEST)) == pb.PlanResponse()
+    assert counter(client, "failovers", reason="unavailable") == 1

@@ -52,11 +52,16 @@ class Fetched:
         return self.lead_seconds <= 0.0
 
 
+# Distinct batches whose plans a client keeps by key (`BatchPlannerClient.plan(lengths, cache=True)`):
+# a verl rollout batch's mini-batches, with room. The one default of the client, PlanAhead and verl.
+PLAN_CACHE_SIZE = 64
+
+
 class PlanAhead:
     """Keeps the plans of at most `depth + 1` steps, at most `depth` of them in flight, by step;
     and those of at most `cache_size` batches by key."""
 
-    def __init__(self, plan_fn: Callable[[PlanRequest], SourcedPlan], depth: int = 1, cache_size: int = 64):
+    def __init__(self, plan_fn: Callable[[PlanRequest], SourcedPlan], depth: int = 1, cache_size: int = PLAN_CACHE_SIZE):
         if depth < 1:
             raise ValueError(f"plan-ahead depth must be >= 1, got {depth}")
         if type(cache_size) is not int or cache_size < 1:

@@ -28,7 +28,7 @@ from batch_planner.errors import InvalidRequestError
 from batch_planner.plan import Plan
 from batch_planner.request import PlanningOptions, PlanRequest, SchedulerKind
 from batch_planner.validation import sequence_lengths_of
-from trainer_client.ahead import Fetched, PlanAhead
+from trainer_client.ahead import PLAN_CACHE_SIZE, Fetched, PlanAhead
 from trainer_client.apply import micro_batches_for_rank
 from trainer_client.batch import GlobalBatch, unbind_batch
 from trainer_client.batch_check import PlannedBatches
@@ -83,7 +83,7 @@ class BatchPlannerClient:
         dp_cp_size: int | None = None,
         rank: int | None = None,
         tp_group: Any = None,
-        plan_cache_size: int = 64,
+        plan_cache_size: int = PLAN_CACHE_SIZE,
         engine_config: Any = None,
         model_config: Any = None,
         transformer_config: Any = None,

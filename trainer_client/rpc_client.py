@@ -122,8 +122,8 @@ class _Failover:
             if client_action(error.code()) is ClientAction.RETRY and len(self.calls) < self.CALLS:
                 hedge_at = None
                 self._call_again(error.code().name.lower())
-            if all(c.done() for c in self.calls):
-                raise self._service_failed() from None
+            if len(self.failures) == len(self.calls):  # every call sent has failed (a call done but not yet taken from
+                raise self._service_failed() from None  # the queue may have answered: it is read next)
 
     def _call(self) -> None:
         sent = time.monotonic()

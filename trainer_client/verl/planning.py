@@ -20,18 +20,16 @@ import torch.distributed as dist
 
 from batch_planner.plan import Plan
 from batch_planner.request import PlanRequest
+from trainer_client.ahead import PLAN_CACHE_SIZE
 from trainer_client.client import BatchPlannerClient
 from trainer_client.config import PlannerClientConfig
-
-# Distinct mini-batches whose plans one group keeps: a rollout batch's mini-batches, with room.
-DEFAULT_CACHE_SIZE = 64
 
 
 class CachedPlanner:
     """Plans one DPxCP group's batches with a `BatchPlannerClient` (service, fallback, metrics),
     through its cached plan call (`BatchPlannerClient.plan(lengths, cache=True)`)."""
 
-    def __init__(self, config: PlannerClientConfig, group: Any, cache_size: int = DEFAULT_CACHE_SIZE):
+    def __init__(self, config: PlannerClientConfig, group: Any, cache_size: int = PLAN_CACHE_SIZE):
         self.client = BatchPlannerClient(config, group=group, cp_groups=None, plan_cache_size=cache_size)
         self.group = group
 
