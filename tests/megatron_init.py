@@ -59,7 +59,7 @@ def _stand_in_for_cuda_calls_on_cpu() -> None:
     torch.cuda.synchronize = lambda *args, **kwargs: None
 
 
-def initialize_dpxcp_groups(context_parallel_size: int, tensor_model_parallel_size: int = 1) -> None:
+def initialize_dpxcp_groups(context_parallel_size: int, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
     from megatron.core import parallel_state
 
     if is_dynamic_build():
@@ -67,6 +67,7 @@ def initialize_dpxcp_groups(context_parallel_size: int, tensor_model_parallel_si
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         context_parallel_size=context_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
         **{_flag(): True},
     )
 

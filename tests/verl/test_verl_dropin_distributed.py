@@ -28,10 +28,10 @@ MIN_LOCAL_ROWS = 96  # larger than most short groups' buffers: the padding past 
 DEADLINE = 240.0
 
 
-def _init(rank: int, world: int, store_path: str, tp: int, cp: int):
+def _init(rank: int, world: int, store_path: str, tp: int, cp: int, pp: int = 1):
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    initialize_dpxcp_groups(cp, tp)
+    initialize_dpxcp_groups(cp, tp, pp)
     from megatron.core import parallel_state as mpu
 
     group = mpu.get_data_parallel_group(with_context_parallel=True)
@@ -119,6 +119,32 @@ def test_micro_batches_equal_verls_own_when_planned_in_process(tmp_path, monkeyp
     # Nothing listens there: every plan is the in-process fallback (Megatron-Core in this process).
     _use_service(monkeypatch, "127.0.0.1:9")
     run_ranks(_equality_rank, (4, str(tmp_path / "store"), 1, 2, "fallback"), 4, DEADLINE)
+
+
+def _pipeline_rank(rank: int, world: int, store_path: str) -> None:
+    """DP2 x CP2 x PP2: verl's engine schedules each mini-batch on every rank of every pipeline
+    stage, each stage over its own DPxCP group; every stage's micro-batches equal verl's own, and
+    each stage's group asks the planner once per mini-batch."""
+    from megatron.core import parallel_state as mpu
+
+    from tests.verl.support import long_tail, mini_batch
+    from trainer_client.verl import close_planners, planners
+
+    group, dp, cp = _init(rank, world, store_path, 1, 2, pp=2)
+    stage = mpu.get_pipeline_model_parallel_rank()
+    for case in range(2):
+        batch = mini_batch(long_tail(5 * group.size(), MAX_SEQLEN * group.size(), seed=700 + case), seed=700 + case)
+        _schedule_both(batch, group, dp, cp, 1, "zigzag", None, f"rank {rank}, pipeline stage {stage}, mini-batch {case}")
+    asked = sum(_sample(p.metrics.job, "service", p) for p in planners())
+    assert asked == (2.0 if group.rank() == 0 else 0.0), f"rank {rank} (stage {stage}): {asked} plans from the service"
+    close_planners()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_pipeline_stage_gets_verls_own_micro_batches(tmp_path, planner, monkeypatch):
+    _use_service(monkeypatch, planner.address)
+    run_ranks(_pipeline_rank, (8, str(tmp_path / "store")), 8, DEADLINE)
 
 
 def _rl_rank(rank: int, world: int, store_path: str, auto_config: str) -> None:
