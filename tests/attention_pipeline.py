@@ -51,20 +51,26 @@ def pipeline_loss_and_grads(models: Sequence[torch.nn.Module], shards: Sequence[
     return loss, grads
 
 
-def run_pipeline(models: Sequence[torch.nn.Module], iterators: Sequence, num_microbatches: int, forward_step) -> tuple[float, float, dict[str, torch.Tensor]]:
+def run_pipeline(models: Sequence[torch.nn.Module], iterators: Sequence, num_microbatches: int, forward_step,
+                 forward_only: bool = False) -> tuple[float, float, dict[str, torch.Tensor]]:
     """One forward-backward step through Megatron-Core's schedule: `iterators` one per model chunk,
     `forward_step(data_iterator, model)` as Megatron-Core calls it, its loss function returning
     {"loss": [loss, tokens]}. Returns (the summed loss and loss-mask tokens of the micro-batches,
-    0.0 off the last stage; each parameter's gradient, named '<chunk>.<name>')."""
+    0.0 off the last stage; each parameter's gradient, named '<chunk>.<name>': none with
+    `forward_only`, which leaves the gradients as they are)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    for m in models:
-        m.zero_grad(set_to_none=True)
+    if not forward_only:
+        for m in models:
+            m.zero_grad(set_to_none=True)
     results = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=list(iterators) if len(models) > 1 else iterators[0],
         model=list(models) if len(models) > 1 else models[0], num_microbatches=num_microbatches, seq_length=0,
-        micro_batch_size=1, forward_only=False,
+        micro_batch_size=1, forward_only=forward_only,
     )
+    if forward_only:
+        loss = float(sum(float(r["loss"][0]) for r in results))
+        return loss, float(sum(float(r["loss"][1]) for r in results)), {}
     loss = float(sum(float(r["loss"][0]) for r in results))
     tokens = float(sum(float(r["loss"][1]) for r in results))
     grads = {

@@ -58,7 +58,7 @@ def relabelled_plan(scheduler, micro_batches):
 
 
 VPP = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
-           microbatch_group_size_per_vp_stage=4)
+           microbatch_group_size_per_vp_stage=4, variable_seq_lengths=True)
 VPP_READY = InstalledMegatron(vpp_aware_scheduler=True)
 DYNAMIC = dict(scheduler="dynamic_cp")
 
@@ -107,6 +107,9 @@ REFUSED = [
      ("transformer", "virtual_pipeline_model_parallel_size"), "dev-branch"),
     ("VPP, planner group size differs", lambda: dict(transformer_config=transformer(**VPP), planner_config=planner(micro_batch_group_size=2, **DYNAMIC),
      installed=VPP_READY), ("planner config", "micro_batch_group_size"), "set micro_batch_group_size=4"),
+    ("pipeline without variable sequence lengths", lambda: dict(transformer_config=transformer(pipeline_model_parallel_size=2,
+     pipeline_dtype=torch.float32), planner_config=planner(**DYNAMIC)), ("transformer", "variable_seq_lengths"),
+     "set variable_seq_lengths=True"),
     ("CP plan on Megatron's local attention (no THD with a CP group)", lambda: dict(transformer_config=transformer(
         transformer_impl="local"), plan=hybrid_plan()), ("transformer", "transformer_impl"), "transformer_impl='transformer_engine'"),
     ("CP plan on a Transformer Engine without THD CP", lambda: dict(transformer_config=transformer(), plan=hybrid_plan(),

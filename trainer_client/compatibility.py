@@ -353,9 +353,10 @@ RULES: tuple[Rule, ...] = (
          "Megatron-Core's hybrid CP schedule runs without pipelining only; set "
          "pipeline_model_parallel_size=1 or use scheduler=dynamic_cp with a dev-branch Megatron-Core",
          _above_one, default=1, schedulers=(SchedulerKind.HYBRID_CP,)),
-    Rule(_bridge("model.pipeline_model_parallel_size"), "> 1",
-         "the drop-in plans for pipeline parallelism 1 (Bridge's middle stages read other fields); set "
-         "pipeline_model_parallel_size=1", _above_one),
+    Rule(_bridge("model.pipeline_model_parallel_size"), "> 2",
+         "Bridge builds data iterators on the first and last pipeline stages only "
+         "(data/utils.is_dataset_built_on_rank), so a middle stage cannot read the step it must plan and "
+         "agree on; set pipeline_model_parallel_size to 1 or 2", lambda v, _: (v or 1) > 2),
     # Before the next row: Bridge's drop-in refuses VPP on every build.
     Rule(_bridge("model.virtual_pipeline_model_parallel_size"), "> 1",
          "the drop-in hands Bridge's train_step one iterator of planned micro-batches, not one per virtual "
@@ -372,6 +373,10 @@ RULES: tuple[Rule, ...] = (
          "the plan was not made with micro_batch_group_size={group} (its micro-batch count is not a "
          "multiple of microbatch_group_size_per_vp_stage); plan with micro_batch_group_size={group}",
          _plan_not_grouped, read=_plan_micro_batches, needs=("transformer",)),
+    Rule(_transformer("variable_seq_lengths"), "false with pipeline_model_parallel_size > 1",
+         "planned micro-batches hold different token counts, so pipeline stages must exchange each one's shape "
+         "(Megatron-Core sets it with a sequence_packing_scheduler); set variable_seq_lengths=True",
+         lambda v, i: not v and (i.tc("pipeline_model_parallel_size", 1) or 1) > 1, default=False),
     Rule(_transformer("transformer_impl"), "not 'transformer_engine' with a plan of CP groups > 1",
          _THD_CP + "set transformer_impl='transformer_engine' and install the trainer-gpu extra (transformer-engine[pytorch])",
          lambda v, i: v != "transformer_engine" and _plan_cp(i) > 1, default="transformer_engine", needs=("plan",)),

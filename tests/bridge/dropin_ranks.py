@@ -20,11 +20,17 @@ CPU stand-ins, each named as such, for what needs CUDA here:
 - `CudaDeviceRequestsOnCpu`: a tensor asked for on CUDA is made on the CPU (Bridge's
   `get_batch_from_iterator` and `evaluate`, DDP's grad buffer, the optimizer's loss scale and grad
   norm, the schedule's token count, the rerun state machine's reductions);
+- `torch.cuda.is_current_stream_capturing` (False: no stream captures on a CPU; Megatron-Core's
+  pipeline p2p asks it, tests/attention_pipeline.py);
 - `clip_grad=0`: Megatron-Core's gradient clipping asserts CUDA tensors (the norm is still computed);
-- the model's layer has no self-attention (`IdentityOp`): Megatron-Core's local attention takes no
-  packed THD input with a CP group, only Transformer Engine's does (docs/megatron-bridge.md says
-  what only GPUs show). Each token's loss then depends on its token and position only, so a
-  single-process reference over the unsharded samples gives the same loss.
+- core attention: Megatron-Core's local attention takes no packed THD input with a CP group, only
+  Transformer Engine's does. The model's layers are Megatron-Core's own `SelfAttention` (its linear
+  layers and, on the dev build, its RoPE over the micro-batch's CP group) with only core attention
+  replaced by the CPU stand-in for Transformer Engine's THD/CP attention
+  (tests/cp_attention_standin.py). Tokens attend to the earlier tokens of their own sequence, so a
+  wrong CP group, shard or position changes the loss against the single-process reference over
+  whole samples. On the 0.19 release the model uses learned positions: the drop-in refuses RoPE
+  there (0.19 rotates over the static CP group).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from tests.attention_pipeline import stand_in_for_pipeline_calls_on_cpu
 from tests.cuda_requests_on_cpu import CpuStandInStream, CudaDeviceRequestsOnCpu  # noqa: F401 (the tests enter it as ranks.CudaDeviceRequestsOnCpu)
 
 VOCAB = 64
@@ -47,6 +54,9 @@ MAX_POSITION = 512
 MAX_SEQLEN_PER_RANK = 64
 MICRO_BATCHES = 2  # Bridge's num_microbatches: packed micro-batches each DP rank reads per step
 LR = 0.5  # SGD
+INIT_STD = 0.3
+"""Larger than Megatron-Core's 0.02, so that attention at initialisation is far from uniform and a
+token that attends to the wrong keys (or at the wrong positions) changes the loss visibly."""
 
 
 def sequence_lengths(step: int, dp_rank: int, micro_batch: int) -> list[int]:
@@ -114,13 +124,16 @@ def stand_in_for_cuda_calls_on_cpu() -> None:
     from tests import megatron_init
 
     megatron_init._stand_in_for_cuda_calls_on_cpu()
+    stand_in_for_pipeline_calls_on_cpu()
     torch.cuda.current_stream = lambda *args, **kwargs: CpuStandInStream()
     torch.cuda.get_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
     torch.cuda.set_rng_state = lambda *args, **kwargs: None
 
 
-def bridge_config(tp: int, cp: int, world: int, **overrides):
-    """Bridge's ConfigContainer for the tiny model (real config classes)."""
+def bridge_config(tp: int, cp: int, world: int, pp: int = 1, **overrides):
+    """Bridge's ConfigContainer for the tiny model (real config classes): one layer per pipeline
+    stage; with several stages, variable sequence lengths (the planned micro-batches' token counts
+    differ, so the stages exchange shapes)."""
     from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.bridge.training.config import (
         CheckpointConfig, ConfigContainer, DistributedDataParallelConfig, DistributedInitConfig, LoggerConfig,
@@ -128,13 +141,18 @@ def bridge_config(tp: int, cp: int, world: int, **overrides):
         ValidationConfig,
     )
 
-    dp = world // (tp * cp)
+    dp = world // (tp * cp * pp)
     model_fields = dict(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, vocab_size=VOCAB, seq_length=MAX_POSITION,
+        num_layers=pp, pipeline_model_parallel_size=pp, variable_seq_lengths=pp > 1,
+        # 0.19's config check refuses variable sequence lengths with the default (allgather) MoE
+        # dispatcher even for a dense model; the dev build checks only MoE models.
+        moe_token_dispatcher_type="alltoall", hidden_size=HIDDEN, num_attention_heads=2, vocab_size=VOCAB, seq_length=MAX_POSITION,
         tensor_model_parallel_size=tp, context_parallel_size=cp, max_seqlen_per_dp_cp_rank=MAX_SEQLEN_PER_RANK,
         calculate_per_token_loss=True, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-        position_embedding_type="learned_absolute", share_embeddings_and_output_weights=False,
+        position_embedding_type=position_embedding_type(), share_embeddings_and_output_weights=False,
         bf16=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+        init_method_std=INIT_STD,
     )
     model_fields.update(overrides.pop("model", {}))
     cfg = ConfigContainer(
@@ -168,35 +186,83 @@ def _has_dynamic_cp() -> bool:
     return any(f.name == "dynamic_context_parallel" for f in dataclasses.fields(ModelParallelConfig))
 
 
-def tiny_model(cfg) -> torch.nn.Module:
-    """A GPTModel whose layer has no self-attention (see the module docstring), seeded alike on every rank."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import TransformerLayer
+def position_embedding_type() -> str:
+    """RoPE where the drop-in runs it (the dev build); learned positions on 0.19, which it refuses RoPE on."""
+    return "rope" if _has_dynamic_cp() else "learned_absolute"
 
-    spec = get_gpt_layer_local_spec()
-    layer = ModuleSpec(module=TransformerLayer, submodules=dataclasses.replace(
-        spec.submodules, input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp))
+
+def tiny_model(cfg) -> torch.nn.Module:
+    """This pipeline stage's GPTModel with the attention stand-in (see the module docstring), seeded
+    alike on every rank of the stage."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from tests.cp_attention_standin import layer_spec_with_standin
+
     torch.manual_seed(1234)
-    return GPTModel(config=cfg.model, transformer_layer_spec=layer, vocab_size=VOCAB, max_sequence_length=MAX_POSITION,
-                    position_embedding_type="learned_absolute", share_embeddings_and_output_weights=False)
+    return GPTModel(config=cfg.model, transformer_layer_spec=layer_spec_with_standin(), vocab_size=VOCAB,
+                    max_sequence_length=MAX_POSITION, position_embedding_type=cfg.model.position_embedding_type,
+                    share_embeddings_and_output_weights=False, pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage())
 
 
 def reference_loss(model: torch.nn.Module, samples: list[dict[str, torch.Tensor]]) -> float:
-    """Single pass over the unsharded samples, one at a time: sum of masked token losses / real tokens."""
+    """Single pass over the unsharded samples, one at a time, each a THD sequence of its own at CP1:
+    sum of masked token losses / real tokens."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    solo = solo_group()
     total, tokens = 0.0, 0.0
     with torch.no_grad():
         for s in samples:
+            n = int(s["tokens"].shape[0])
+            cu = torch.tensor([0, n], dtype=torch.int32)
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                                     cu_seqlens_kv_padded=cu, max_seqlen_q=n, max_seqlen_kv=n, local_cp_size=1,
+                                     cp_group=solo)
             losses = model(input_ids=s["tokens"][None], position_ids=s["position_ids"][None], attention_mask=None,
-                           labels=s["labels"][None])
+                           labels=s["labels"][None], packed_seq_params=params)
             total += float((losses.view(-1).double() * s["loss_mask"].double()).sum())
             tokens += float(s["loss_mask"].sum())
     return total / tokens
 
 
-def start_rank(rank: int, world: int, store_path: str, tp: int, cp: int, **overrides):
+_SOLO_GROUPS: list = []
+
+
+def solo_group():
+    """A process group of this rank alone, for the CP1 reference: parallel_state's own where it built
+    one (the dev build), else one made here once (every rank makes every rank's, in the same order,
+    as torch.distributed.new_group asks; parallel_state builds none with a minimum CP size of 2, and
+    0.19 builds none)."""
+    from tests.megatron_init import is_dynamic_build, parallel_state_cp_group
+
+    if is_dynamic_build():
+        try:
+            return parallel_state_cp_group(1)
+        except KeyError:
+            pass
+    if not _SOLO_GROUPS:
+        _SOLO_GROUPS.extend(dist.new_group([r]) for r in range(dist.get_world_size()))
+    return _SOLO_GROUPS[dist.get_rank()]
+
+
+def pipeline_reference_loss(module: torch.nn.Module, samples: list[dict[str, torch.Tensor]]) -> float:
+    """The same over the pipeline (this stage's `module`, Megatron-Core's schedule, forward only):
+    each whole sample a micro-batch of its own at CP1. Every stage calls it; the last stage's value
+    is the loss, the others' 0.0."""
+    from tests.attention_parity import Sample, shard
+    from tests.attention_pipeline import _forward_step, run_pipeline
+
+    whole = [Sample(s["tokens"], s["labels"], s["loss_mask"]) for s in samples]
+    solo = solo_group()
+    shards = [shard(whole, [i], solo) for i in range(len(whole))]
+    with torch.no_grad():
+        loss, tokens, _ = run_pipeline([module], [iter(shards)], len(shards), _forward_step, forward_only=True)
+    return loss / tokens if tokens else 0.0
+
+
+def start_rank(rank: int, world: int, store_path: str, tp: int, cp: int, pp: int = 1, **overrides):
     """gloo, then Bridge's own distributed initialisation, rerun state machine and optimizer setup;
     returns what train_step needs: (cfg, state, model list, optimizer, scheduler, pg_collection, p2p).
     Call it, and run the steps, inside `CudaDeviceRequestsOnCpu()`."""
@@ -212,7 +278,7 @@ def start_rank(rank: int, world: int, store_path: str, tp: int, cp: int, **overr
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    cfg = bridge_config(tp, cp, world, **overrides)
+    cfg = bridge_config(tp, cp, world, pp, **overrides)
     pg_collection = _initialize_distributed(cfg.model, cfg.dist, 1, None, None)
     init_rerun_state(cfg.rerun_state_machine)
     init_num_microbatches_calculator(rank, None, cfg.train.global_batch_size, 1, cfg.data_parallel_size)

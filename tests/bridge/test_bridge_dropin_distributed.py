@@ -196,3 +196,76 @@ def _check_every_sample_once(results: list[dict]) -> None:
         for step in range(STEPS):
             led = [i for r in group for u in results[r]["steps"][step]["units"] if u["cp_rank"] == 0 for i in u["sample_ids"]]
             assert sorted(led) == list(range(results[group[0]]["steps"][step]["num_samples"])), (group, step, sorted(led))
+
+
+PIPELINE_STEPS = 2
+
+
+def _pipeline_rank(rank: int, *args) -> None:
+    with ranks.CudaDeviceRequestsOnCpu():
+        _train_pipeline(rank, *args)
+
+
+def _train_pipeline(rank: int, world: int, store_path: str, out_dir: str, endpoint: str) -> None:
+    """DP2 x CP2 x PP2 through Bridge's train_step (Megatron-Core's 1F1B schedule between the two
+    stages), the attention stand-in (with RoPE on the dev build), a real planner."""
+    import torch.distributed as dist
+
+    cfg, state, model, optimizer, scheduler, pgs, p2p = ranks.start_rank(rank, world, store_path, 1, 2, pp=2)
+    from megatron.bridge.training import train as bridge_train
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    from trainer_client.apply import micro_batches_for_rank
+    from trainer_client.megatron_bridge import active, disable, enable
+
+    assert enable(cfg, planner={"planner_endpoint": endpoint, "deadline_seconds": 20.0, "job": "bridge-pipeline"})
+    dp_rank, dp = pgs.dp.rank(), pgs.dp.size()
+    data = RerunDataIterator(ranks.CountingIterator(dp_rank, PIPELINE_STEPS + 1))
+    fbf = bridge_train.get_forward_backward_func(pp_size=2, vp_size=None)
+    module = model[0].module
+    records = []
+    for step in range(PIPELINE_STEPS):
+        samples = ranks.global_samples(step, dp)
+        reference = ranks.pipeline_reference_loss(module, samples)
+        losses, *_ = bridge_train.train_step(ranks.forward_step(state), data, model, optimizer, scheduler, state, pgs, fbf, p2p)
+        planned = active().planned_iterator(data, ranks.MICRO_BATCHES, pgs)
+        plan = planned.last_step.plan
+        expected = micro_batches_for_rank(plan, ranks.full_batch(samples), pgs.dp_cp.rank(), None, pack_group_samples=True)
+        records.append({
+            "loss": float(losses["lm loss"]) if "lm loss" in losses else None, "reference": reference,
+            "plan_id": plan.plan_id, "source": planned.last_step.source, "micro_batches": len(plan.micro_batches),
+            "units": [ranks.unit_record(u) for u in planned.last_units],
+            "expected": [dict(ranks.unit_record(u), cp_group=None) for u in expected],
+        })
+    ranks.write(out_dir, rank, {"steps": records, "stage": pgs.pp.rank(), "dp_cp_ranks": dist.get_process_group_ranks(pgs.dp_cp)})
+    disable()
+
+
+@pytest.mark.timeout(DEADLINE_SECONDS + 120)
+def test_pipeline_stages_through_bridge_train_step(tmp_path):
+    """Every stage trains the planned micro-batches; the last stage's loss equals the pipeline over
+    whole samples at CP1 (the attention stand-in with RoPE: a wrong CP group, chunk or position
+    changes it; learned positions on 0.19); the stages hold one plan a step, and each stage's DPxCP
+    group asks the planner once."""
+    world = 8
+    planner = start_planner(workers=1, without_release_overlay=True)
+    try:
+        run_ranks(_pipeline_rank, (world, str(tmp_path / "store"), str(tmp_path), planner.address), world, DEADLINE_SECONDS)
+    finally:
+        planner.stop()
+    assert planner.output_closed.wait(60), "the planner's output did not end"
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    assert sorted(r["stage"] for r in results) == [0] * 4 + [1] * 4
+    for rank, result in enumerate(results):
+        for step, record in enumerate(result["steps"]):
+            where = f"pp2 rank {rank} (stage {result['stage']}) step {step}"
+            assert len(record["units"]) == record["micro_batches"], where
+            for got, want in zip(record["units"], record["expected"]):
+                assert {k: v for k, v in got.items() if k != "cp_group"} == {k: v for k, v in want.items() if k != "cp_group"}, where
+            if result["stage"] == 1:
+                assert record["loss"] == pytest.approx(record["reference"], rel=1e-5), (where, record["loss"], record["reference"])
+    for step in range(PIPELINE_STEPS):  # one plan a step on every rank of both stages
+        assert len({r["steps"][step]["plan_id"] for r in results}) == 1, step
+    asked = Counter(re.findall(r"\bplan plan_id=(\S+) .*status=OK", planner.log))
+    # Each stage's DPxCP group asked once a step, the step read ahead after the last one included.
+    assert sorted(asked.values()) == [2] * (PIPELINE_STEPS + 1), asked

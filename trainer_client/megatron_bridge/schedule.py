@@ -46,8 +46,11 @@ class PlannedIterator:
     def __post_init__(self) -> None:
         # Every TP rank reads and plans each step: TP rank 0 asks the planner for all of them (the
         # client's tp_group), and the TP ranks agree that each read the step and holds its plan.
+        # Every pipeline stage reads and plans it too (Bridge's data iterators exist on every stage
+        # with packed sequences): the stages agree on the plan before any activation moves.
         client = client_for(self.settings.planner, self.groups, every_tp_rank_plans=True)
-        agreements = (Agreement(self.groups.tp, "TP rank"),) if is_distributed(self.groups.tp) else ()
+        tp = (Agreement(self.groups.tp, "TP rank"),) if is_distributed(self.groups.tp) else ()
+        agreements = tp + Agreement.pipeline(self.groups)
         self.planner = StepPlanner(
             self._read_local, self.groups, client, checked_transformer_config(self.settings.model), agreements
         )
