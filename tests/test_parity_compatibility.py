@@ -58,7 +58,9 @@ def relabelled_plan(scheduler, micro_batches):
 
 
 VPP = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
-           microbatch_group_size_per_vp_stage=4, variable_seq_lengths=True)
+           microbatch_group_size_per_vp_stage=4, variable_seq_lengths=True,
+           # 0.19's TransformerConfig refuses variable_seq_lengths with its default (allgather) dispatcher.
+           moe_token_dispatcher_type="alltoall")
 VPP_READY = InstalledMegatron(vpp_aware_scheduler=True)
 DYNAMIC = dict(scheduler="dynamic_cp")
 
