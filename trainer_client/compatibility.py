@@ -357,10 +357,6 @@ RULES: tuple[Rule, ...] = (
          "Bridge builds data iterators on the first and last pipeline stages only "
          "(data/utils.is_dataset_built_on_rank), so a middle stage cannot read the step it must plan and "
          "agree on; set pipeline_model_parallel_size to 1 or 2", lambda v, _: (v or 1) > 2),
-    # Before the next row: Bridge's drop-in refuses VPP on every build.
-    Rule(_bridge("model.virtual_pipeline_model_parallel_size"), "> 1",
-         "the drop-in hands Bridge's train_step one iterator of planned micro-batches, not one per virtual "
-         "pipeline stage; unset virtual pipeline parallelism", _above_one),
     Rule(_transformer("virtual_pipeline_model_parallel_size"), "> 1",
          "the installed Megatron-Core has no VPP-aware packing scheduler (needs a dev-branch build "
          "with data_schedule.DefaultDynamicCPScheduler); unset virtual pipeline parallelism",

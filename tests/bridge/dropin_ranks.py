@@ -130,10 +130,11 @@ def stand_in_for_cuda_calls_on_cpu() -> None:
     torch.cuda.set_rng_state = lambda *args, **kwargs: None
 
 
-def bridge_config(tp: int, cp: int, world: int, pp: int = 1, **overrides):
+def bridge_config(tp: int, cp: int, world: int, pp: int = 1, vpp: int | None = None, **overrides):
     """Bridge's ConfigContainer for the tiny model (real config classes): one layer per pipeline
-    stage; with several stages, variable sequence lengths (the planned micro-batches' token counts
-    differ, so the stages exchange shapes)."""
+    stage (and virtual stage); with several stages, variable sequence lengths (the planned
+    micro-batches' token counts differ, so the stages exchange shapes); with virtual stages,
+    Megatron-LM's p2p settings for them (overlap_p2p_comm, no batched p2p)."""
     from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.bridge.training.config import (
         CheckpointConfig, ConfigContainer, DistributedDataParallelConfig, DistributedInitConfig, LoggerConfig,
@@ -143,7 +144,8 @@ def bridge_config(tp: int, cp: int, world: int, pp: int = 1, **overrides):
 
     dp = world // (tp * cp * pp)
     model_fields = dict(
-        num_layers=pp, pipeline_model_parallel_size=pp, variable_seq_lengths=pp > 1,
+        num_layers=pp * (vpp or 1), pipeline_model_parallel_size=pp, variable_seq_lengths=pp > 1,
+        virtual_pipeline_model_parallel_size=vpp, **({"overlap_p2p_comm": True, "batch_p2p_comm": False} if vpp else {}),
         # 0.19's config check refuses variable sequence lengths with the default (allgather) MoE
         # dispatcher even for a dense model; the dev build checks only MoE models.
         moe_token_dispatcher_type="alltoall", hidden_size=HIDDEN, num_attention_heads=2, vocab_size=VOCAB, seq_length=MAX_POSITION,
@@ -191,19 +193,21 @@ def position_embedding_type() -> str:
     return "rope" if _has_dynamic_cp() else "learned_absolute"
 
 
-def tiny_model(cfg) -> torch.nn.Module:
-    """This pipeline stage's GPTModel with the attention stand-in (see the module docstring), seeded
-    alike on every rank of the stage."""
+def tiny_model(cfg, vp_stage: int | None = None) -> torch.nn.Module:
+    """This pipeline stage's (or virtual stage's) GPTModel with the attention stand-in (see the
+    module docstring), seeded alike on every rank of the stage."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     from tests.cp_attention_standin import layer_spec_with_standin
 
-    torch.manual_seed(1234)
+    virtual = {"ignore_virtual": vp_stage is None, "vp_stage": vp_stage}
+    torch.manual_seed(1234 + (vp_stage or 0))
     return GPTModel(config=cfg.model, transformer_layer_spec=layer_spec_with_standin(), vocab_size=VOCAB,
                     max_sequence_length=MAX_POSITION, position_embedding_type=cfg.model.position_embedding_type,
-                    share_embeddings_and_output_weights=False, pre_process=parallel_state.is_pipeline_first_stage(),
-                    post_process=parallel_state.is_pipeline_last_stage())
+                    share_embeddings_and_output_weights=False, pre_process=parallel_state.is_pipeline_first_stage(**virtual),
+                    post_process=parallel_state.is_pipeline_last_stage(**virtual),
+                    **({"vp_stage": vp_stage} if vp_stage is not None else {}))
 
 
 def reference_loss(model: torch.nn.Module, samples: list[dict[str, torch.Tensor]]) -> float:
@@ -247,22 +251,28 @@ def solo_group():
     return _SOLO_GROUPS[dist.get_rank()]
 
 
-def pipeline_reference_loss(module: torch.nn.Module, samples: list[dict[str, torch.Tensor]]) -> float:
-    """The same over the pipeline (this stage's `module`, Megatron-Core's schedule, forward only):
-    each whole sample a micro-batch of its own at CP1. Every stage calls it; the last stage's value
-    is the loss, the others' 0.0."""
+def pipeline_reference_loss(modules: list[torch.nn.Module], samples: list[dict[str, torch.Tensor]]) -> float:
+    """The same over the pipeline (this stage's model chunks, Megatron-Core's schedule, forward
+    only), at CP1: with one chunk each whole sample is a micro-batch of its own; with virtual stages
+    the samples are packed, whole, into two micro-batches (the interleaved schedule takes a multiple
+    of the micro-batch group). Every stage calls it; the last stage's value is the loss, the others' 0.0."""
     from tests.attention_parity import Sample, shard
     from tests.attention_pipeline import _forward_step, run_pipeline
 
     whole = [Sample(s["tokens"], s["labels"], s["loss_mask"]) for s in samples]
     solo = solo_group()
-    shards = [shard(whole, [i], solo) for i in range(len(whole))]
+    if len(modules) == 1:
+        groups = [[i] for i in range(len(whole))]
+    else:
+        half = (len(whole) + 1) // 2
+        groups = [list(range(half)), list(range(half, len(whole)))]
+    shards = [shard(whole, ids, solo) for ids in groups]
     with torch.no_grad():
-        loss, tokens, _ = run_pipeline([module], [iter(shards)], len(shards), _forward_step, forward_only=True)
+        loss, tokens, _ = run_pipeline(modules, [iter(list(shards)) for _ in modules], len(shards), _forward_step, forward_only=True)
     return loss / tokens if tokens else 0.0
 
 
-def start_rank(rank: int, world: int, store_path: str, tp: int, cp: int, pp: int = 1, **overrides):
+def start_rank(rank: int, world: int, store_path: str, tp: int, cp: int, pp: int = 1, vpp: int | None = None, **overrides):
     """gloo, then Bridge's own distributed initialisation, rerun state machine and optimizer setup;
     returns what train_step needs: (cfg, state, model list, optimizer, scheduler, pg_collection, p2p).
     Call it, and run the steps, inside `CudaDeviceRequestsOnCpu()`."""
@@ -278,15 +288,19 @@ def start_rank(rank: int, world: int, store_path: str, tp: int, cp: int, pp: int
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    cfg = bridge_config(tp, cp, world, pp, **overrides)
+    cfg = bridge_config(tp, cp, world, pp, vpp, **overrides)
     pg_collection = _initialize_distributed(cfg.model, cfg.dist, 1, None, None)
     init_rerun_state(cfg.rerun_state_machine)
     init_num_microbatches_calculator(rank, None, cfg.train.global_batch_size, 1, cfg.data_parallel_size)
     tensor_parallel.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True, force_reset_rng=True)
     state = GlobalState()
     state.cfg = cfg
-    module = tiny_model(cfg)
-    model = [DistributedDataParallel(config=cfg.model, ddp_config=cfg.ddp, module=module, pg_collection=pg_collection)]
+    chunks = [tiny_model(cfg, v) for v in range(vpp)] if vpp else [tiny_model(cfg)]
+    model = [  # as Megatron-LM and Bridge wrap model chunks: buckets for the first chunk only
+        DistributedDataParallel(config=cfg.model, ddp_config=cfg.ddp, module=chunk, pg_collection=pg_collection,
+                                disable_bucketing=index > 0)
+        for index, chunk in enumerate(chunks)
+    ]
     cfg.optimizer.timers = state.timers
     optimizer, scheduler = setup_optimizer(cfg.optimizer, cfg.scheduler, model, use_gloo_process_groups=False,
                                            pg_collection=pg_collection,

@@ -17,7 +17,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # A value of each row's setting that the drop-in refuses.
 REFUSED = {
-    "model.virtual_pipeline_model_parallel_size": 2,
     "model.pipeline_model_parallel_size": 3,
     "dataset.dataloader_type": "batch",
     "dataset.skip_getting_attention_mask_from_dataset": False,

@@ -206,27 +206,28 @@ def _pipeline_rank(rank: int, *args) -> None:
         _train_pipeline(rank, *args)
 
 
-def _train_pipeline(rank: int, world: int, store_path: str, out_dir: str, endpoint: str) -> None:
+def _train_pipeline(rank: int, world: int, store_path: str, out_dir: str, endpoint: str, vpp: int | None) -> None:
     """DP2 x CP2 x PP2 through Bridge's train_step (Megatron-Core's 1F1B schedule between the two
-    stages), the attention stand-in (with RoPE on the dev build), a real planner."""
+    stages; with `vpp`, the interleaved one over two virtual stages), the attention stand-in (with
+    RoPE on the dev build), a real planner."""
     import torch.distributed as dist
 
-    cfg, state, model, optimizer, scheduler, pgs, p2p = ranks.start_rank(rank, world, store_path, 1, 2, pp=2)
+    cfg, state, model, optimizer, scheduler, pgs, p2p = ranks.start_rank(rank, world, store_path, 1, 2, pp=2, vpp=vpp)
     from megatron.bridge.training import train as bridge_train
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     from trainer_client.apply import micro_batches_for_rank
     from trainer_client.megatron_bridge import active, disable, enable
 
-    assert enable(cfg, planner={"planner_endpoint": endpoint, "deadline_seconds": 20.0, "job": "bridge-pipeline"})
+    assert enable(cfg, planner={"planner_endpoint": endpoint, "deadline_seconds": 20.0, "job": f"bridge-pipeline-{vpp}"})
     dp_rank, dp = pgs.dp.rank(), pgs.dp.size()
     data = RerunDataIterator(ranks.CountingIterator(dp_rank, PIPELINE_STEPS + 1))
-    fbf = bridge_train.get_forward_backward_func(pp_size=2, vp_size=None)
-    module = model[0].module
+    fbf = bridge_train.get_forward_backward_func(pp_size=2, vp_size=vpp)
+    modules = [chunk.module for chunk in model]
     records = []
     for step in range(PIPELINE_STEPS):
         samples = ranks.global_samples(step, dp)
-        reference = ranks.pipeline_reference_loss(module, samples)
+        reference = ranks.pipeline_reference_loss(modules, samples)
         losses, *_ = bridge_train.train_step(ranks.forward_step(state), data, model, optimizer, scheduler, state, pgs, fbf, p2p)
         planned = active().planned_iterator(data, ranks.MICRO_BATCHES, pgs)
         plan = planned.last_step.plan
@@ -242,15 +243,21 @@ def _train_pipeline(rank: int, world: int, store_path: str, out_dir: str, endpoi
 
 
 @pytest.mark.timeout(DEADLINE_SECONDS + 120)
-def test_pipeline_stages_through_bridge_train_step(tmp_path):
+@pytest.mark.parametrize("vpp", [None, 2], ids=["pp2", "pp2-vpp2"])
+def test_pipeline_stages_through_bridge_train_step(tmp_path, vpp):
     """Every stage trains the planned micro-batches; the last stage's loss equals the pipeline over
     whole samples at CP1 (the attention stand-in with RoPE: a wrong CP group, chunk or position
     changes it; learned positions on 0.19); the stages hold one plan a step, and each stage's DPxCP
-    group asks the planner once."""
+    group asks the planner once. With two virtual stages each chunk gets its own iterator over the
+    step's units (Bridge's make_data_iterator_list), and the plan is made with the micro-batch group
+    (a micro-batch count the interleaved schedule takes). Virtual stages need the dev build's
+    VPP-aware scheduler: 0.19 refuses them (the transformer's VPP row)."""
+    if vpp and not _trainer_has_dynamic_cp():
+        pytest.skip("0.19 has no VPP-aware packing scheduler: the refusal table refuses virtual stages there")
     world = 8
     planner = start_planner(workers=1, without_release_overlay=True)
     try:
-        run_ranks(_pipeline_rank, (world, str(tmp_path / "store"), str(tmp_path), planner.address), world, DEADLINE_SECONDS)
+        run_ranks(_pipeline_rank, (world, str(tmp_path / "store"), str(tmp_path), planner.address, vpp), world, DEADLINE_SECONDS)
     finally:
         planner.stop()
     assert planner.output_closed.wait(60), "the planner's output did not end"

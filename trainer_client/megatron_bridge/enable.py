@@ -1,9 +1,13 @@
 """Turning the drop-in on: `enable(cfg)` before `pretrain(cfg, forward_step)`, no edit of Bridge.
 
-It replaces four names in Bridge's modules (each kept, and put back by `disable()`):
+It replaces six names in Bridge's modules (each kept, and put back by `disable()`):
 - `get_forward_backward_func` in `megatron.bridge.training.train` and `.eval`, so that training
   and evaluation run Megatron-Core's schedule over the planned micro-batches
   (`PlannedForwardBackward`);
+- `make_data_iterator_list` there too: with virtual pipeline stages Bridge gives each model chunk a
+  cached view of its data iterator; with the drop-in on, the schedule is handed the data iterator
+  itself (`ChunkIterators`), reads the step from it once and gives each chunk its own iterator over
+  the planned units;
 - `get_batch` and `get_packed_seq_params` in `megatron.bridge.training.gpt_step`, so that Bridge's
   own GPT forward step takes each planned unit as it is: already sharded for its CP group, with
   `PackedSeqParams` holding that group (Bridge's would slice over the static CP group and set none).
@@ -21,7 +25,7 @@ from trainer_client import megatron as mcore
 from trainer_client.config import PlannerClientConfig
 from trainer_client.megatron_bridge.checks import check_bridge_support
 from trainer_client.megatron_bridge.micro_batches import PlannedMicroBatches, PlannedPackedSeq, bridge_batch
-from trainer_client.megatron_bridge.schedule import PlannedForwardBackward, PlannedIterator
+from trainer_client.megatron_bridge.schedule import ChunkIterators, PlannedForwardBackward, PlannedIterator
 from trainer_client.megatron_bridge.settings import BridgeSettings
 from trainer_client.megatron_bridge.version import bridge_version, version_checked
 
@@ -72,6 +76,7 @@ def enable(cfg: Any, planner: PlannerClientConfig | dict | None = None) -> bool:
     for name in SCHEDULE_MODULES:
         original = _replace(name, "get_forward_backward_func", None)
         _replace(name, "get_forward_backward_func", _planned_getter(original))
+        _replace(name, "make_data_iterator_list", _chunk_iterators(_replace(name, "make_data_iterator_list", None)))
     _replace(STEP_MODULE, "get_batch", get_batch)
     _replace(STEP_MODULE, "get_packed_seq_params", get_packed_seq_params)
     log.info("trainer_client.megatron_bridge: Megatron-Bridge %s plans %s steps through the batch planner",
@@ -110,6 +115,15 @@ def _planned_getter(original: Any) -> Any:
         return PlannedForwardBackward(original(*args, **kwargs), _active)
 
     return get_forward_backward_func
+
+
+def _chunk_iterators(original: Any) -> Any:
+    def make_data_iterator_list(model: Any, data_iterator: Any) -> Any:
+        if not isinstance(model, list) or len(model) <= 1 or data_iterator is None:
+            return original(model, data_iterator)
+        return ChunkIterators(data_iterator, len(model), lambda: original(model, data_iterator))
+
+    return make_data_iterator_list
 
 
 def get_batch(data_iterator: Any, cfg: Any, use_mtp: bool = False, *, pg_collection: Any, vp_stage: Any = None):

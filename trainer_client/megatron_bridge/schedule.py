@@ -77,6 +77,19 @@ class PlannedIterator:
         self.planner.close()
 
 
+class ChunkIterators(list):
+    """What Bridge's `make_data_iterator_list` gives the schedule with the drop-in on and several
+    model chunks (virtual pipeline stages): one entry per chunk, each the chunks' one data iterator
+    (`source`). The drop-in reads the step from `source` once and hands every chunk its own
+    iterator over the step's planned units; `unplanned()` is Bridge's own list, for calls the
+    drop-in does not plan."""
+
+    def __init__(self, source: Any, chunks: int, unplanned: Callable[[], Any]):
+        super().__init__([source] * chunks)
+        self.source = source
+        self.unplanned = unplanned
+
+
 class PlannedForwardBackward:
     """`forward_backward_func` with the planned units and their count in place of Bridge's."""
 
@@ -86,18 +99,27 @@ class PlannedForwardBackward:
 
     def __call__(self, **kwargs: Any) -> Any:
         data_iterator = kwargs.get("data_iterator")
-        if data_iterator is None or kwargs.get("collect_non_loss_data"):
+        chunks = data_iterator if isinstance(data_iterator, ChunkIterators) else None
+        source = chunks.source if chunks is not None else data_iterator
+        if source is None or kwargs.get("collect_non_loss_data"):
             # Nothing to plan; or Bridge's non-loss evaluation, which runs on the last rank alone.
+            if chunks is not None:
+                kwargs["data_iterator"] = chunks.unplanned()
             return self.inner(**kwargs)
-        if isinstance(data_iterator, list):
+        if isinstance(source, list):
             raise ConfigError(
-                "a list of data iterators (virtual pipeline, or dataloader_type='external'): the drop-in plans "
-                "one data iterator per step; use dataloader_type='single' without virtual pipeline parallelism"
+                "a list of data iterators (dataloader_type='external'): the drop-in plans one data iterator per "
+                "step; use dataloader_type='single'"
             )
-        planned = self.dropin.planned_iterator(data_iterator, kwargs["num_microbatches"], kwargs.get("pg_collection"))
+        planned = self.dropin.planned_iterator(source, kwargs["num_microbatches"], kwargs.get("pg_collection"))
         rerun = not kwargs.get("forward_only", False) and mcore.in_rerun()
         units = planned.units_for(rerun)
-        kwargs.update(data_iterator=PlannedMicroBatches(units, data_device(planned.groups.dp_cp)), num_microbatches=len(units))
+        device = data_device(planned.groups.dp_cp)
+        if chunks is not None:  # one iterator per virtual stage, each over every unit of the step
+            iterators: Any = [PlannedMicroBatches(units, device) for _ in chunks]
+        else:
+            iterators = PlannedMicroBatches(units, device)
+        kwargs.update(data_iterator=iterators, num_microbatches=len(units))
         with _packed_schedule(kwargs["model"]):
             return self.inner(**kwargs)
 
