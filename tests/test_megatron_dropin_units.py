@@ -93,9 +93,40 @@ def test_a_rope_model_is_refused_before_the_first_step_where_megatron_core_rotat
         for kind in (SchedulerKind.HYBRID_CP, SchedulerKind.DYNAMIC_CP):
             check_model(megatron_config(**rope), planner_config_for(megatron_config(), kind, 2, {}))
         return
-    with pytest.raises(UnsupportedCombinationError, match="position_embedding_type=rope.*static CP group.*dev build") as hybrid:
+    with pytest.raises(UnsupportedCombinationError, match="position_embedding_type='rope'.*static CP group.*dev build") as hybrid:
         HybridCPDataLoaderWrapper(iter([]), megatron_config(**rope), groups, planner={})
     assert hybrid.value.option == "position_embedding_type"
     config = megatron_config(sequence_packing_scheduler="default_dynamic_cp", **rope)
-    with pytest.raises(UnsupportedCombinationError, match="position_embedding_type=rope"):
+    with pytest.raises(UnsupportedCombinationError, match="position_embedding_type='rope'"):
+        wrap_data_iterator(iter([]), config, 1, groups, planner={})
+
+
+def test_an_mtp_model_is_refused_before_the_first_step_where_megatron_core_rolls_over_the_static_cp_group():
+    """0.19's MTP rolls packed tokens and labels over the static CP group (a Bridge PP2 run with one
+    MTP layer hangs there in the boundary exchange): both Megatron-LM drop-ins refuse an MTP model when
+    they are built, by the one row Bridge reads too; the dev build rolls within the micro-batch's
+    group (tests/test_megatron_dropin_pipeline.py runs MTP through the drop-in), and the drop-ins start."""
+    from types import SimpleNamespace
+
+    from trainer_client.compatibility import InstalledMegatron, UnsupportedCombinationError
+    from trainer_client.megatron_lm import HybridCPDataLoaderWrapper, wrap_data_iterator
+    from trainer_client.megatron_lm.checks import check_model
+
+    class GroupOfSize:
+        def __init__(self, size):
+            self.size = lambda: size
+
+    groups = SimpleNamespace(dp_cp=GroupOfSize(2), dp=GroupOfSize(1), tp=GroupOfSize(1), pp=None)
+    mtp = dict(mtp_num_layers=1, position_embedding_type="learned_absolute")
+    if InstalledMegatron.detect().build == "dev":
+        from trainer_client.dropin.settings import planner_config_for
+
+        for kind in (SchedulerKind.HYBRID_CP, SchedulerKind.DYNAMIC_CP):
+            check_model(megatron_config(**mtp), planner_config_for(megatron_config(), kind, 2, {}))
+        return
+    with pytest.raises(UnsupportedCombinationError, match="mtp_num_layers=1.*static CP group.*dev build") as hybrid:
+        HybridCPDataLoaderWrapper(iter([]), megatron_config(**mtp), groups, planner={})
+    assert hybrid.value.option == "mtp_num_layers"
+    config = megatron_config(sequence_packing_scheduler="default_dynamic_cp", **mtp)
+    with pytest.raises(UnsupportedCombinationError, match="mtp_num_layers=1"):
         wrap_data_iterator(iter([]), config, 1, groups, planner={})

@@ -11,7 +11,8 @@ caller hands `check`:
 - bridge: Megatron-Bridge's `ConfigContainer` (`megatron_bridge.check_bridge_support`, which also
   hands over its model config as transformer and model, and its planner settings);
 - megatron_lm: what Megatron-LM's drop-ins are handed (`wrap_data_iterator`'s `num_microbatches`
-  each step) and read of the model once (`position_embedding_type`, from Megatron-LM's arguments).
+  each step) and read of the model once (`megatron_lm.checks.MODEL_SETTINGS`: from the config, else
+  Megatron-LM's arguments).
 
 A rule is checked where its sources were given (so the rows that read a drop-in's source apply to
 that drop-in only), on the Megatron-Core build (`build`) and for the schedulers (`schedulers`) its
@@ -399,8 +400,6 @@ RULES: tuple[Rule, ...] = (
     Rule(_bridge("train.iterations_to_skip"), "set",
          "a skipped iteration reads its micro-batches past the drop-in, which has read that step ahead "
          "already; unset iterations_to_skip", _is_set),
-    Rule(_bridge("model.mtp_num_layers"), "set",
-         "multi-token prediction is not planned by the drop-in; unset mtp_num_layers", _is_set),
     Rule(_bridge("model.is_hybrid_model"), "true",
          "hybrid (Mamba) models need per-sequence state indices the planned THD micro-batches do not carry; "
          "use a transformer model", _is_set),
@@ -419,14 +418,20 @@ RULES: tuple[Rule, ...] = (
     Rule(_bridge("model.hybrid_context_parallel"), "false",
          _NO_DPXCP_GROUPS + "on 0.19 set cfg.model.hybrid_context_parallel=True (the plans still come from dynamic CP)",
          _is_false, build="release", schedulers=(SchedulerKind.DYNAMIC_CP,)),
-    # One row for every drop-in that runs plans of CP groups other than the static one on a release
-    # (verl's dynamic CP needs the dev build's per-size DPxCP groups, so it has no release route).
+    # One row each for every drop-in that runs plans of CP groups other than the static one on a
+    # release (verl's dynamic CP needs the dev build's per-size DPxCP groups, so it has no release route).
     Rule((_megatron_lm("position_embedding_type"), _bridge("model.position_embedding_type")), "rope, mrope or yarn",
          "0.19's attention rotates THD input over the static CP group (transformer/attention.py), not the "
          "micro-batch's, so positions are wrong in CP groups of another size: the model would train silently "
          "wrong. Run the trainer on the Megatron-LM dev build (deps/megatron-core.env; it rotates over the "
          "micro-batch's group: Megatron-LM with --sequence-packing-scheduler default_dynamic_cp), or use static CP",
          lambda v, _: v in ROTARY_EMBEDDINGS, build="release"),
+    Rule((_megatron_lm("mtp_num_layers"), _bridge("model.mtp_num_layers")), "set",
+         "0.19's multi-token prediction rolls packed THD tokens and labels over the static CP group "
+         "(transformer/multi_token_prediction.py, roll_tensor), not the micro-batch's, so in CP groups of "
+         "another size its ranks exchange boundary tokens with ranks that hold other samples: the step hangs "
+         "or trains wrong. Run the trainer on the Megatron-LM dev build (deps/megatron-core.env; it rolls "
+         "within the micro-batch's group), or unset mtp_num_layers", _is_set, build="release"),
 )
 
 

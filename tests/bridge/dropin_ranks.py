@@ -202,12 +202,17 @@ def tiny_model(cfg, vp_stage: int | None = None) -> torch.nn.Module:
     from tests.cp_attention_standin import layer_spec_with_standin
 
     virtual = {"ignore_virtual": vp_stage is None, "vp_stage": vp_stage}
+    spec = layer_spec_with_standin()
+    extra: dict = {"vp_stage": vp_stage} if vp_stage is not None else {}
+    if cfg.model.mtp_num_layers:  # Megatron-Core's MTP block (on the last stage) on the same spec and stand-in
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        extra["mtp_block_spec"] = get_gpt_mtp_block_spec(cfg.model, spec, use_transformer_engine=False, vp_stage=vp_stage)
     torch.manual_seed(1234 + (vp_stage or 0))
-    return GPTModel(config=cfg.model, transformer_layer_spec=layer_spec_with_standin(), vocab_size=VOCAB,
+    return GPTModel(config=cfg.model, transformer_layer_spec=spec, vocab_size=VOCAB,
                     max_sequence_length=MAX_POSITION, position_embedding_type=cfg.model.position_embedding_type,
                     share_embeddings_and_output_weights=False, pre_process=parallel_state.is_pipeline_first_stage(**virtual),
-                    post_process=parallel_state.is_pipeline_last_stage(**virtual),
-                    **({"vp_stage": vp_stage} if vp_stage is not None else {}))
+                    post_process=parallel_state.is_pipeline_last_stage(**virtual), **extra)
 
 
 def reference_loss(model: torch.nn.Module, samples: list[dict[str, torch.Tensor]]) -> float:

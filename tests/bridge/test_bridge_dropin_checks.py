@@ -24,9 +24,9 @@ REFUSED = {
     "dist.use_megatron_fsdp": True,
     "model.overlap_moe_expert_parallel_comm": True,
     "model.position_embedding_type": "rope",
+    "model.mtp_num_layers": 1,
     "train.rampup_batch_size": [1, 1, 100],
     "ddp.use_megatron_fsdp": True,
-    "model.mtp_num_layers": 1,
     "model.is_hybrid_model": True,
     "model.moe_expert_rank_capacity_factor": 1.5,
     "dist.use_decentralized_pg": True,
@@ -49,9 +49,9 @@ def _set(cfg, path: str, value) -> None:
 
 def _applies(path: str) -> bool:
     """The group rows apply to the build that has their field (dynamic: dev, hybrid: 0.19); the RoPE
-    row to 0.19 only."""
+    and MTP rows to 0.19 only."""
     dev = ranks._has_dynamic_cp()
-    release_only = ("model.hybrid_context_parallel", "model.position_embedding_type")
+    release_only = ("model.hybrid_context_parallel", "model.position_embedding_type", "model.mtp_num_layers")
     return {"model.dynamic_context_parallel": dev, **{p: not dev for p in release_only}}.get(path, True)
 
 

@@ -13,6 +13,7 @@ have sent, and every sample is trained exactly once."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 
@@ -206,13 +207,19 @@ def _pipeline_rank(rank: int, *args) -> None:
         _train_pipeline(rank, *args)
 
 
-def _train_pipeline(rank: int, world: int, store_path: str, out_dir: str, endpoint: str, vpp: int | None) -> None:
+def _train_pipeline(rank: int, world: int, store_path: str, out_dir: str, endpoint: str, vpp: int | None, mtp: int | None) -> None:
     """DP2 x CP2 x PP2 through Bridge's train_step (Megatron-Core's 1F1B schedule between the two
-    stages; with `vpp`, the interleaved one over two virtual stages), the attention stand-in (with
-    RoPE on the dev build), a real planner."""
+    stages; with `vpp`, the interleaved one over two virtual stages; with `mtp`, that many MTP
+    layers on the last stage), the attention stand-in (with RoPE on the dev build), a real planner."""
     import torch.distributed as dist
 
-    cfg, state, model, optimizer, scheduler, pgs, p2p = ranks.start_rank(rank, world, store_path, 1, 2, pp=2, vpp=vpp)
+    from tests.attention_parity import _clear_mtp_tracker, _mtp_losses
+
+    # MTP at loss scale 0: Megatron-Core scales each forward's MTP loss by that forward's own token
+    # count (tests/attention_model.py), so only then do the weights, and the next step's loss,
+    # equal a whole-sample run's.
+    model_fields = {"model": {"mtp_num_layers": mtp, "mtp_loss_scaling_factor": 0.0}} if mtp else {}
+    cfg, state, model, optimizer, scheduler, pgs, p2p = ranks.start_rank(rank, world, store_path, 1, 2, pp=2, vpp=vpp, **model_fields)
     from megatron.bridge.training import train as bridge_train
     from megatron.core.rerun_state_machine import RerunDataIterator
 
@@ -228,13 +235,16 @@ def _train_pipeline(rank: int, world: int, store_path: str, out_dir: str, endpoi
     for step in range(PIPELINE_STEPS):
         samples = ranks.global_samples(step, dp)
         reference = ranks.pipeline_reference_loss(modules, samples)
+        _clear_mtp_tracker()
         losses, *_ = bridge_train.train_step(ranks.forward_step(state), data, model, optimizer, scheduler, state, pgs, fbf, p2p)
+        mtp_ran = _mtp_losses()
         planned = active().planned_iterator(data, ranks.MICRO_BATCHES, pgs)
         plan = planned.last_step.plan
         expected = micro_batches_for_rank(plan, ranks.full_batch(samples), pgs.dp_cp.rank(), None, pack_group_samples=True)
         records.append({
             "loss": float(losses["lm loss"]) if "lm loss" in losses else None, "reference": reference,
             "plan_id": plan.plan_id, "source": planned.last_step.source, "micro_batches": len(plan.micro_batches),
+            "mtp": None if mtp_ran is None else mtp_ran.tolist(),
             "units": [ranks.unit_record(u) for u in planned.last_units],
             "expected": [dict(ranks.unit_record(u), cp_group=None) for u in expected],
         })
@@ -243,21 +253,26 @@ def _train_pipeline(rank: int, world: int, store_path: str, out_dir: str, endpoi
 
 
 @pytest.mark.timeout(DEADLINE_SECONDS + 120)
-@pytest.mark.parametrize("vpp", [None, 2], ids=["pp2", "pp2-vpp2"])
-def test_pipeline_stages_through_bridge_train_step(tmp_path, vpp):
+@pytest.mark.parametrize("vpp,mtp", [(None, None), (2, None), (None, 1)], ids=["pp2", "pp2-vpp2", "pp2-mtp"])
+def test_pipeline_stages_through_bridge_train_step(tmp_path, vpp, mtp):
     """Every stage trains the planned micro-batches; the last stage's loss equals the pipeline over
     whole samples at CP1 (the attention stand-in with RoPE: a wrong CP group, chunk or position
     changes it; learned positions on 0.19); the stages hold one plan a step, and each stage's DPxCP
     group asks the planner once. With two virtual stages each chunk gets its own iterator over the
     step's units (Bridge's make_data_iterator_list), and the plan is made with the micro-batch group
     (a micro-batch count the interleaved schedule takes). Virtual stages need the dev build's
-    VPP-aware scheduler: 0.19 refuses them (the transformer's VPP row)."""
+    VPP-aware scheduler: 0.19 refuses them (the transformer's VPP row). With one MTP layer (dev
+    build; 0.19 refuses MTP, its MTP row), the last stage runs it on every step's planned units (its stage receives all four fields); its
+    loss is not compared: Bridge's forward step hands the model no loss mask, so Megatron-Core's
+    MTP counts every row, padding included, and the padding depends on the CP group."""
     if vpp and not _trainer_has_dynamic_cp():
         pytest.skip("0.19 has no VPP-aware packing scheduler: the refusal table refuses virtual stages there")
+    if mtp and not _trainer_has_dynamic_cp():
+        pytest.skip("0.19 rolls MTP's packed input over the static CP group: the refusal table refuses MTP there")
     world = 8
     planner = start_planner(workers=1, without_release_overlay=True)
     try:
-        run_ranks(_pipeline_rank, (world, str(tmp_path / "store"), str(tmp_path), planner.address, vpp), world, DEADLINE_SECONDS)
+        run_ranks(_pipeline_rank, (world, str(tmp_path / "store"), str(tmp_path), planner.address, vpp, mtp), world, DEADLINE_SECONDS)
     finally:
         planner.stop()
     assert planner.output_closed.wait(60), "the planner's output did not end"
@@ -271,6 +286,10 @@ def test_pipeline_stages_through_bridge_train_step(tmp_path, vpp):
                 assert {k: v for k, v in got.items() if k != "cp_group"} == {k: v for k, v in want.items() if k != "cp_group"}, where
             if result["stage"] == 1:
                 assert record["loss"] == pytest.approx(record["reference"], rel=1e-5), (where, record["loss"], record["reference"])
+            if mtp and result["stage"] == 1:  # [loss sum, token count] of the one MTP layer
+                assert record["mtp"] and record["mtp"][1] > 0 and math.isfinite(record["mtp"][0]), (where, record["mtp"])
+            else:
+                assert record["mtp"] is None, (where, record["mtp"])
     for step in range(PIPELINE_STEPS):  # one plan a step on every rank of both stages
         assert len({r["steps"][step]["plan_id"] for r in results}) == 1, step
     asked = Counter(re.findall(r"\bplan plan_id=(\S+) .*status=OK", planner.log))

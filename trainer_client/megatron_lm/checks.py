@@ -11,15 +11,20 @@ from trainer_client.config import PlannerClientConfig
 
 def check_model(config: Any, planner_config: PlannerClientConfig) -> None:
     """UnsupportedCombinationError for a model the drop-in's plans would train wrong on the installed
-    Megatron-Core (RoPE on 0.19 with CP groups other than the static one)."""
-    check({"megatron_lm": {"position_embedding_type": position_embedding_type(config)}, "planner config": planner_config})
+    Megatron-Core (RoPE or MTP on 0.19 with CP groups other than the static one)."""
+    model = {name: model_setting(config, name) for name in MODEL_SETTINGS}
+    check({"megatron_lm": model, "planner config": planner_config})
 
 
-def position_embedding_type(config: Any) -> str | None:
-    """The model's position embedding: the config's own attribute where it has one, else
-    Megatron-LM's `--position-embedding-type` (its training loop's parsed arguments); None where
+# The model's settings the `megatron_lm` rows read.
+MODEL_SETTINGS = ("position_embedding_type", "mtp_num_layers")
+
+
+def model_setting(config: Any, name: str) -> Any:
+    """A model setting: the config's own attribute where it has one, else Megatron-LM's argument of
+    that name (its training loop's parsed arguments, e.g. `--position-embedding-type`); None where
     neither is known."""
-    value = getattr(config, "position_embedding_type", None)
+    value = getattr(config, name, None)
     if value is not None:
         return value
     try:
@@ -27,6 +32,6 @@ def position_embedding_type(config: Any) -> str | None:
     except ImportError:  # Megatron-Core alone, without Megatron-LM's training package
         return None
     try:
-        return getattr(get_args(), "position_embedding_type", None)
+        return getattr(get_args(), name, None)
     except AssertionError:  # Megatron-LM's arguments are not parsed in this process
         return None
