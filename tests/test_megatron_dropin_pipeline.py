@@ -1,5 +1,6 @@
-"""The Megatron-LM drop-in (`wrap_data_iterator`) under pipeline parallelism, with attention: eight
-gloo ranks, DP2 x CP2 x PP2, a real planner on loopback, Megatron-Core's own schedules
+"""The Megatron-LM drop-in (`wrap_data_iterator`) with attention, without and under pipeline
+parallelism: four gloo ranks DP2 x CP2 (`forward_backward_no_pipelining`), eight ranks DP2 x CP2 x
+PP2, a real planner on loopback, Megatron-Core's own schedules
 (`forward_backward_pipelining_without_interleaving`, and with two virtual stages
 `forward_backward_pipelining_with_interleaving`), the attention model with RoPE
 (tests/attention_model.py), and each micro-batch read by Megatron-Core's own
@@ -30,16 +31,19 @@ from tests.attention_ranks import require_dynamic_build, run_attention_ranks
 from tests.reliability_support import sample_value
 from tests.test_planner_metrics import scrape
 
-WORLD = 8
+pytestmark = pytest.mark.attention  # CI prints these tests' time (tests/conftest.py)
+
+RANKS_PER_STAGE = 4  # DP2 x CP2
 STEPS = 2
 JOB = "pipeline-dropin-{case}"
 
 CASES = {
-    "pp2": dict(vpp=None, mtp=None, experts=None),
-    "pp2-vpp2": dict(vpp=2, mtp=None, experts=None),
-    "pp2-mtp": dict(vpp=None, mtp=1, experts=None),
+    "pp1": dict(pp=1, vpp=None, mtp=None, experts=None),
+    "pp2": dict(pp=2, vpp=None, mtp=None, experts=None),
+    "pp2-vpp2": dict(pp=2, vpp=2, mtp=None, experts=None),
+    "pp2-mtp": dict(pp=2, vpp=None, mtp=1, experts=None),
     # MoE: 4 experts, Megatron-Core's alltoall dispatcher, expert parallel 2 (tests/moe_on_cpu.py).
-    "pp2-moe-ep2": dict(vpp=None, mtp=None, experts=4),
+    "pp2-moe-ep2": dict(pp=2, vpp=None, mtp=None, experts=4),
 }
 EXPERT_PARALLEL = 2
 
@@ -50,7 +54,7 @@ def _models(case: dict):
     from tests.attention_model import AttentionModelConfig, attention_gpt_model
 
     vpp = case["vpp"]
-    overrides = [("pipeline_model_parallel_size", 2), ("variable_seq_lengths", True), ("calculate_per_token_loss", True)]
+    overrides = [("pipeline_model_parallel_size", case["pp"]), ("variable_seq_lengths", True), ("calculate_per_token_loss", True)]
     if vpp:
         overrides += [("virtual_pipeline_model_parallel_size", vpp), ("overlap_p2p_comm", True), ("batch_p2p_comm", False),
                       ("microbatch_group_size_per_vp_stage", 2)]
@@ -91,7 +95,7 @@ def _pipeline_dropin_rank(name: str, endpoint: str, rank: int) -> dict:
     stand_in_for_te_partitioning_on_cpu()
     stand_in_for_moe_calls_on_cpu()
     experts = EXPERT_PARALLEL if case["experts"] else 1
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, context_parallel_size=2, expert_model_parallel_size=experts,
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=case["pp"], context_parallel_size=2, expert_model_parallel_size=experts,
                                              virtual_pipeline_model_parallel_size=vpp, dynamic_context_parallel=True)
     models = _models(case)
     config = packing_config(models[0].config)
@@ -139,10 +143,11 @@ def test_pipeline_stages_train_the_planned_steps_as_whole_samples_and_as_upstrea
     require_dynamic_build()
     job = JOB.format(case=name)
     before = sample_value(scrape(planner.metrics_url), "batch_planner_requests_total", scheduler="dynamic_cp", code="OK", training_job=job) or 0
-    per_rank = run_attention_ranks(partial(_pipeline_dropin_rank, name, planner.address), WORLD, tmp_path)
+    pp, vpp, mtp = CASES[name]["pp"], CASES[name]["vpp"], CASES[name]["mtp"]
+    per_rank = run_attention_ranks(partial(_pipeline_dropin_rank, name, planner.address), RANKS_PER_STAGE * pp, tmp_path)
     assert all("raised" not in r for r in per_rank), [r.get("raised") for r in per_rank]
-    assert sorted(r["stage"] for r in per_rank) == [0] * 4 + [1] * 4
-    vpp, mtp = CASES[name]["vpp"], CASES[name]["mtp"]
+    assert sorted(r["stage"] for r in per_rank) == sorted(list(range(pp)) * RANKS_PER_STAGE)
+    last = pp - 1
     for r in per_rank:
         assert len(r["steps"]) == STEPS, r
         for step in r["steps"]:
@@ -150,21 +155,21 @@ def test_pipeline_stages_train_the_planned_steps_as_whole_samples_and_as_upstrea
             assert step["grad_errors"] == [] and step["params"] > 0, (r["stage"], step["grad_errors"])
             assert step["sample_ids"] == list(range(step["samples"])), step  # every sample planned, once per micro-batch group
             assert step["source"] in ("service", None), step  # None: a rank that was handed the plan
-            if r["stage"] == 1:  # the last stage reports the loss
+            if r["stage"] == last:  # the last stage reports the loss
                 assert step["loss"] == pytest.approx(step["reference"], rel=1e-5), step
                 assert step["tokens"] == step["reference_tokens"] > 0, step
             # The fields each (virtual) stage reads, as upstream keeps them.
-            keeps_all = mtp and r["stage"] == 1
+            keeps_all = mtp and r["stage"] == last
             if vpp:
                 assert len(step["fields"]) == vpp
             has = {k for fields in step["fields"] for k in fields}
             assert ("tokens" in has) == (r["stage"] == 0 or bool(keeps_all)), (r["stage"], step["fields"])
-            assert ("labels" in has) == (r["stage"] == 1), (r["stage"], step["fields"])
+            assert ("labels" in has) == (r["stage"] == last), (r["stage"], step["fields"])
     asked = {r["stage"] for r in per_rank if all(step["source"] == "service" for step in r["steps"])}
-    assert asked == {0, 1}, [(r["stage"], [s["source"] for s in r["steps"]]) for r in per_rank]
+    assert asked == set(range(pp)), [(r["stage"], [s["source"] for s in r["steps"]]) for r in per_rank]
     # One planner request per pipeline stage and step (each stage's DPxCP group asks once).
     after = sample_value(scrape(planner.metrics_url), "batch_planner_requests_total", scheduler="dynamic_cp", code="OK", training_job=job)
-    assert after - before == 2 * STEPS, (before, after)
+    assert after - before == pp * STEPS, (before, after)
 
 
 def _disagreeing_stages_rank(rank: int) -> dict:
