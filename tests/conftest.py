@@ -19,3 +19,21 @@ def planner() -> PlannerProcess:
 def stub(planner: PlannerProcess):
     with grpc.insecure_channel(planner.address) as channel:
         yield planner_pb2_grpc.BatchPlannerStub(channel)
+
+
+# The tests that run a model with attention (marked `attention`) are the suite's slowest: each leg
+# prints their count and time at the end, so CI's log shows what they cost.
+_ATTENTION_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "attention" in report.keywords:
+        _ATTENTION_SECONDS[report.nodeid] = _ATTENTION_SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _ATTENTION_SECONDS:
+        terminalreporter.write_line(
+            f"tests with attention (the THD/CP stand-in): {len(_ATTENTION_SECONDS)} test(s), "
+            f"{sum(_ATTENTION_SECONDS.values()):.0f} s (setup, call and teardown)"
+        )

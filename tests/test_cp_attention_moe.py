@@ -14,6 +14,8 @@ import pytest
 
 from tests.attention_ranks import require_dynamic_build, run_attention_ranks
 
+pytestmark = pytest.mark.attention  # CI prints these tests' time (tests/conftest.py)
+
 WORLD = 2
 # micro-batches: each {CP group's ranks: ids of attention_parity.example_samples()}
 MICRO_BATCHES = [{(0, 1): [4, 0]}, {(0,): [2, 1], (1,): [3]}, {(0, 1): [5, 6, 7]}]

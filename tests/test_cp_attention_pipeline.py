@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from tests.attention_ranks import require_dynamic_build, run_attention_ranks
 
+pytestmark = pytest.mark.attention  # CI prints these tests' time (tests/conftest.py)
+
 WORLD = 4
 MICRO_BATCHES = ([4, 0], [2, 1], [3, 5], [6, 7])  # packed CP2 micro-batches (ids of attention_parity.example_samples())
 

@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from tests.attention_ranks import require_dynamic_build, run_attention_ranks
 
+pytestmark = pytest.mark.attention  # CI prints these tests' time (tests/conftest.py)
+
 WORLD = 4
 MIXED = [{(0, 1, 2, 3): [4]}, {(0, 1): [2, 1], (2,): [0, 3], (3,): [5]}, {(2, 3): [6, 7]}]
 # (name, layout, AttentionModelConfig fields, micro-batches: each {CP group's ranks: ids of attention_parity.example_samples()})

@@ -23,6 +23,8 @@ from tests.bridge import dropin_ranks as ranks
 from tests.megatron_init import run_ranks
 from tests.planner_process import start_planner
 
+pytestmark = pytest.mark.attention  # CI prints these tests' time (tests/conftest.py)
+
 STEPS = 3
 STOP_PLANNER_AFTER = 0  # step after which rank 0 kills the planner (the next one is planned already)
 DEADLINE_SECONDS = 600

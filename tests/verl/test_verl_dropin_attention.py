@@ -27,6 +27,8 @@ import torch
 
 from tests.attention_ranks import require_dynamic_build, run_attention_ranks
 
+pytestmark = pytest.mark.attention  # CI prints these tests' time (tests/conftest.py)
+
 WORLD = 4
 MAX_SEQLEN = 64  # tokens per DPxCP rank: the long samples below need a CP2 group
 LENGTHS = {
