@@ -196,8 +196,9 @@ class _Unit:
     def real_rows(self, rows: int) -> torch.Tensor:
         """Bool mask over `rows` rows of this rank's shard (at least the shard's own): True where a
         row holds a real token, False where it is padding (rows past the shard's are padding)."""
-        mask = torch.zeros(rows, dtype=torch.bool)
-        mask[: self.tokens] = True
+        mask = torch.ones(rows, dtype=torch.bool)
+        if rows > self.tokens:
+            mask[self.tokens :] = False
         for start, stop in self.padding_runs:
             mask[start:stop] = False
         return mask
