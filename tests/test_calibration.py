@@ -23,7 +23,8 @@ from batch_planner.planner import plan_batch
 from batch_planner.request import CpLayout, PlanRequest, SchedulerKind
 from trainer_client.apply import micro_batches_for_rank
 from trainer_client.batch import unbind_batch
-from trainer_client.calibration import Calibrator, features_of, fit_cost_model, price_vector
+from batch_planner.cost_fit import fit_cost_model, price_vector
+from trainer_client.calibration import Calibrator, features_of
 from trainer_client.metrics import TrainerMetrics
 
 HIDDEN = CostModel(

@@ -54,7 +54,8 @@ def batch_lengths(step: int) -> list[int]:
 def stand_in_kernel(hidden: CostModel, unit, rng: random.Random) -> float:
     """Stand-in for a GPU kernel: the seconds its CUDA events would report, the hidden cost of the
     unit's features times log-normal noise (2%); one unit in 100 stalls (x4), as a straggler would."""
-    from trainer_client.calibration import features_of, price_vector
+    from batch_planner.cost_fit import price_vector
+    from trainer_client.calibration import features_of
 
     seconds = price_vector(hidden, features_of(unit)) * math.exp(rng.gauss(0.0, 0.02))
     if rng.random() < 1 / 100:

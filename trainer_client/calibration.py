@@ -1,26 +1,11 @@
 """Closed-loop calibration: time what each plan really cost, fit the job's cost model to it, and
 plan the job's next steps with what was measured (docs/trainer-client.md, "Calibration").
 
-1. Measure. `UnitTimer` times each execution unit (one `RankMicroBatch`: one forward+backward pass)
-   on this rank: CUDA events when the trainer runs on a GPU (read at gather time, after one
-   synchronisation on the last event), `time.perf_counter` otherwise. With each time goes the
-   unit's feature vector, `batch_planner.cost.unit_features`: the arithmetic the planner prices
-   plans with, so prediction and fit cannot drift apart.
-2. Fit. Every `update_interval_steps` steps, `Calibrator.end_step` all-gathers the buffered
-   observations over the DPxCP group, in rank order, so every rank fits identical data in the same
-   order and holds the identical model (checked by a digest in the next gather). `fit_cost_model`
-   is a robust bounded non-negative least squares on relative residuals (scipy: NNLS for the start,
-   then bounded least squares with a Cauchy loss) over a sliding window of steps. Terms the window
-   does not exercise (the CP terms of a job that ran no CP unit) keep the prior's value. The fit
-   is used once the window holds `min_observations` distinct units; a fit that does not converge,
-   or lands outside `COEFFICIENT_BOUNDS`, keeps the previous model.
-3. Use it, statelessly. A new model takes effect from a step no rank has prefetched yet (the
-   fitting step + 1 + the plan-ahead depth, identical on all ranks), as `cost_model =
-   CostModelSpec(coefficients=...)` in every request from then on: the server keeps no state, any
-   replica plans with it.
-4. Show it: predicted and measured step seconds, the relative error, the coefficients, dropped
-   measurements and fits as trainer metrics; an INFO line when a new model changes auto's winner.
-5. Bad measurements are dropped and counted (`DROP_REASONS`), never fitted.
+Measure (`UnitTimer`: CUDA events on a GPU, the monotonic clock otherwise), gather over the DPxCP
+group every `update_interval_steps` steps so that every rank fits identical data and holds the
+identical model (`Calibrator.end_step`), fit (`batch_planner.cost_fit`), and use the new model
+from a step no rank has prefetched yet, in every request: the server keeps no state. Bad
+measurements are dropped and counted (`DROP_REASONS`), never fitted.
 """
 
 from __future__ import annotations
@@ -37,13 +22,12 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
-from scipy.optimize import least_squares, nnls
 import torch.distributed as dist
 
-from batch_planner.cost import price, unit_features
+from batch_planner.cost import unit_features
 from batch_planner.cost_derivation import resolve_cost_model
-from batch_planner.cost_spec import COEFFICIENT_BOUNDS, COEFFICIENT_NAMES, CostModel, CostModelSpec, validate_coefficients
-from batch_planner.errors import InvalidRequestError
+from batch_planner.cost_fit import FitResult, fit_cost_model, price_vector
+from batch_planner.cost_spec import COEFFICIENT_NAMES, CostModel, CostModelSpec
 from batch_planner.plan import Plan
 from batch_planner.request import PlanningOptions
 from trainer_client.distributed import is_distributed
@@ -59,14 +43,6 @@ DROP_REASONS = (
     "not_finite",  # a unit's time or features NaN or infinite
     "no_work",  # a unit with no tokens
 )
-FIT_RESULTS = ("updated", "insufficient_data", "not_converged", "out_of_bounds")
-# A coefficient is fitted when its feature is non-zero in at least this many distinct units.
-MIN_UNITS_PER_TERM = 3
-SIGNIFICANT_DIGITS = 4  # fitted coefficients travel rounded: readable, and stable across ranks
-# The Cauchy loss's scale, in robust standard deviations of the residuals: 95% efficiency on
-# Gaussian noise, while a unit many deviations off (a stall) weighs next to nothing.
-CAUCHY_C = 2.385
-MAX_FIT_EVALUATIONS = 60
 
 
 def features_of(unit: Any) -> tuple[float, ...]:
@@ -78,11 +54,6 @@ def features_of(unit: Any) -> tuple[float, ...]:
     padded_tokens = int(padded[-1] - padded[0]) if len(padded) > 1 else 0
     values = unit_features(padded_tokens, sum(n * n for n in lengths), int(unit.local_cp_size), 1 if lengths else 0)
     return tuple(values[name] for name in COEFFICIENT_NAMES)
-
-
-def price_vector(model: CostModel, features: Sequence[float]) -> float:
-    """`batch_planner.cost.price` of features given in COEFFICIENT_NAMES order (`features_of`)."""
-    return price(model, dict(zip(COEFFICIENT_NAMES, features)))
 
 
 def model_digest(model: CostModel) -> str:
@@ -155,85 +126,6 @@ def _runs_on_cuda(unit: Any) -> bool:
     if ids is not None and ids.is_cuda:
         return True
     return torch.cuda.is_available() and torch.cuda.is_initialized()
-
-
-# ---------------------------------------------------------------------------------------- fit
-
-
-@dataclass(frozen=True)
-class FitResult:
-    """`model`: the fitted coefficients, or None when `result` is not "updated"."""
-
-    result: str
-    model: CostModel | None = None
-    observations: int = 0  # distinct units the fit saw
-    fitted_terms: tuple[str, ...] = ()
-    relative_error_scale: float = 0.0  # robust scale (1.4826 MAD) of the relative residuals
-    reason: str = ""
-
-
-def fit_cost_model(
-    features: np.ndarray,
-    seconds: np.ndarray,
-    prior: CostModel,
-    min_observations: int,
-    max_iterations: int = MAX_FIT_EVALUATIONS,
-) -> FitResult:
-    """A robust, bounded, non-negative fit of the coefficients to timed units.
-
-    Rows: units (features in COEFFICIENT_NAMES order, seconds measured). Residuals are relative
-    (each unit weighs by 1 / its time: short and long units count alike, as multiplicative noise
-    does). scipy's NNLS gives the least-squares start; scipy's bounded least squares (coefficients
-    >= 0) with a Cauchy loss, scaled to the start's robust residual scale, then fits so that a few
-    stalled units (a GC pause, a straggler) do not move the fit. `max_iterations` bounds its
-    evaluations. A coefficient whose feature is non-zero in fewer than MIN_UNITS_PER_TERM distinct
-    units keeps the prior's value."""
-    x = np.asarray(features, dtype=float).reshape(-1, len(COEFFICIENT_NAMES))
-    y = np.asarray(seconds, dtype=float)
-    distinct = {tuple(np.round(row, 6)) for row in x}
-    if len(distinct) < min_observations:
-        return FitResult("insufficient_data", observations=len(distinct),
-                         reason=f"{len(distinct)} distinct units, {min_observations} needed")
-    prior_values = np.array([getattr(prior, name) for name in COEFFICIENT_NAMES])
-    nonzero_rows = [{tuple(np.round(row, 6)) for row in x[x[:, j] != 0]} for j in range(x.shape[1])]
-    fitted = np.array([len(rows) >= MIN_UNITS_PER_TERM for rows in nonzero_rows])
-    if not fitted.any():
-        return FitResult("insufficient_data", observations=len(distinct), reason="no term is exercised")
-    # What the fixed terms explain is taken off; the rest is fitted, relative to each unit's time.
-    target = y - x[:, ~fitted] @ prior_values[~fitted]
-    z = x[:, fitted] / y[:, None]
-    t = target / y
-    scale = np.abs(z).max(axis=0)
-    scale[scale == 0] = 1.0
-    z = z / scale
-    start, _ = nnls(z, t)  # the least-squares start
-    fit = least_squares(lambda c: z @ c - t, start, jac=lambda c: z, bounds=(0.0, np.inf), method="trf", loss="cauchy",
-                        f_scale=CAUCHY_C * _robust_scale(t - z @ start), max_nfev=max_iterations)
-    if fit.status <= 0 or not np.isfinite(fit.x).all():
-        return FitResult("not_converged", observations=len(distinct), reason=f"no convergence in {max_iterations} evaluations")
-    solution = np.where(fit.active_mask < 0, 0.0, fit.x)  # at its bound: exactly 0, not an interior 1e-19
-    residual_scale = _robust_scale(t - z @ solution)
-    values = prior_values.copy()
-    values[fitted] = solution / scale
-    names = tuple(n for n, f in zip(COEFFICIENT_NAMES, fitted) if f)
-    rounded = {name: _round(float(v)) for name, v in zip(COEFFICIENT_NAMES, values)}
-    over = [f"{name}={rounded[name]:g} > {COEFFICIENT_BOUNDS[name]:g}" for name in names if rounded[name] > COEFFICIENT_BOUNDS[name]]
-    if over:
-        return FitResult("out_of_bounds", observations=len(distinct), fitted_terms=names, reason=", ".join(over))
-    try:
-        model = validate_coefficients(CostModel(**rounded), "calibration")
-    except (InvalidRequestError, ValueError) as error:
-        return FitResult("out_of_bounds", observations=len(distinct), fitted_terms=names, reason=str(error))
-    return FitResult("updated", model, len(distinct), names, residual_scale)
-
-
-def _robust_scale(residual: np.ndarray) -> float:
-    """1.4826 x the median absolute deviation: the residuals' standard deviation, stalled units aside."""
-    return max(1.4826 * float(np.median(np.abs(residual - np.median(residual)))), 1e-6)
-
-
-def _round(value: float) -> float:
-    return float(f"{value:.{SIGNIFICANT_DIGITS}g}") if value > 0 else 0.0
 
 
 # ---------------------------------------------------------------------------------------- the loop

@@ -7,7 +7,7 @@ Each row is one rank's busy time in one micro-batch (median over the timed steps
 model's features of the CP group it ran (batch_planner.cost.unit_features: padded tokens per rank,
 L^2 / c, CP communication tokens P (c - 1) / c, CP passes, and the number of forward+backward
 passes, one per sample under hybrid CP, one per pack under static CP). The fit is the trainer's
-calibration fit (trainer_client.calibration.fit_cost_model: non-negative, relative, robust).
+calibration fit (batch_planner.cost_fit.fit_cost_model: non-negative, relative, robust).
 
 One difference from unit_features, this engine's: the fixed CP term is counted per *sequence* on a
 CP group, also inside a packed pass: PyTorch's ring attention has no variable-length (THD) mode, so
@@ -34,7 +34,7 @@ from batch_planner.plan import CpGroup
 from batch_planner.padding import padded_length
 from batch_planner.request import CpLayout, PlanRequest
 from bench.gpu.plans import BenchPlan, plan_from_json
-from trainer_client.calibration import fit_cost_model
+from batch_planner.cost_fit import fit_cost_model
 
 PLAN_ORDER = ("hybrid_cp", "static_cp2", "static_cp1")
 

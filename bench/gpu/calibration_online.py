@@ -63,7 +63,8 @@ def run_shape(name: str, layers: int, gc_mode: str, args, rng: random.Random) ->
     import torch
 
     from bench.gpu.layer_timing import build_stack, rotary
-    from trainer_client.calibration import Calibrator, features_of, price_vector
+    from batch_planner.cost_fit import price_vector
+    from trainer_client.calibration import Calibrator, features_of
 
     profile = MODEL_PROFILES[name]
     stack = build_stack(profile, layers)
