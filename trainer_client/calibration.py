@@ -15,7 +15,7 @@ import json
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
@@ -190,11 +190,7 @@ class Calibrator:
     def entry_for(self, step: int | None) -> tuple[int, CostModel, PlanningOptions]:
         if step is None:
             return self._schedule[-1] if self._current_step is None else self.entry_for(self._current_step + 1)
-        found = self._schedule[0]
-        for entry in self._schedule:
-            if entry[0] <= step:
-                found = entry
-        return found
+        return next((entry for entry in reversed(self._schedule) if entry[0] <= step), self._schedule[0])
 
     def options_for(self, step: int | None) -> PlanningOptions:
         return self.entry_for(step)[2]
@@ -256,7 +252,7 @@ class Calibrator:
         if rows:
             features = np.array([r[1] for r in rows], dtype=float)
             seconds = np.array([r[2] for r in rows], dtype=float)
-            fit = fit_cost_model(features, seconds, self.prior_for_fit(), self.min_observations)
+            fit = fit_cost_model(features, seconds, self.model, self.min_observations)  # unexercised terms keep the newest model's value
         else:
             fit = FitResult("insufficient_data", reason="no measurement in the window")
         report.fit = fit
@@ -276,10 +272,6 @@ class Calibrator:
             log.warning("calibration: step %d: fit %s (%s); keeping the previous model", step, fit.result, fit.reason)
         report.model_digest = model_digest(self.model)
         return report
-
-    def prior_for_fit(self) -> CostModel:
-        """Terms the window does not exercise keep the newest model's value (the prior at first)."""
-        return self.model
 
     def _adopt(self, model: CostModel, effective: int) -> None:
         spec = CostModelSpec(coefficients=model)
@@ -332,18 +324,18 @@ class Calibrator:
         """Per micro-batch the slowest rank's units, summed over micro-batches: the cost model's
         own definition of a step (docs/cost-model.md), measured, and as the step's model priced it."""
         model = self.model_for(step)
-        measured: dict[int, list[float]] = {}
-        predicted: dict[int, list[float]] = {}
+        measured: dict[int, float] = {}  # by micro-batch: the slowest rank's
+        predicted: dict[int, float] = {}
         for rows in kept:
-            per_mb_m: dict[int, float] = {}
-            per_mb_p: dict[int, float] = {}
+            mine_measured: Counter[int] = Counter()
+            mine_predicted: Counter[int] = Counter()
             for index, features, seconds in rows:
-                per_mb_m[index] = per_mb_m.get(index, 0.0) + seconds
-                per_mb_p[index] = per_mb_p.get(index, 0.0) + price_vector(model, features)
-            for index in per_mb_m:
-                measured.setdefault(index, []).append(per_mb_m[index])
-                predicted.setdefault(index, []).append(per_mb_p[index])
-        return StepReport(step, sum(max(v) for v in predicted.values()), sum(max(v) for v in measured.values()))
+                mine_measured[index] += seconds
+                mine_predicted[index] += price_vector(model, features)
+            for index in mine_measured:
+                measured[index] = max(measured.get(index, 0.0), mine_measured[index])
+                predicted[index] = max(predicted.get(index, 0.0), mine_predicted[index])
+        return StepReport(step, sum(predicted.values()), sum(measured.values()))
 
     def _count(self, report: CalibrationReport, first_rank: bool) -> None:
         m = self.metrics
