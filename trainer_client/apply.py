@@ -1,13 +1,6 @@
-"""Apply a plan: from the global batch, this rank's execution units in plan order.
-
-Every rank of the DPxCP group holds the SAME global batch (the one the plan was made for; see
-trainer_client/batch.py for its form). No samples move between ranks: each rank picks its own from
-the batch it holds (token ids are small next to activations; a loader that shards by DP rank must
-gather the global batch first, or use the Megatron-LM drop-in).
-
-A unit's samples are padded and sharded as batch_planner/shards.py says (zigzag per sequence, or
-one contiguous interval of the unit's whole padded buffer); padding is along the sequence dimension
-only, never along trailing ones. Its tensors are built from plain-int layouts with a few ops each.
+"""Apply a plan: from the global batch every rank of the DPxCP group holds, this rank's execution
+units in plan order (docs/trainer-client.md, "The input contract"). A unit's samples are padded (along
+the sequence dimension only) and sharded as batch_planner/shards.py says.
 """
 
 from __future__ import annotations
@@ -161,7 +154,6 @@ class _Unit:
         sample_fields: dict[str, torch.Tensor],
         global_real_tokens: int,
     ) -> RankMicroBatch:
-        padding_mask = self.real_rows(self.tokens)
         max_seqlen = max(self.padded)
         return RankMicroBatch(
             micro_batch_index=self.index,
@@ -177,7 +169,7 @@ class _Unit:
                 for name, jagged in batch.token_fields.items()
             },
             position_ids=_arange_ranges(self.positions),
-            padding_mask=padding_mask,
+            padding_mask=self.real_rows(self.tokens),
             sample_fields=sample_fields,
             sequence_lengths=self.lengths,
             cu_seqlens=cu_seqlens,
@@ -191,7 +183,6 @@ class _Unit:
             ),
             global_batch=batch,
         )
-
 
     def real_rows(self, rows: int) -> torch.Tensor:
         """Bool mask over `rows` rows of this rank's shard (at least the shard's own): True where a

@@ -1,11 +1,5 @@
-"""The global batch, read once: per-token fields as packed values + offsets, per-sample rows.
-
-Input contract (docs/trainer-client.md): a `tensordict.TensorDict` (or any mapping of name ->
-tensor) with batch size [B] whose `input_ids` is a jagged NestedTensor
-(`torch.nested.nested_tensor(..., layout=torch.jagged)`), as in verl. Sample id i is row i. Other
-jagged fields (shape [L, ...] per sample, any trailing shape) are per-token fields and are sharded
-exactly like `input_ids`; dense fields (shape [B, ...]) are per-sample fields and travel with their
-sample.
+"""The global batch, read once: per-token fields as packed values + offsets, per-sample rows
+(docs/trainer-client.md, "The input contract").
 """
 
 from __future__ import annotations
@@ -34,10 +28,6 @@ class JaggedField:
     values: torch.Tensor  # [total tokens, ...]
     starts: tuple[int, ...]  # row in `values` of each sample's first token
 
-    def sample(self, sample_id: int, lengths: tuple[int, ...]) -> torch.Tensor:
-        start = self.starts[sample_id]
-        return self.values[start : start + lengths[sample_id]]
-
 
 @dataclass
 class GlobalBatch:
@@ -57,7 +47,7 @@ class GlobalBatch:
     def samples(self, name: str, sample_ids: tuple[int, ...]) -> list[torch.Tensor]:
         """The unsharded tokens `[L, ...]` of field `name` for `sample_ids` (views of the batch)."""
         field = self.token_fields[name]
-        return [field.sample(i, self.lengths) for i in sample_ids]
+        return [field.values[field.starts[i] : field.starts[i] + self.lengths[i]] for i in sample_ids]
 
 
 def unbind_batch(batch: Mapping[str, Any]) -> GlobalBatch:

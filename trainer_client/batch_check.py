@@ -1,15 +1,5 @@
-"""Is this the batch the plan was made for? The one check wherever a plan meets a batch.
-
-A plan applied to another batch (step N's plan on step N+1's batch, samples in another order, a
-length off by one) puts samples in CP groups sized for other lengths and breaks the capacity the
-plan promised, without a word. So the per-sample lengths of the batch are compared with those the
-plan was made for before a plan is applied: the client's `micro_batches`, the Megatron-LM drop-ins'
-`StepPlanner` (and so every drop-in built on it) and verl's `DynamicCPScheduler`.
-
-    check_batch_is_planned(planned_lengths, batch_lengths, step=7)  # BatchMismatchError or None
-
-`PlannedBatches` remembers, by plan id, the lengths (and step) of the last plans a client handed
-out, so that a plan alone says which batch it was made for.
+"""Is this the batch the plan was made for? The one check wherever a plan meets a batch
+(docs/trainer-client.md, "Errors": "The batch is the planned batch").
 """
 
 from __future__ import annotations

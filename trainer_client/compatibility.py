@@ -1,30 +1,10 @@
-"""The one table of refusals: what dynamic CP, or a drop-in that runs it, cannot run with.
+"""The one table of refusals (`RULES`): what dynamic CP, or a drop-in that runs it, cannot run with.
 
-`RULES` holds one `Rule` per reason. A rule names the places its setting lives in as data, each a
-`Place(source, dotted path)`: the FSDP rule reads the engine config's `use_megatron_fsdp` and
-Megatron-Bridge's `ddp.use_megatron_fsdp` and `dist.use_megatron_fsdp`. The sources are what a
-caller hands `check`:
-
-- engine, model, transformer, planner config, plan, batch: any trainer (`check_dynamic_cp_support`;
-  the client calls it at construction with the configs it was given, and again in `micro_batches()`
-  with the batch and the plan);
-- bridge: Megatron-Bridge's `ConfigContainer` (`megatron_bridge.check_bridge_support`, which also
-  hands over its model config as transformer and model, and its planner settings);
-- megatron_lm: what Megatron-LM's drop-ins are handed (`wrap_data_iterator`'s `num_microbatches`
-  each step) and read of the model once (`megatron_lm.checks.MODEL_SETTINGS`: from the config, else
-  Megatron-LM's arguments).
-
-A rule is checked where its sources were given (so the rows that read a drop-in's source apply to
-that drop-in only), on the Megatron-Core build (`build`) and for the schedulers (`schedulers`) its
-row names; the first rule that refuses, in table order, raises `UnsupportedCombinationError` naming
-the path, its value and the fix. Configs may be dataclasses, plain objects or dicts; the
-transformer config is Megatron-Core's `TransformerConfig` (its attribute names are used as they
-are). docs/trainer-client.md ("Unsupported combinations") and docs/megatron-bridge.md show the same
-rows, and tests keep them equal.
-
-The rows come from the reference PR (verl #6555), from Megatron-Core's own requirements for dynamic
-CP / sequence packing (megatron/training/arguments.py and transformer_config.py on the dev branch;
-hybrid_cp_schedule and multi_latent_attention on 0.19), and from what the drop-ins hand the trainer.
+Its sources, where a rule applies and the table itself: docs/trainer-client.md ("Unsupported
+combinations: one table"; tests keep it equal to `RULES`) and docs/megatron-bridge.md. The rows come
+from the reference PR (verl #6555), Megatron-Core's own requirements for dynamic CP / sequence packing
+(dev: training/arguments.py, transformer_config.py; 0.19: hybrid_cp_schedule, multi_latent_attention)
+and what the drop-ins hand the trainer.
 """
 
 from __future__ import annotations
@@ -57,12 +37,10 @@ class InstalledMegatron:
     # The dev-branch packing schedulers (data_schedule.DefaultDynamicCPScheduler) align the number
     # of micro-batches to the VPP micro-batch group; 0.19's hybrid CP runs without pipelining only.
     vpp_aware_scheduler: bool
-    # The installed Transformer Engine's (major, minor); None when it is not installed.
     transformer_engine: tuple[int, ...] | None = None
 
     @property
     def build(self) -> Build:
-        """The dev build is the one with the dev-branch packing schedulers."""
         return "dev" if self.vpp_aware_scheduler else "release"
 
     @classmethod
@@ -78,8 +56,7 @@ class InstalledMegatron:
 
 @dataclass(frozen=True)
 class Changed:
-    """A value a trainer passes again each step that must stay the same: `Changed.of` is None
-    while it does."""
+    """A value a trainer passes each step that must stay the same: `Changed.of` is None while it does."""
 
     before: Any
     after: Any
@@ -124,8 +101,7 @@ class Inputs:
         return self.sources[source] is not None
 
     def at(self, place: Place, default: Any = None) -> Any:
-        """The value at `place`; `default` where the path is absent (a field of another build) or
-        passes through None."""
+        """The value at `place`; `default` where the path is absent (a field of another build) or passes through None."""
         value = self.sources[place.source]
         for name in place.path.split("."):
             value = _get(value, name, _ABSENT) if value is not None else _ABSENT
@@ -154,8 +130,7 @@ class Inputs:
 
     @cached_property
     def installed(self) -> InstalledMegatron:
-        # Detected only when a rule asks (a refused value of a row for one build, or Transformer
-        # Engine's version): it imports Megatron-Core's schedulers.
+        # Detected only when a rule asks: it imports Megatron-Core's schedulers.
         return self._installed or InstalledMegatron.detect()
 
 
@@ -173,9 +148,7 @@ class Rule:
     A place is read when its source was given, and the rule only when every source in `needs` was
     too. `value` is read at the place (`default` when absent) unless `read` says otherwise (a rule
     with `read` has one place, which names the option). `build` is the Megatron-Core build the rule
-    applies to (None: both); `schedulers` the schedulers (empty: any; none known: the rule waits).
-    `fix` may name {value}, {tp}, {cp} and {group} (the transformer's sizes). A row may give one
-    Place for `places`."""
+    applies to (None: both); `schedulers` the schedulers (empty: any; none known: the rule waits)."""
 
     places: tuple[Place, ...]
     when: str  # the value refused, in words; `refused_when` adds the conditions of the row
@@ -195,9 +168,7 @@ class Rule:
             raise ValueError(f"rule for {self.places}: unknown sources {unknown}, or `read` with several places")
 
     def refusal(self, inputs: Inputs) -> UnsupportedCombinationError | None:
-        """The error for the first place whose value this rule refuses; None when none is."""
-        if not all(inputs.given(source) for source in self.needs):
-            return None
+        """The error for the first place whose value this rule refuses; None when none is (`check` has asked `needs`)."""
         if self.schedulers and inputs.scheduler not in self.schedulers:
             return None
         for place in self.places:
@@ -269,7 +240,6 @@ def _plan_not_grouped(_: Any, inputs: Inputs) -> bool:
 
 
 def _plan_cp(inputs: Inputs) -> int:
-    """The largest CP group of the plan (1 when it has none larger)."""
     return max((g.size for mb in _get(inputs.plan, "micro_batches", ()) for g in mb.cp_groups), default=1)
 
 

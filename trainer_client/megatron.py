@@ -1,23 +1,7 @@
-"""The one place the trainer client touches `megatron.core`.
-
-Everything the client needs from the installed Megatron-Core comes through here: `PackedSeqParams`,
-the process groups of `parallel_state` (or a `ProcessGroupCollection`), the per-size DPxCP groups,
-the data-iterator helpers the drop-ins (`trainer_client.megatron_lm`, `.megatron_bridge`) call
-instead of re-writing them, the rerun state machine's state, and what the installed build and its
-Transformer Engine can do. Megatron-Core is imported lazily: the planner-only parts of the client
-work without it.
-
-Two builds are in use (docs/design.md, "What each Megatron-Core build offers"):
-- the Megatron-LM dev branch: `initialize_model_parallel(dynamic_context_parallel=True)` builds
-  the groups `get_dynamic_data_context_parallel_groups(group_size=k)` returns, a group of size 1
-  included (its attention asserts that `cp_group` is set whenever `local_cp_size` is), and
-  `PackedSeqParams` takes `cp_partition_mode`;
-- the 0.19 releases: `hybrid_context_parallel=True` builds
-  `get_hybrid_data_context_parallel_groups(group_size=k)` for k > 1; CP1 runs without a group.
-
-A plan from either scheduler runs on whichever groups the trainer's build initialised: a packed
-dynamic-CP plan runs on 0.19's hybrid groups (power-of-two DPxCP), a plan for 24 ranks needs the
-dev build's groups.
+"""The one place the trainer client touches `megatron.core`, imported lazily (the planner-only parts
+of the client work without it): `PackedSeqParams`, the process groups and per-size DPxCP groups, the
+data-iterator helpers the drop-ins call, the rerun state, and what the installed build and its
+Transformer Engine can do. The two builds: docs/design.md ("Megatron-Core builds: what each offers").
 """
 
 from __future__ import annotations
@@ -47,7 +31,7 @@ def packed_seq_params(cu_seqlens, cu_seqlens_padded, max_seqlen: int, local_cp_s
     attention kernel knows this rank holds its CP shard of each)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    extra = {"cp_partition_mode": layout.value} if _has_field(PackedSeqParams, "cp_partition_mode") else {}
+    extra = {"cp_partition_mode": layout.value} if any(f.name == "cp_partition_mode" for f in dataclasses.fields(PackedSeqParams)) else {}
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,
@@ -62,10 +46,6 @@ def packed_seq_params(cu_seqlens, cu_seqlens_padded, max_seqlen: int, local_cp_s
     )
 
 
-def _has_field(cls, name: str) -> bool:
-    return dataclasses.is_dataclass(cls) and any(f.name == name for f in dataclasses.fields(cls))
-
-
 def parallel_state_initialized() -> bool:
     try:
         from megatron.core import parallel_state
@@ -75,14 +55,15 @@ def parallel_state_initialized() -> bool:
 
 
 def dp_cp_group() -> Any:
-    """Megatron-Core's DPxCP group (data parallel with context parallel)."""
     from megatron.core import parallel_state
 
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
 def _group_lookup() -> tuple[Callable[[int], Any], bool]:
-    """(size -> group, whether size 1 has a group) for the groups this process initialised."""
+    """(size -> group, whether size 1 has a group) for the groups this process initialised: the dev
+    build's dynamic groups include size 1 (its attention asserts that `cp_group` is set whenever
+    `local_cp_size` is); 0.19's hybrid groups start at 2 and CP1 runs without a group."""
     from megatron.core import parallel_state
 
     dynamic = getattr(parallel_state, "get_dynamic_data_context_parallel_groups", None)
@@ -105,7 +86,6 @@ def _group_lookup() -> tuple[Callable[[int], Any], bool]:
 
 
 def static_cp_group() -> Any:
-    """parallel_state's (static) context-parallel group of this rank."""
     from megatron.core import parallel_state
 
     return parallel_state.get_context_parallel_group()

@@ -1,9 +1,5 @@
-"""What one rank runs in one forward/backward pass: its shard of an execution unit.
-
-Execution units: Megatron-Core's hybrid CP (capacity bound per sample) runs every sample of a CP
-group as its own forward pass, so each sample is one RankMicroBatch; packing schedulers (dynamic
-CP, static packing) pack all samples of a group into one RankMicroBatch. `last_of_micro_batch`
-marks where the plan's micro-batch ends (Megatron-Core synchronises the DPxCP group there).
+"""What one rank runs in one forward/backward pass: its shard of an execution unit
+(docs/trainer-client.md, "What a micro-batch carries").
 """
 
 from __future__ import annotations

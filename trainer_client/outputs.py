@@ -1,12 +1,6 @@
-"""Restore outputs: gather the CP leaders' per-sample outputs and return them in sample order.
-
-Each rank passes {sample_id: output} for the samples it leads (RankMicroBatch.is_cp_leader); an
-output is any picklable object (a tensor of any shape, a scalar, a dict). Every sample must come
-back exactly once; a missing or duplicated id raises OutputRestoreError naming it, on every rank.
-Arguments of the wrong type, and an output that cannot be pickled, raise TypeError, on every rank
-too: a rank's problem travels in the gather, so no rank raises alone while the others wait in it
-(`trainer_client.together`). Each rank pickles its outputs itself before the gather for that reason:
-inside `all_gather_object` a pickling error would stop that rank alone, before the collective.
+"""Restore outputs: gather the CP leaders' per-sample outputs and return them in sample order
+(docs/trainer-client.md, "Per-sample side data travels with its sample"). A rank's problem travels
+in the gather, so every rank raises it (`trainer_client.together`).
 """
 
 from __future__ import annotations
@@ -61,7 +55,8 @@ def _outputs_problem(local_outputs: Any) -> TypeError | None:
 
 def _pickled(items: list[tuple[int, Any]]) -> tuple[bytes, TypeError | None]:
     """`items` pickled for the gather, or b"" and the TypeError that names the first output that
-    cannot be pickled (a lambda, a lock, an open file, a generator)."""
+    cannot be pickled (a lambda, a lock, an open file, a generator). Pickled here, not inside
+    `all_gather_object`, where a pickling error would stop this rank alone, before the collective."""
     try:
         return pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL), None
     except Exception as whole:  # noqa: BLE001 - pickle raises several types (PicklingError, TypeError, AttributeError)
@@ -85,18 +80,12 @@ def order_outputs(items: list[tuple[int, Any, int]], num_samples: int) -> list[A
     missing = sorted(set(range(num_samples)) - set(counts))
     if duplicated or unknown or missing:
         by_rank = {i: sorted(r for s, _, r in items if s == i) for i in duplicated[:10]}
-        raise OutputRestoreError(
-            "per-sample outputs do not cover the batch exactly once: "
-            + "; ".join(
-                part
-                for part in (
-                    f"missing sample ids {missing[:20]} ({len(missing)} in all)" if missing else "",
-                    f"duplicated sample ids {duplicated[:20]} (reported by ranks {by_rank})" if duplicated else "",
-                    f"unknown sample ids {unknown[:20]} (batch has 0..{num_samples - 1})" if unknown else "",
-                )
-                if part
-            )
+        parts = (
+            f"missing sample ids {missing[:20]} ({len(missing)} in all)" if missing else "",
+            f"duplicated sample ids {duplicated[:20]} (reported by ranks {by_rank})" if duplicated else "",
+            f"unknown sample ids {unknown[:20]} (batch has 0..{num_samples - 1})" if unknown else "",
         )
+        raise OutputRestoreError("per-sample outputs do not cover the batch exactly once: " + "; ".join(filter(None, parts)))
     ordered: list[Any] = [None] * num_samples
     for sample_id, output, _ in items:
         ordered[sample_id] = output

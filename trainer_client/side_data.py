@@ -1,10 +1,5 @@
-"""Per-sample side data that must line up with the model input before a plan is applied.
-
-Router replay: routes recorded during generation have one row per *generated-from* token, so a
-sample of L model-input tokens has L-1 recorded rows (the last generated token was never fed back
-and has no route). `align_router_replay` appends one placeholder row per such sample and a mask
-that marks it ignored, so the routes become a per-token field `[L, layers, topk]` that the apply
-step shards exactly like `input_ids`. Any other length mismatch is an error naming the sample.
+"""Per-sample side data that must line up with the model input before a plan is applied: recorded
+MoE routes (docs/trainer-client.md, "Router replay").
 """
 
 from __future__ import annotations
@@ -75,8 +70,7 @@ def attach_router_replay(
 ) -> MutableMapping[str, Any]:
     """Aligns `routes` to the batch's `input_ids` and stores them (and the mask) as jagged per-token
     fields, so `micro_batches()` shards them with their sample. Returns the batch."""
-    input_ids = batch["input_ids"]
-    lengths = [int(t.shape[0]) for t in input_ids.unbind()]
+    lengths = [int(t.shape[0]) for t in batch["input_ids"].unbind()]
     aligned, masks = align_router_replay(routes, lengths, sample_names=sample_names)
     batch[field] = torch.nested.nested_tensor(aligned, layout=torch.jagged)
     batch[mask_field] = torch.nested.nested_tensor(masks, layout=torch.jagged)

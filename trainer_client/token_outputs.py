@@ -1,11 +1,6 @@
-"""Per-token outputs (log-probs, entropies, top-k logits `[L, k]`, ...) back as whole samples, in order.
-
-Under CP every member of a sample's group holds a shard of its tokens (zigzag or contiguous, with
-padding), so a per-token output of a sample is spread over several ranks. Each rank cuts its
-micro-batch outputs `[local_tokens, ...]` into per-sample pieces with the positions they hold
-(`token_pieces`), and `restore_token_outputs` gathers the pieces and puts every sample back as
-`[L, ...]` in sample order, checking that every real token arrives exactly once. Arguments of the
-wrong type raise TypeError (bad lengths ValueError) on every rank, as in trainer_client/outputs.py.
+"""Per-token outputs (log-probs, entropies, top-k logits `[L, k]`, ...) back as whole samples, in order:
+each rank cuts its CP shard's outputs into per-sample pieces (`token_pieces`), `restore_token_outputs`
+gathers them (docs/trainer-client.md, "Per-sample side data travels with its sample").
 """
 
 from __future__ import annotations
