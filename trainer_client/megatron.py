@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -236,27 +235,3 @@ def transformer_engine_version() -> tuple[int, ...] | None:
             continue
         return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
     return None
-
-
-@dataclass(frozen=True)
-class MegatronBuild:
-    """What the installed Megatron-Core build offers the drop-in."""
-
-    version: str
-    hybrid_cp_wrapper: bool  # datasets.data_schedule.HybridCPDataLoaderWrapper (0.19.x and dev)
-    packing_wrapper: bool  # datasets.data_schedule.wrap_data_iterator (dev branch)
-    dynamic_cp_groups: bool  # initialize_model_parallel(dynamic_context_parallel=True) (dev branch)
-
-    @classmethod
-    def detect(cls) -> MegatronBuild:
-        import megatron.core
-        from megatron.core import parallel_state
-        from megatron.core.datasets import data_schedule
-
-        init = inspect.signature(parallel_state.initialize_model_parallel).parameters
-        return cls(
-            version=getattr(megatron.core, "__version__", "unknown"),
-            hybrid_cp_wrapper=hasattr(data_schedule, "HybridCPDataLoaderWrapper"),
-            packing_wrapper=hasattr(data_schedule, "wrap_data_iterator"),
-            dynamic_cp_groups="dynamic_context_parallel" in init,
-        )
