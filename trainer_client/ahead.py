@@ -1,18 +1,7 @@
-"""Plan ahead: fetch the plans of the next `depth` steps in background threads while a step trains.
-
-The data loader knows the lengths of the next global batches, so their plans can be ready before
-the trainer asks. Up to `depth` plans are requested at once (one thread each, so with round-robin
-they spread over the planner's replicas and workers): what must keep up with the step rate is the
-planner's throughput, not one plan's latency. `get` waits only for what is not ready yet.
-
-Memory is bounded: at most `depth + 1` plans are held (the current step's and `depth` ahead); a
-step the trainer has passed is dropped, and a prefetch beyond the bound is refused (`plan_step`
-then plans that step when it comes). For every step `get` reports the lead: how long the plan had
-been waiting for the trainer (0 when the trainer had to wait for it), docs/trainer-client.md.
-
-Batches without a step (verl plans each mini-batch several times: log-probs, then each PPO epoch)
-are kept by key instead, the request's digest (`prefetch_cached`, `get_cached`): a batch planned
-again reuses its plan, least recently used out past `cache_size`; a failure is not kept.
+"""Plan ahead: fetch the plans of the next `depth` steps in background threads while a step trains,
+at most `depth + 1` held (docs/trainer-client.md, "Planning far enough ahead"). `get` waits only for
+what is not ready yet and reports each step's lead. Batches without a step are kept by their
+request's digest instead (`prefetch_cached`, `get_cached`), least recently used out; a failure is not kept.
 """
 
 from __future__ import annotations
@@ -44,7 +33,6 @@ class Fetched:
     """A step's plan as `get` hands it over."""
 
     sourced: SourcedPlan
-    wait_seconds: float  # how long `get` blocked
     lead_seconds: float  # how long the plan had been ready before `get` asked; 0 when it waited
 
     @property
@@ -67,7 +55,6 @@ class PlanAhead:
         if type(cache_size) is not int or cache_size < 1:
             raise ValueError(f"cache_size: {cache_size!r} is not allowed; expected an integer >= 1")
         self._plan_fn = plan_fn
-        self.depth = depth
         self._executor = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="plan-ahead")
         self._pending: dict[int, _Pending] = {}
         self._max_pending = depth + 1
@@ -116,17 +103,15 @@ class PlanAhead:
         return pending.source if pending is not None else None
 
     def get(self, step: int, request: PlanRequest) -> Fetched:
-        """The plan for `step`, how long this call waited for it and the plan's lead."""
-        started = time.perf_counter()
+        """The plan for `step` and its lead."""
         pending = self._take(step)
         if pending is not None and pending.request is not request and pending.request != request:
             log.warning("step %d: the batch differs from the one prefetched; planning it again", step)
             pending.future.cancel()
             pending = None
         if pending is None:
-            sourced = self._plan_fn(request)
-            return Fetched(sourced, time.perf_counter() - started, 0.0)
-        return _fetched(pending, started)
+            return Fetched(self._plan_fn(request), 0.0)
+        return _fetched(pending)
 
     def prefetch_cached(self, key: str, request: PlanRequest) -> None:
         """Starts planning the batch of `key` (its request's digest) unless it is kept already."""
@@ -134,10 +119,9 @@ class PlanAhead:
 
     def get_cached(self, key: str, request: PlanRequest) -> Fetched:
         """The plan of the batch of `key`: kept, in flight, or planned now (and kept)."""
-        started = time.perf_counter()
         pending = self._entry(key, request, count=True)
         try:
-            return _fetched(pending, started)
+            return _fetched(pending)
         except BaseException:
             with self._lock:
                 if self._cached.get(key) is pending:
@@ -180,9 +164,9 @@ class PlanAhead:
         self._executor.shutdown(wait=True)
 
 
-def _fetched(pending: _Pending, started: float) -> Fetched:
-    """`pending`'s plan once it has arrived, with how long the caller waited and the plan's lead."""
+def _fetched(pending: _Pending) -> Fetched:
+    """`pending`'s plan once it has arrived, with its lead."""
+    asked = time.perf_counter()
     ready = pending.future.done()
-    sourced = pending.future.result()
-    lead = max(started - pending.arrived[0], 0.0) if ready and pending.arrived else 0.0
-    return Fetched(sourced, time.perf_counter() - started, lead)
+    lead = max(asked - pending.arrived[0], 0.0) if ready and pending.arrived else 0.0
+    return Fetched(pending.future.result(), lead)

@@ -1,19 +1,10 @@
 """One rank asks, all ranks agree: share a step's plan over the DPxCP process group.
 
-By default rank 0 of the group has the plan (from the service or its fallback) and broadcasts it
-as serialized PlanResponse bytes: the service's own, as the RPC returned them, or the fallback's.
-With `who_asks=all_ranks` every rank planned for itself. Either way every rank then all-gathers
-(plan id, digest of its own request) and raises PlanMismatchError unless all ranks hold the same
-plan for the same batch: a rank that trains a different plan than its peers would hang the job in
-its first CP collective.
-
-A planning error on the asking rank is broadcast too, so every rank raises it instead of the
-others waiting forever in the broadcast: a refusal (PlanRejectedError) as a refusal with its code,
-a service that failed with fallback off (PlannerUnavailableError) as that.
-
-Where every TP rank plans the same batch (Megatron-Bridge), the ranks that lead the TP ranks'
-DPxCP groups form one TP group, and `share_over_tp` hands TP rank 0's answer, plan or error, to the
-others before each broadcasts it over its own DPxCP group: one request per step, not one per TP rank.
+The asking rank (rank 0; every rank with `who_asks=all_ranks`) has the plan as serialized
+PlanResponse bytes, or its error, and broadcasts it; every rank then all-gathers (plan id, digest of
+its own request) and raises PlanMismatchError unless all hold the same plan for the same batch: a
+rank that trains another plan than its peers would hang the job in its first CP collective.
+`share_over_tp` hands TP rank 0's answer to the other TP ranks first (docs/trainer-client.md, "Usage").
 """
 
 from __future__ import annotations
@@ -55,12 +46,10 @@ def agree_on_plan(
     response: bytes = b"",
 ) -> Plan:
     """Every rank calls this with its own result (`None` on ranks that did not ask) and the request
-    for its own batch, and gets the group's plan back, or every rank raises the same error
-    (`trainer_client.together`): the asking rank's, or the first rank's whose batch was refused
-    before planning (it passes its error and no request). Without a process group of several ranks
-    there is no one to agree with: no digest, no collective. `response`: the serialized
-    PlanResponse `own` was read from, when the service sent it (broadcast as is; rank 0 keeps the
-    plan it already decoded)."""
+    for its own batch, and gets the group's plan back, or every rank raises the same error: the
+    asking rank's, or the first rank's whose batch was refused before planning (it passes its error
+    and no request). `response`: the serialized PlanResponse `own` was read from, when the service
+    sent it (broadcast as is; rank 0 keeps the plan it already decoded)."""
     if not is_distributed(group):
         return _unwrap(own)
     if who_asks is WhoAsks.LEADER:
@@ -93,11 +82,10 @@ def share_over_tp(
 ) -> tuple[Plan | RankError, bytes, str | None]:
     """TP rank 0's answer for every rank of the TP group `group` (all of them lead their DPxCP
     groups; only TP rank 0 asked the planner): (its plan or error, the serialized PlanResponse,
-    where the plan came from). TP rank 0 passes its own and gets it back, with the bytes it sent;
-    the others pass None and their own `request`. A rank whose batch is not TP rank 0's gets a
-    PlanMismatchError instead of a plan made for another batch; one whose batch was refused before
-    planning (`request` None) keeps `own`, its refusal. An error is returned, not raised: each rank
-    hands it on to its own DPxCP group (`agree_on_plan`), whose ranks would otherwise wait."""
+    where the plan came from). A rank whose batch is not TP rank 0's gets a PlanMismatchError; one
+    whose batch was refused before planning (`request` None) keeps `own`, its refusal. An error is
+    returned, not raised: each rank hands it on to its own DPxCP group (`agree_on_plan`), whose
+    ranks would otherwise wait."""
     if dist.get_rank(group) == 0:
         sent = _outgoing(own, response)
         share_from_first(sent if isinstance(sent, BaseException) else (sent, source, _batch_digest(request)), group)
@@ -126,8 +114,7 @@ def _batch_digest(request: PlanRequest | None) -> str | None:
 
 
 def _outgoing(own: Plan | RankError | None, response: bytes) -> bytes | BaseException:
-    """What the asking rank sends its peers: the serialized PlanResponse (the service's own bytes,
-    or the fallback plan's), or its error."""
+    """What the asking rank sends its peers: the serialized PlanResponse (the service's, or the fallback plan's), or its error."""
     if isinstance(own, Plan):
         return response or plan_to_proto(own, columns=True).SerializeToString()
     return own if own is not None else _no_plan()

@@ -1,14 +1,5 @@
-"""The facade a trainer imports: plan each step (ahead of time), apply the plan, restore outputs.
-
-    client = BatchPlannerClient(PlannerClientConfig.from_yaml("train.yaml", section="batch_planner"))
-    client.prefetch(0, lengths_of(batches[0]))
-    for step, batch in enumerate(batches):
-        plan = client.plan_step(step, lengths_of(batch))       # waits only if not planned yet
-        if step + 1 < len(batches):
-            client.prefetch(step + 1, lengths_of(batches[step + 1]))
-        for mb in client.micro_batches(plan, batch):
-            ...  # forward/backward with mb.input_ids, mb.packed_seq_params, mb.padding_mask
-        outputs = client.restore_outputs(plan, {sample_id: output, ...})
+"""The facade a trainer imports: plan each step (ahead of time), apply the plan, restore outputs
+(docs/trainer-client.md, "Usage").
 """
 
 from __future__ import annotations
@@ -64,9 +55,8 @@ class BatchPlannerClient:
     cp_groups: "megatron" (Megatron-Core's parallel_state groups, the default when initialised),
     None (no process groups; only ranks), or a callable size -> group.
     tp_group: this rank's tensor-parallel group, when every TP rank plans the same batch (Megatron-
-    Bridge reads the data on every TP rank): the ranks that would ask the planner for the TP ranks'
-    DPxCP groups are then one TP group; TP rank 0 of it asks, and hands its answer (the plan, or
-    the error every rank raises) to the others, which do not ask. None: each DPxCP group asks.
+    Bridge): only TP rank 0 of the ranks that lead the DPxCP groups asks, and hands its answer to the
+    others (docs/trainer-client.md, "Usage"). None: each DPxCP group asks.
     engine_config, model_config, transformer_config: the trainer's settings (dataclasses, objects
     or dicts; the transformer config is Megatron-Core's TransformerConfig), checked here and again
     with each batch and plan by `check_dynamic_cp_support` (docs: "Parity with the reference PR").
@@ -149,8 +139,7 @@ class BatchPlannerClient:
     def request_for(self, lengths: Sequence[int], step: int | None = None) -> PlanRequest:
         """The request for a batch of `step` (default: the next step), with the options in force
         then: the calibrated cost model changes only from a step no rank has prefetched yet.
-        Lengths that are not integers >= 1 raise PlanRejectedError (INVALID_ARGUMENT) with the
-        server's words, before any RPC or fallback (`checked_lengths`)."""
+        Lengths that are not integers >= 1 raise PlanRejectedError (`checked_lengths`)."""
         return self._request(checked_lengths(lengths), step)
 
     def _request(self, lengths: tuple[int, ...], step: int | None) -> PlanRequest:
@@ -175,18 +164,16 @@ class BatchPlannerClient:
 
     def plan(self, lengths: Sequence[int], *, cache: bool = False) -> Plan:
         """The plan for one batch that is not a training step of its own, the same on every rank
-        of the group (a collective: all ranks call it). cache=True: the asking rank keeps the
-        plans of the last `plan_cache_size` batches by their request's digest, so a batch planned
-        again (verl's log-prob passes and PPO epochs over the same mini-batches) asks nothing,
-        and one given to `prefetch_batches` is planned already; every rank still enters the same
-        collectives, hit or miss. cache=False: planned now."""
+        of the group (a collective: all ranks call it, hit or miss). cache=True: the asking rank
+        keeps the plans of the last `plan_cache_size` batches by their request's digest (docs/trainer-client.md,
+        "Batches that are not steps"). cache=False: planned now."""
         if cache:
             return self._agreed_plan(lengths, None, lambda request: self.ahead.get_cached(canonical_digest(request), request))
-        return self._agreed_plan(lengths, None, lambda request: Fetched(self.source.plan(request), 0.0, 0.0))
+        return self._agreed_plan(lengths, None, lambda request: Fetched(self.source.plan(request), 0.0))
 
     def prefetch_batches(self, batches_lengths: Sequence[Sequence[int]]) -> None:
-        """Starts planning each batch in the background for `plan(..., cache=True)` (on the asking
-        rank; not a collective: any rank may call it). Lengths the planner refuses raise here."""
+        """Starts planning each batch in the background for `plan(..., cache=True)`; not a
+        collective. Lengths the planner refuses raise here."""
         requests = [self.request_for(lengths) for lengths in batches_lengths]
         if self.asks:
             for request in requests:
@@ -205,7 +192,9 @@ class BatchPlannerClient:
         if self.asks and request is not None:
             try:
                 fetched = fetch(request)
-                self._record_lead(fetched)
+                self.metrics.plan_lead.labels(self.metrics.job).observe(fetched.lead_seconds)
+                if fetched.waited:
+                    self.metrics.late_plans.labels(self.metrics.job).inc()
                 own, self.last_source, response = fetched.sourced.plan, fetched.sourced.source, fetched.sourced.response
             except (PlanRejectedError, PlannerUnavailableError) as error:
                 own = error
@@ -223,12 +212,6 @@ class BatchPlannerClient:
         if self.calibration is not None and step is not None:
             self.calibration.begin_step(step, plan)
         return plan
-
-    def _record_lead(self, fetched: Fetched) -> None:
-        m = self.metrics
-        m.plan_lead.labels(m.job).observe(fetched.lead_seconds)
-        if fetched.waited:
-            m.late_plans.labels(m.job).inc()
 
     def _request_for_step(self, step: int, lengths: Sequence[int]) -> PlanRequest:
         """The request `prefetch` built for `step` when the lengths are the same, else a new one."""
@@ -252,9 +235,8 @@ class BatchPlannerClient:
         """This rank's execution units of the plan, from the global batch every rank holds.
 
         pack_group_samples: pack all samples of a CP group into one unit (default: as the plan's
-        scheduler executes; hybrid CP runs each sample alone, the packing schedulers pack).
-        The batch must be the one the plan was made for: BatchMismatchError names the first sample
-        whose length differs (`trainer_client.batch_check`); TypeError for what is not a batch.
+        scheduler executes). BatchMismatchError unless the batch is the one the plan was made for;
+        TypeError for what is not a batch.
         """
         _require_plan(plan)
         _require_int("pad_token_id", pad_token_id, 0, what="a token id")
@@ -299,8 +281,7 @@ class BatchPlannerClient:
 
     def timed(self, unit: RankMicroBatch, cuda: bool | None = None) -> Any:
         """`with client.timed(unit): forward_backward(unit)` times one execution unit of the step
-        last planned (CUDA events on a GPU, else the monotonic clock) for calibration. No-op
-        when calibration is off."""
+        last planned, for calibration (a no-op when it is off)."""
         if self.calibration is None:
             return contextlib.nullcontext()
         return self.calibration.timed(unit, cuda)
@@ -311,9 +292,9 @@ class BatchPlannerClient:
             self.calibration.record(unit, seconds)
 
     def end_step(self) -> CalibrationReport | None:
-        """Ends the step last planned, for calibration: every calibration_update_interval_steps
-        steps gathers the timed units over the DPxCP group and fits the cost model. A collective:
-        every rank calls it after each step's units ran. Returns what the gather found, or None."""
+        """Ends the step last planned, for calibration; at some steps gathers the timed units and
+        refits. A collective: every rank calls it after each step's units ran. Returns what the
+        gather found, or None."""
         return None if self.calibration is None else self.calibration.end_step()
 
     def serve_metrics(self, port: int, addr: str = "0.0.0.0") -> int:
@@ -399,9 +380,8 @@ def _kind_of(value: Any) -> str:
 
 
 def _unavailable(error: Exception) -> PlannerUnavailableError:
-    """Any other failure of the asking rank (a TlsMismatchError, a bug in the in-process fallback)
-    as the error the broadcast hands to every rank of the group, naming it: raised on the asking
-    rank alone, it would leave the others waiting in the broadcast."""
+    """Any other failure of the asking rank (a TlsMismatchError, a bug) as the error every rank of
+    the group raises: raised on the asking rank alone, it would leave the others waiting."""
     unavailable = PlannerUnavailableError(f"could not plan this step: {type(error).__name__}: {error}")
     unavailable.__cause__ = error
     return unavailable

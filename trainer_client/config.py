@@ -1,11 +1,5 @@
-"""The trainer client's settings: one typed pydantic dataclass, loadable from a dict or a YAML file.
-
-It drops into a trainer's config file as one section, e.g.
-
-    batch_planner:
-      planner_endpoint: dns:///batch-planner.default.svc.cluster.local:50051
-      max_seqlen_per_dp_cp_rank: 16384
-      deadline_seconds: 2.0
+"""The trainer client's settings: one typed pydantic dataclass, loadable from a dict or a YAML
+section (docs/trainer-client.md, "Configuration", lists every key).
 
 Every setting is checked on construction, from a file or in Python: its type (a count is an int, not
 a bool, a float or a string), its range, enums by value; an unknown key is refused. A bad one raises
@@ -54,78 +48,50 @@ class PlannerClientConfig(PlanningOptions):
     budget, the static CP size, the scheduler, ...; each declared, documented and bounded there) and
     how to reach the planner. DPxCP comes from the process group, DP = DPxCP / CP."""
 
-    # The client asks for auto (the cheapest of Megatron-Core's plans and the job's static CP under
-    # the job's cost model) unless the config names one scheduler. `cost_model` names the job's
-    # model: a preset ("llama3-8b-h200"), or {coefficients: ...}, or {model: ..., hardware: ...}.
+    # auto: the cheapest of Megatron-Core's plans and the job's static CP under the job's `cost_model`.
     scheduler: SchedulerKind = SchedulerKind.AUTO
-    # Where the planner listens: "host:port", or "dns:///name:port" to balance round-robin over
-    # every address the name resolves to (all replicas behind a headless Kubernetes service).
-    # Empty: never call a service, always plan in-process.
+    # "host:port", or "dns:///name:port" to balance round-robin over every address the name resolves to; empty: always plan in-process.
     planner_endpoint: str = ""
     job: str = ""
     who_asks: WhoAsks = WhoAsks.LEADER
-    # How many future steps `prefetch` may have planned at once (1..MAX_PLAN_AHEAD_DEPTH): that
-    # many Plan RPCs in flight, spread over the planner's replicas and workers, and at most
-    # depth + 1 plans held in memory. Set it so that step time x depth exceeds one plan's latency
-    # (docs/trainer-client.md, "Planning far enough ahead"); 1 plans only the next step.
+    # Future steps `prefetch` may have planned at once: that many Plan RPCs in flight, at most depth + 1
+    # plans held (docs/trainer-client.md, "Planning far enough ahead"); 1 plans only the next step.
     plan_ahead_depth: Annotated[int, Field(ge=1, le=MAX_PLAN_AHEAD_DEPTH)] = 1
 
-    # One Plan call may take this long, its retries included (gRPC's retries live within the
-    # call's deadline), before the client falls back.
+    # Per Plan call, its retries included (gRPC retries within the call's deadline), before the client falls back.
     deadline_seconds: Positive = 2.0
-    # Attempts per plan, the first included, on the codes batch_planner.errors.CLIENT_ACTION marks
-    # RETRY (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...); never on INVALID_ARGUMENT.
+    # Attempts per plan, the first included, on the codes batch_planner.errors.CLIENT_ACTION marks RETRY.
     # At most 5: gRPC's retryPolicy would lower a larger value to 5 without saying so.
     max_attempts: Annotated[int, Field(ge=1, le=5)] = 2
     initial_backoff_seconds: Seconds = 0.05
     max_backoff_seconds: Seconds = 1.0
     backoff_multiplier: Annotated[float, Field(ge=1)] = 2.0
-    # A plan call that has not answered after this long (a replica that holds it: stalled,
-    # overloaded, or on the far side of a broken connection) is sent once more, to the next replica
-    # of the round-robin, within what is left of `deadline_seconds`; the first answer wins and the
-    # other call is cancelled (the server stops its work). A call that fails (its gRPC attempts
-    # spent) with time left is sent once more the same way. So a plan costs at most two calls.
-    # A call counts as stalled only past twice the slowest of the last 20 answered calls too, so a
-    # job whose plans take seconds is not planned twice (nor hedged at all once that passes the
-    # deadline). 0: never hedge.
+    # A call unanswered after this long (and past twice the slowest of the last 20 answered calls), or
+    # failed with time left, is sent once more to the next replica within `deadline_seconds`; the first
+    # answer wins, the other is cancelled: at most two calls per plan. 0: never hedge.
     hedge_after_seconds: Seconds = 1.0
 
-    # Plan in-process with the same Megatron-Core scheduler when the service fails. Off: a
-    # failure raises PlannerUnavailableError.
+    # Plan in-process when the service fails. Off: a failure raises PlannerUnavailableError.
     fallback: bool = True
-    # After a failure of the service as a whole (no replica connected, or the plan's second call
-    # failed too), plan in-process for this long without calling the service (so steps do not
-    # each wait a full deadline while it is down); then the next step probes the service again.
-    # One replica's failure within a plan's deadline is not an outage: the next step uses the
-    # service at once.
+    # After a failure of the service as a whole, plan in-process this long before the next step probes
+    # it again; one replica's failure within a plan's deadline is not an outage.
     fallback_cooldown_seconds: Seconds = 5.0
     # How fast the gRPC channel reconnects to a planner that comes back.
     max_reconnect_backoff_seconds: Positive = 1.0
-    # Which code plans in this process (the fallback): "compiled", the planner's exact and faster
-    # execution of Megatron-Core's algorithm where the installed build is one it was verified
-    # against (the same plan, byte for byte, as Megatron-Core's own code), its hot loops compiled
-    # where the compiler (numba) is importable; "exact", the same in pure Python; or "upstream",
-    # Megatron-Core's own code always. The service's setting is its --scheduler-implementation.
+    # What the in-process fallback runs: "compiled", "exact" or "upstream" (docs/trainer-client.md,
+    # "Configuration"); the service's setting is its --scheduler-implementation.
     scheduler_implementation: SchedulerImplementation = DEFAULT_IMPLEMENTATION
 
-    # TLS: off by default, like the chart's server (helm values tls.enabled); a mismatch with the
-    # server raises TlsMismatchError on the first call instead of falling back. ca_file: the CA
-    # that signed the server (empty: system roots). cert_file + key_file: this client's
-    # certificate for mutual TLS.
+    # TLS: off by default, like the chart's server; a mismatch with the server raises TlsMismatchError on
+    # the first call instead of falling back. ca_file empty: system roots; cert_file + key_file: mutual TLS.
     tls: bool = False
     tls_ca_file: str = ""
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_server_name_override: str = ""
 
-    # Closed-loop calibration (trainer_client/calibration.py, docs/trainer-client.md): units the
-    # trainer times (`client.timed(unit)`) fit the job's cost-model coefficients over the last
-    # `calibration_window_steps` steps, gathered over the DPxCP group every
-    # `calibration_update_interval_steps` steps (`client.end_step()`, a collective); once
-    # `calibration_min_observations` distinct units are in the window the fitted coefficients
-    # travel in the job's plan requests (`cost_model`), the preset (or `cost_model`) until then.
-    # On by default: a trainer that never calls `end_step` plans with its preset and runs no
-    # collective for it; `calibration: false` turns timing, gathering and fitting off.
+    # Closed-loop calibration of the cost model from timed units (docs/trainer-client.md, "Calibration").
+    # A trainer that never calls `end_step` plans with its preset and runs no collective for it.
     calibration: bool = True
     calibration_window_steps: Count = 50
     calibration_min_observations: Count = 24

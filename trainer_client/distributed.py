@@ -1,5 +1,5 @@
-"""Whether there is a process group to talk to: broadcasting a plan and gathering outputs both
-skip their collectives without one (a single-process trainer, or torch.distributed not started)."""
+"""Whether there is a process group of several ranks to talk to; without one (a single process,
+torch.distributed not started) the client's collectives are skipped."""
 
 from __future__ import annotations
 

@@ -1,27 +1,6 @@
-"""Every error the trainer client raises of its own, under one base class.
-
-    try:
-        plan = client.plan_step(step, lengths)
-    except PlannerClientError as refused:   # anything the planner client refused or could not do
-        ...
-
-Each error is also the builtin it has always been (ValueError for what the caller passed,
-RuntimeError for what went wrong between ranks or with the service), so an existing `except
-ValueError` keeps catching it. The hierarchy (docs/trainer-client.md, "Errors"):
-
-    PlannerClientError
-    ├── ConfigError (ValueError)                  a setting's value or name
-    │   └── TlsMismatchError                      the client's TLS setting against the server's
-    ├── UnsupportedCombinationError (ValueError)  a feature dynamic CP cannot run with
-    ├── PlanRejectedError (ValueError)            the planner refused the request itself
-    ├── BatchMismatchError (ValueError)           the batch is not the one the plan was made for
-    │   └── RouterReplayAlignmentError            recorded MoE routes that do not fit the sample
-    ├── DropInInputError (ValueError)             a drop-in's step input cannot be planned or routed
-    ├── ServiceFailedError (RuntimeError)         the service gave no plan after all attempts
-    ├── PlannerUnavailableError (RuntimeError)    ... and fallback to in-process planning is off
-    ├── PlanMismatchError (RuntimeError)          ranks that must train one plan hold different ones
-    ├── OutputRestoreError (RuntimeError)         a sample's output missing or twice
-    └── RankFailedError (RuntimeError)            another rank failed with an error of no class here
+"""Every error the trainer client raises of its own, under one base class, `PlannerClientError`;
+each is also the builtin it has always been (ValueError, RuntimeError), so an existing `except
+ValueError` keeps catching it. The hierarchy: docs/trainer-client.md, "Errors".
 
 Every one of them travels between ranks (`trainer_client.together`): pickled with its message and
 attributes whatever its constructor takes, so that every rank of a group raises the same error.
@@ -66,8 +45,7 @@ class ConfigError(PlannerClientError, ValueError):
 
 
 class TlsMismatchError(ConfigError):
-    """The client's `tls` setting does not match the server's: a configuration error that no retry
-    or fallback would fix, so it is raised (with the fix) instead of planning in-process for ever."""
+    """The client's `tls` setting does not match the server's: no retry or fallback would fix it."""
 
 
 class UnsupportedCombinationError(PlannerClientError, ValueError):
@@ -114,8 +92,7 @@ class PlannerUnavailableError(PlannerClientError, RuntimeError):
 
 
 class PlanMismatchError(PlannerClientError, RuntimeError):
-    """Ranks that must train one plan hold different plans or different batches: ranks of one
-    DPxCP group, TP ranks where TP rank 0 asks for all of them, or pipeline stages."""
+    """Ranks that must train one plan (of one DPxCP group, TP group or pipeline) hold different plans or batches."""
 
 
 class OutputRestoreError(PlannerClientError, RuntimeError):
@@ -123,5 +100,4 @@ class OutputRestoreError(PlannerClientError, RuntimeError):
 
 
 class RankFailedError(PlannerClientError, RuntimeError):
-    """Another rank of the group failed with an error that is not one of the client's own (a bug,
-    an error of the data iterator): its type and message, as that rank raised it."""
+    """Another rank failed with an error that cannot travel (does not pickle): its type and message."""

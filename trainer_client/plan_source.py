@@ -1,14 +1,7 @@
-"""Where a step's plan comes from: the service, or in-process planning when the service fails.
-
-Both paths run `batch_planner.planner.plan_batch` with the same Megatron-Core scheduler, so a
-fallback plan is the plan the service would have sent (same plan id, when both run the same
-Megatron-Core release).
-
-While the service is failing, a circuit breaker keeps steps from each waiting a full deadline:
-after a failure the source plans in-process for `fallback_cooldown_seconds`, then lets one step
-probe the service (one call, its retries within `deadline_seconds` like any); when it answers, the
-outage is over. An outage is logged once when
-it starts and once when it ends.
+"""Where a step's plan comes from: the service, or in-process planning when the service fails
+(the same `plan_batch` and Megatron-Core scheduler, so the same plan). While the service is failing a
+circuit breaker plans in-process for `fallback_cooldown_seconds`, then lets one step probe the
+service (docs/trainer-client.md, "Faults"); an outage is logged once when it starts and once when it ends.
 """
 
 from __future__ import annotations
@@ -79,7 +72,7 @@ class PlanSource:
             self._enter_outage(failure)
             return self._fallback(request, failure.reason)
         self._leave_outage()
-        self._count(SERVICE)
+        self.metrics.plans.labels(self.metrics.job, SERVICE).inc()
         return SourcedPlan(plan, SERVICE, response)
 
     def _enter_outage(self, failure: ServiceFailedError) -> None:
@@ -110,19 +103,15 @@ class PlanSource:
         except PlanningError as error:
             # The trainer's own Megatron-Core cannot plan it either: say both sides' reasons.
             raise PlanRejectedError(error.code.value, str(error)) from error
-        self._count(FALLBACK)
+        self.metrics.plans.labels(self.metrics.job, FALLBACK).inc()
         return SourcedPlan(plan, FALLBACK)
-
-    def _count(self, source: str) -> None:
-        self.metrics.plans.labels(self.metrics.job, source).inc()
 
 
 def _read(response: bytes, request: PlanRequest) -> Plan:
     """The plan of the service's answer to `request`. An answer that is not a readable
-    PlanResponse, or whose plan cannot be applied to the request's batch (plan.structure_problem:
-    ranks not tiled, a sample missing or twice), fails like the call (ServiceFailedError): this
-    rank plans in-process, or with fallback off raises on every rank, rather than a rank failing
-    alone in `apply` while its peers wait in a collective, or a sample going untrained."""
+    PlanResponse, or whose plan cannot be applied to the request's batch (plan.structure_problem),
+    fails like the call (ServiceFailedError), rather than a rank failing alone in `apply` while its
+    peers wait in a collective, or a sample going untrained."""
     try:
         plan = plan_from_proto(pb.PlanResponse.FromString(response))
     except (DecodeError, KeyError, ValueError) as exc:  # ValueError: convert.MalformedPlanError among others

@@ -1,20 +1,7 @@
-"""The gRPC side of the client: one channel, Plan with a deadline, retries by gRPC itself, and one
-more call to another replica when a call stalls or fails.
-
-What a failure leads to is `batch_planner.errors.CLIENT_ACTION`, one table keyed by status code:
-RETRY (transient: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...) is the channel's
-`retryPolicy` (gRPC's service config: `max_attempts`, the backoff settings, those codes), retried
-inside the call's deadline on the next replica of the round-robin; FALLBACK (a retry gets the same
-answer) is not retried; REJECT (INVALID_ARGUMENT: the caller's fault) raises PlanRejectedError and
-is never planned in-process.
-
-A replica that holds a call (stalled) is not one gRPC's retries leave: after `hedge_after_seconds`
-without an answer, and after a call that failed with a RETRY code, a second call goes to the next
-replica within what is left of `deadline_seconds` (`_Failover`: at most two calls per plan, the
-first answer wins). A plan no call answered is a ServiceFailedError whose `whole_service` says
-whether the service as a whole failed (no replica connected, both calls failed, or a code every
-replica would answer: the plan source then plans in-process for its cooldown) or one replica did
-(the deadline ran out on one call: this step only). trainer metrics: failovers_total{reason}, service_failures_total{scope}.
+"""The gRPC side of the client: one channel, Plan with a deadline, retries by gRPC itself (the
+channel's `retryPolicy`, on the codes `batch_planner.errors.CLIENT_ACTION` marks RETRY), and one more
+call to another replica when a call stalls or fails (`_Failover`: at most two calls per plan, the
+first answer wins). docs/trainer-client.md, "Faults", is what each failure leads to.
 """
 
 from __future__ import annotations
@@ -62,10 +49,9 @@ class PlannerRpcClient:
         self._channel.close()
 
     def plan_bytes(self, request: pb.PlanRequest) -> bytes:
-        """Calls Plan (gRPC retries what may succeed on a second try; a stalled or failed call is
-        sent once more to another replica; all within `deadline_seconds`) and returns the
-        serialized PlanResponse; raises PlanRejectedError or ServiceFailedError. The job name
-        travels as metadata too, so that the server admits the call without parsing it."""
+        """Calls Plan and returns the serialized PlanResponse; raises PlanRejectedError or
+        ServiceFailedError. The job name travels as metadata too, so that the server admits the
+        call without parsing it."""
         metadata = ((JOB_METADATA_KEY, request.job),) if request.job else None
         started = time.perf_counter()
         try:
@@ -212,7 +198,7 @@ def speaks_tls(endpoint: str, timeout: float = 2.0) -> bool:
 def service_config(config: PlannerClientConfig) -> dict:
     """gRPC's service config: round-robin over every replica behind a dns:/// name (not just the
     first address), and Plan retried by gRPC on the codes CLIENT_ACTION marks RETRY, with
-    exponential backoff (gRPC draws each wait at random up to the backoff: jitter)."""
+    exponential backoff and jitter."""
     plan = {"name": [{"service": pb.DESCRIPTOR.services_by_name["BatchPlanner"].full_name, "method": "Plan"}]}
     if config.max_attempts > 1:  # gRPC refuses a retryPolicy of one attempt
         plan["retryPolicy"] = {
@@ -230,8 +216,7 @@ def _duration(seconds: float) -> str:
 
 
 def make_channel(config: PlannerClientConfig) -> grpc.Channel:
-    """A channel to `planner_endpoint`: round-robin over all resolved addresses, gRPC's retries,
-    quick reconnects, TLS when `tls` is on."""
+    """A channel to `planner_endpoint`: gRPC's retries, quick reconnects, TLS when `tls` is on."""
     reconnect_ms = int(config.max_reconnect_backoff_seconds * 1000)
     options = [
         ("grpc.service_config", json.dumps(service_config(config))),

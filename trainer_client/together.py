@@ -1,19 +1,9 @@
 """Ranks fail together: every rank of a group enters one collective with its result or its error,
-and every rank leaves it with the group's result, or every rank raises the same error.
+and every rank leaves it with the group's result, or every rank raises the same error
+(docs/trainer-client.md, "Errors"): a rank that raised alone would leave its peers waiting for
+ever in the next collective.
 
-A rank that raised alone would leave its peers waiting for ever in the next collective it never
-enters; so wherever ranks exchange what they read, planned or produced, a rank's own failure
-travels in the same collective as the others' results:
-
-- `fail_together(failure, group, payload)`: an all-gather. Returns every rank's payload when no
-  rank failed; otherwise every rank raises the error of the first rank (in group order) that did.
-- `share_from_first(outcome, group)`: a broadcast of rank 0's outcome, a value or an error,
-  returned on every rank (not raised: the caller may have peers of its own to tell first).
-
-In `fail_together` the rank that failed raises its own exception object (its traceback intact);
-every other rank raises a copy of the same class and attributes whose message says where it came
-from (`context`; a call site that wants one message on every rank names the rank in the error it
-passes, `naming_rank`, and gives context "{message}"). An error that cannot be pickled travels as a RankFailedError naming its type and message. Without a
+An error that cannot be pickled travels as a RankFailedError naming its type and message. Without a
 process group of several ranks there is no one to tell: the error is raised, the payload returned.
 """
 
@@ -37,7 +27,8 @@ def fail_together(
 ) -> list[Any]:
     """Every rank of `group` calls this with its payload, or with the error it failed with
     (`failure`); all of them get every rank's payload in group-rank order, or all of them raise the
-    first failed rank's error. A payload that cannot be pickled is this rank's failure (TypeError)."""
+    first failed rank's error: the failed rank its own object, the others a copy worded by `context`.
+    A payload that cannot be pickled is this rank's failure (TypeError)."""
     if not is_distributed(group):
         if failure is not None:
             raise failure
@@ -54,10 +45,9 @@ def fail_together(
 
 
 def share_from_first(outcome: Any, group: Any) -> Any:
-    """Rank 0's outcome, a value or an exception, on every rank of `group` (rank 0 passes its own
-    and gets it back; the others pass anything and get rank 0's, an error as a copy with the same
-    message: every rank then holds one error). Nothing is raised here: the caller raises an error
-    outcome once its own peers know it too."""
+    """Rank 0's outcome, a value or an exception (to the others a copy with the same message), on
+    every rank of `group`. Nothing is raised here: the caller raises an error outcome once its own
+    peers know it too."""
     if not is_distributed(group):
         return outcome
     first = dist.get_rank(group) == 0
@@ -79,8 +69,7 @@ def naming_rank(error: Exception | None, group: Any) -> Exception | None:
 def _entry(failure: BaseException | None, payload: Any) -> tuple[str, bytes]:
     """What one rank contributes, pickled here so that a pickling error is this rank's failure
     rather than an exception inside the collective that would stop this rank alone. Bytes (a
-    serialized plan, pickled outputs) travel as they are: they cannot fail to pickle, and a second
-    copy of megabytes would cost the step."""
+    serialized plan) travel as they are: a second copy of megabytes would cost the step."""
     if failure is None:
         if type(payload) is bytes:
             return ("bytes", payload)
@@ -107,10 +96,6 @@ def _pickled_error(error: BaseException) -> bytes:
 def _copy(data: bytes, rank: int, context: str) -> BaseException:
     """Another rank's error, of its class and attributes, its message saying where it came from."""
     error = pickle.loads(data)
-    message = context.format(rank=rank, message=_message(error))
+    message = context.format(rank=rank, message=str(error.args[0]) if len(error.args) == 1 else str(error))
     error.args = (message,)
     return error
-
-
-def _message(error: BaseException) -> str:
-    return str(error.args[0]) if len(error.args) == 1 else str(error)
