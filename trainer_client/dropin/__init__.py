@@ -1,14 +1,5 @@
 """The drop-in core: what every trainer drop-in (Megatron-LM, Megatron-Bridge, verl) shares, on top
-of `BatchPlannerClient`. One concern per module:
-
-- `settings`: the planner settings a drop-in is given, merged with the sizes the trainer runs;
-- `step_input`: one step's local batch, read and checked, its global layout agreed by all ranks;
-- `step_planner`: read one step ahead, plan it while the current one trains, route its samples;
-- `routing`: the plan in Megatron-Core's `sample_id_groups` shape, and moving each sample to the
-  ranks that run it;
-- `device`: where a drop-in's tensors live.
-
-A drop-in imports this package and `trainer_client`; no drop-in imports another (the
+of `BatchPlannerClient`. A drop-in imports this package and `trainer_client`; no drop-in imports another (the
 import-linter contract in pyproject.toml). docs/trainer-client.md, "Adding a drop-in", is the recipe.
 """
 

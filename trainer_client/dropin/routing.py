@@ -1,6 +1,5 @@
-"""The plan as Megatron-Core's schedulers return it, and moving the samples to where they run:
-one all-to-all per field inside the DP group, so each rank receives exactly the samples it runs
-and no rank ever holds the global batch."""
+"""The plan as Megatron-Core's schedulers return it, and moving the samples to where they run, so that
+no rank ever holds the global batch (docs/megatron-lm.md, "What changes")."""
 
 from __future__ import annotations
 

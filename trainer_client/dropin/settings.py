@@ -1,6 +1,5 @@
-"""The drop-ins' planner settings: the planner's own (endpoint, TLS, deadlines) from `planner=` or
-`$BATCH_PLANNER_CONFIG`, plus the sizes and the scheduler the trainer runs, read from its config
-(`merged_settings`: a size in both must agree)."""
+"""The drop-ins' planner settings: the planner's own from `planner=` or `$BATCH_PLANNER_CONFIG`, plus the
+sizes and the scheduler the trainer runs (docs/megatron-lm.md, "Which settings go where")."""
 
 from __future__ import annotations
 
@@ -17,17 +16,14 @@ from trainer_client.config import ConfigError, PlannerClientConfig
 log = logging.getLogger(__name__)
 
 CONFIG_ENV = "BATCH_PLANNER_CONFIG"
-# Megatron-Core's `sequence_packing_scheduler` names (Megatron-LM's arguments, Bridge's model config)
-# and the planner's schedulers they are.
+# Megatron-Core's `sequence_packing_scheduler` names and the planner's schedulers they are.
 PACKING_SCHEDULERS = {"default_dynamic_cp": SchedulerKind.DYNAMIC_CP, "dp_balanced": SchedulerKind.STATIC_PACKING}
 
 
 def planner_config_for(
     megatron_config: Any, scheduler: SchedulerKind, cp_size: int, planner: PlannerClientConfig | dict | None = None
 ) -> PlannerClientConfig:
-    """The client config: the planner's settings, with the sizes and scheduler Megatron runs.
-
-    A size also set in the planner settings must equal Megatron's (ConfigError names both)."""
+    """The client config: the planner's settings, with the sizes and scheduler Megatron runs (`merged_settings`)."""
     given = given_planner_settings(planner)
     derived = {
         "max_seqlen_per_dp_cp_rank": int(megatron_config.max_seqlen_per_dp_cp_rank),
@@ -63,7 +59,7 @@ def given_planner_settings(planner: PlannerClientConfig | dict | None) -> dict[s
     if isinstance(planner, PlannerClientConfig):
         defaults = {f.name: f.default for f in dataclasses.fields(PlannerClientConfig)}
         values = planner.to_dict()
-        return {k: v for k, v in values.items() if k != "max_seqlen_per_dp_cp_rank" and v != _plain(defaults[k])}
+        return {k: v for k, v in values.items() if k != "max_seqlen_per_dp_cp_rank" and v != getattr(defaults[k], "value", defaults[k])}
     if isinstance(planner, dict):
         return dict(planner)
     path = os.environ.get(CONFIG_ENV)
@@ -77,10 +73,6 @@ def given_planner_settings(planner: PlannerClientConfig | dict | None) -> dict[s
     if "batch_planner" not in data:
         raise ConfigError(f"${CONFIG_ENV}={path}: no top-level section 'batch_planner'")
     return dict(data["batch_planner"] or {})
-
-
-def _plain(value: Any) -> Any:
-    return value.value if hasattr(value, "value") else value
 
 
 def client_for(config: PlannerClientConfig, groups: mcore.DataGroups, every_tp_rank_plans: bool = False) -> BatchPlannerClient:

@@ -1,11 +1,6 @@
-"""What each pipeline stage keeps of a step, as Megatron-Core's packing schedulers decide it
-(`DpBalancedScheduler.run` on the dev branch): every stage reads and plans the whole step on its TP
-rank 0, then keeps only the fields its model chunks read. The first stage keeps tokens and
-positions, the last keeps labels and the loss mask, a stage that holds MTP layers keeps all four;
-every stage keeps the two lengths. With virtual stages, each virtual stage gets its own iterator:
-the full micro-batches where it reads data (the first virtual stage of the first stage, the last of
-the last, and those holding MTP layers), the THD metadata alone elsewhere (Megatron-Core's
-`create_data_iterator` with `vpp_needs_data`)."""
+"""What each pipeline stage keeps of a step, as Megatron-Core's packing schedulers decide it (the dev
+branch's `DpBalancedScheduler.run`, and `create_data_iterator` with `vpp_needs_data`): docs/megatron-lm.md,
+"Pipeline parallelism, as Megatron-Core's packing schedulers run it"."""
 
 from __future__ import annotations
 

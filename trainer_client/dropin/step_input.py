@@ -1,9 +1,5 @@
-"""One step's input: read, checked, and its global layout agreed by all ranks of the DPxCP group.
-
-Bad input (inconsistent `cu_seqlens`, an empty local batch, CP siblings that loaded different data,
-fields that differ between ranks) is found while reading and raised as `DropInInputError` on every
-rank at the step that holds it: one all-gather of lengths or errors, so no rank waits in a
-collective that another rank never enters (`trainer_client.together`)."""
+"""One step's input: read, checked, and its global layout agreed by all ranks of the DPxCP group; bad
+input raises DropInInputError on every rank at the same step (docs/megatron-lm.md, "Bad input")."""
 
 from __future__ import annotations
 
@@ -138,10 +134,9 @@ def agree_on_step(step: int, local: LocalBatch | None, error: str | None, groups
 
 
 def agree_on_read(failure: BaseException | None, group: Any, who: str = "TP rank") -> None:
-    """One all-gather over `group` (the Bridge drop-in's TP group, the pipeline stages; `who` names
-    one of its ranks) before a step is planned: every rank of it plans the step, or none does. `failure`: what this rank's read of the step raised,
-    StopIteration at the end of its data. A rank that failed: its error on every rank. All ended:
-    StopIteration on every rank. Some ended while others read on: a PlanMismatchError on every rank."""
+    """One all-gather over `group` (`who` names one of its ranks) before a step is planned: every rank
+    plans the step, or none does. `failure`: what this rank's read raised (StopIteration at the end of
+    its data). On every rank: a failed rank's error; StopIteration if all ended; PlanMismatchError if some did."""
     ended = isinstance(failure, StopIteration)
     everyone = fail_together(None if ended else failure, group, ended, context=who + " {rank} could not read this step: {message}")
     if all(everyone):

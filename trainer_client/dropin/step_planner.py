@@ -1,16 +1,7 @@
-"""Reading one global batch ahead and planning it while the current step trains.
-
-While step k is handed out, the local part of step k+1 is already read from the wrapped iterator
-and its lengths are all-gathered, so the plan for k+1 is made while step k trains. Memory: at most
-two local batches (this rank's share of steps k and k+1) per rank, never a global one.
-
-Ranks that read and plan the same global batch on their own must train one plan: the TP ranks
-where every TP rank reads (Megatron-Bridge), and the pipeline stages, each of which reads and plans
-the step on its TP rank 0 (Megatron-Core's packing contract). Each such group is an `Agreement`:
-its ranks first agree that each read the step (`agree_on_read`), then that each holds the same
-plan for it (the micro-batch count, each micro-batch's samples and CP groups), or every one of
-them raises the same error, naming the step and the ranks, before any enters the model's TP
-collectives or sends an activation to another stage."""
+"""Reading one global batch ahead and planning it while the current step trains (docs/megatron-lm.md,
+"What changes"). The ranks of an `Agreement` (each reads and plans the same step) first agree that each
+read the step, then that each holds the same plan, or all raise the same error, before any enters the
+model's TP collectives or sends an activation to another stage."""
 
 from __future__ import annotations
 
@@ -71,9 +62,7 @@ class StepPlanner:
     groups: mcore.DataGroups
     client: BatchPlannerClient
     transformer_config: Any = None
-    # The groups whose ranks plan each step on their own and must hold one plan, in the order they
-    # agree: the TP group where every TP rank reads (Bridge; the client shares the planner's answer
-    # over TP), the pipeline stages (`Agreement.pipeline`). Empty: no agreement beyond the DPxCP group.
+    # In the order they agree (the TP group where every TP rank reads, then the stages); empty: none beyond DPxCP.
     agreements: tuple[Agreement, ...] = ()
     _ahead: ReadStep | None = field(default=None, init=False)
     _step: int = field(default=0, init=False)
@@ -108,10 +97,9 @@ class StepPlanner:
         if current.exhausted:
             raise StopIteration
         self._step = current.step + 1
-        if current.error is None:
-            self._ahead = self._read(current.step + 1)  # one global batch ahead: its plan is made while this step trains
         if current.error is not None:
             raise DropInInputError(current.error)
+        self._ahead = self._read(current.step + 1)  # one global batch ahead: its plan is made while this step trains
         return current
 
     def _read(self, step: int) -> ReadStep:

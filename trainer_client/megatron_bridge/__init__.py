@@ -4,12 +4,6 @@
     from trainer_client.megatron_bridge import enable
     enable(cfg, planner={"planner_endpoint": "dns:///planner-headless:50051"})
     pretrain(cfg, forward_step)
-
-One concern per module: `version` (the releases it was checked against), `settings` (what Bridge's
-config and the planner settings say), `checks` (the one function that refuses what the drop-in
-cannot honour), `micro_batches` (Bridge's micro-batches in, planned units out), `schedule` (the
-forward-backward function over the planned units, read ahead per data iterator) and `enable`.
-Reading ahead, routing and the settings are the drop-in core's (trainer_client/dropin).
 """
 
 from trainer_client.megatron_bridge.checks import BRIDGE_RULES, check_bridge_support

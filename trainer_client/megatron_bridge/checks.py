@@ -1,13 +1,5 @@
-"""The one call that refuses every combination the drop-in cannot honour in Bridge's loop.
-
-`check_bridge_support(cfg, settings)` runs once, in `enable()`, before Bridge initialises anything:
-no refusal ever comes halfway through training. It applies the one refusal table
-(trainer_client/compatibility.py, `RULES`) to Bridge's `ConfigContainer` (the rows that name its
-paths: `BRIDGE_RULES`), its model config (the rules every dynamic-CP trainer shares: per-token loss,
-CUDA graphs, FP8, the planner's sizes against the model's, ...) and the planner settings. Each
-refusal is an `UnsupportedCombinationError` naming the setting (by its path in the
-`ConfigContainer` for Bridge's rows), its value and what to do; docs/megatron-bridge.md lists
-`BRIDGE_RULES` (a test keeps the two equal).
+"""The one call that refuses every combination the drop-in cannot honour in Bridge's loop, once, in
+`enable()`, before Bridge initialises anything (docs/megatron-bridge.md, "What is refused, before the first step").
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""Turning the drop-in on: `enable(cfg)` before `pretrain(cfg, forward_step)`, no edit of Bridge.
-
-It replaces six names in Bridge's modules (each kept, and put back by `disable()`):
-- `get_forward_backward_func` in `megatron.bridge.training.train` and `.eval`, so that training
-  and evaluation run Megatron-Core's schedule over the planned micro-batches
-  (`PlannedForwardBackward`);
-- `make_data_iterator_list` there too: with virtual pipeline stages Bridge gives each model chunk a
-  cached view of its data iterator; with the drop-in on, the schedule is handed the data iterator
-  itself (`ChunkIterators`), reads the step from it once and gives each chunk its own iterator over
-  the planned units;
-- `get_batch` and `get_packed_seq_params` in `megatron.bridge.training.gpt_step`, so that Bridge's
-  own GPT forward step takes each planned unit as it is: already sharded for its CP group, with
-  `PackedSeqParams` holding that group (Bridge's would slice over the static CP group and set none).
-  Every other data iterator goes to Bridge's own functions unchanged.
+"""Turning the drop-in on: `enable(cfg)` before `pretrain(cfg, forward_step)`, no edit of Bridge. It replaces
+`get_forward_backward_func` and `make_data_iterator_list` in Bridge's train and eval modules, and `get_batch`
+and `get_packed_seq_params` in `gpt_step`; `disable()` puts them back (docs/megatron-bridge.md, "What it does
+in Bridge's loop", and its VPP row).
 """
 
 from __future__ import annotations
@@ -60,12 +50,9 @@ _originals: dict[tuple[str, str], Any] = {}
 
 
 def enable(cfg: Any, planner: PlannerClientConfig | dict | None = None) -> bool:
-    """Plans Bridge's training and evaluation steps through the batch planner.
-
-    `cfg`: the `ConfigContainer` given to `pretrain`; `planner`: the planner's settings (a
-    `PlannerClientConfig` or dict; default `$BATCH_PLANNER_CONFIG`, else in-process planning).
-    Refuses an unsupported combination here, before anything runs. Returns False (after one
-    warning) and changes nothing on a Bridge version the drop-in was not checked against."""
+    """Plans Bridge's training and evaluation steps (`cfg`: the `ConfigContainer` given to `pretrain`)
+    through the batch planner. Refuses an unsupported combination here, before anything runs. Returns
+    False (after one warning) and changes nothing on a Bridge version the drop-in was not checked against."""
     global _active
     if not version_checked():
         return False

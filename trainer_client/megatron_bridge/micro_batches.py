@@ -1,15 +1,6 @@
-"""Bridge's micro-batches in, planned micro-batches out.
-
-In: what Bridge's data iterator yields per micro-batch, a dict with `tokens`, `labels`,
-`loss_mask` and `position_ids`; either rows `[micro_batch_size, seq]` (each row one sample) or one
-packed row `[1, T]` with Bridge's packed-sequence metadata (`cu_seqlens`, trimmed at
-`cu_seqlens_argmin` or at its first negative entry, or `cu_seqlens_q_padded` / `cu_seqlens_q`),
-each sequence of the pack one sample.
-
-Out: this rank's execution units of the plan (trainer_client/apply.py: zigzag or contiguous CP
-shards, padding, `PackedSeqParams` with the micro-batch's CP group from parallel_state), built
-from the samples the read-ahead routed to this rank, and turned into what Bridge's `get_batch`
-returns."""
+"""Bridge's micro-batches in (docs/megatron-bridge.md, "Input"), this rank's execution units of the plan
+out (trainer_client/apply.py), built from the samples routed to this rank and turned into what Bridge's
+`get_batch` returns."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""Megatron-Core's forward-backward function, fed the planned micro-batches.
-
-Bridge's `train_step` and `evaluate` call `forward_backward_func(data_iterator=..., num_microbatches=...)`
-with Bridge's data iterator and the configured micro-batch count. `PlannedForwardBackward` wraps the
-function Bridge got from `get_forward_backward_func`: per call it takes one step from the read-ahead
-planner of that data iterator (`StepPlanner`, the drop-in core's: it reads this DP
-rank's `num_microbatches` micro-batches of the step after, all-gathers the lengths, plans ahead and
-routes each sample to the ranks that run it), and calls the wrapped function with an iterator over
-this rank's planned units and their count.
-
-A rerun of the step (Megatron-Core's rerun state machine re-running the forward-backward in place)
-gets the same units again: no step is read twice, and the rerun sees the same micro-batches."""
+"""Megatron-Core's forward-backward function, fed the planned micro-batches of the read-ahead planner of
+each of Bridge's data iterators; a rerun of a step gets the same units again (docs/megatron-bridge.md,
+"What it does in Bridge's loop")."""
 
 from __future__ import annotations
 
@@ -44,10 +35,8 @@ class PlannedIterator:
     reruns: int = 0  # calls that re-ran the last step
 
     def __post_init__(self) -> None:
-        # Every TP rank reads and plans each step: TP rank 0 asks the planner for all of them (the
-        # client's tp_group), and the TP ranks agree that each read the step and holds its plan.
-        # Every pipeline stage reads and plans it too (Bridge's data iterators exist on every stage
-        # with packed sequences): the stages agree on the plan before any activation moves.
+        # Every TP rank and every pipeline stage reads and plans each step (TP rank 0 asks the planner
+        # for all TP ranks); each group agrees on the plan before the model runs.
         client = client_for(self.settings.planner, self.groups, every_tp_rank_plans=True)
         tp = (Agreement(self.groups.tp, "TP rank"),) if is_distributed(self.groups.tp) else ()
         agreements = tp + Agreement.pipeline(self.groups)
@@ -78,11 +67,9 @@ class PlannedIterator:
 
 
 class ChunkIterators(list):
-    """What Bridge's `make_data_iterator_list` gives the schedule with the drop-in on and several
-    model chunks (virtual pipeline stages): one entry per chunk, each the chunks' one data iterator
-    (`source`). The drop-in reads the step from `source` once and hands every chunk its own
-    iterator over the step's planned units; `unplanned()` is Bridge's own list, for calls the
-    drop-in does not plan."""
+    """What Bridge's `make_data_iterator_list` gives the schedule with the drop-in on and several model
+    chunks: one entry per chunk, each the chunks' one data iterator (`source`), read once per step;
+    `unplanned()` is Bridge's own list, for calls the drop-in does not plan."""
 
     def __init__(self, source: Any, chunks: int, unplanned: Callable[[], Any]):
         super().__init__([source] * chunks)
@@ -126,10 +113,8 @@ class PlannedForwardBackward:
 
 @contextlib.contextmanager
 def _packed_schedule(model: Any) -> Iterator[None]:
-    """On a Megatron-Core release (0.19) `model.hybrid_context_parallel=True` builds the per-size
-    DPxCP groups and also sends the schedule to 0.19's own hybrid-CP loop, which reads its wrapper's
-    (samples, groups) pairs; the planned units are packed micro-batches that carry their CP group,
-    so the schedule runs them as any micro-batches, with the flag off for the call."""
+    """0.19's `hybrid_context_parallel` flag off for the call, so that the schedule runs the planned units
+    as any packed micro-batches, not through 0.19's own hybrid-CP loop (docs/megatron-bridge.md, "Versions")."""
     config = mcore.model_config_of(model[0] if isinstance(model, list) else model)
     release_flag = getattr(config, "hybrid_context_parallel", False) and not hasattr(config, "dynamic_context_parallel")
     if release_flag:

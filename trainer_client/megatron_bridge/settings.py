@@ -1,7 +1,5 @@
-"""The drop-in's settings: what Megatron-Bridge's own `ConfigContainer` says (the scheduler, the
-sizes, `max_seqlen_per_dp_cp_rank`, `min_dynamic_context_parallel_size`), plus the planner's own
-(endpoint, TLS, deadlines, fallback) from `planner=` or `$BATCH_PLANNER_CONFIG`, as for every
-drop-in (trainer_client/dropin/settings.py)."""
+"""The drop-in's settings: what Megatron-Bridge's own `ConfigContainer` says, plus the planner's own
+(docs/megatron-bridge.md, "Settings: Bridge's own where it has them")."""
 
 from __future__ import annotations
 

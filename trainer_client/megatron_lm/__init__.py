@@ -1,9 +1,5 @@
 """A drop-in for Megatron-LM's own training loop: the planner behind Megatron-Core's data-iterator
-contract (docs/megatron-lm.md). Two drop-ins, one per contract Megatron-LM's `training.py` uses:
-`HybridCPDataLoaderWrapper` (0.19.x, `--hybrid-context-parallel`) and `wrap_data_iterator` (dev
-branch, `--sequence-packing-scheduler default_dynamic_cp | dp_balanced`), each with Megatron-Core's
-arguments and return values. Reading ahead, the checks, routing and the settings are the drop-in
-core's (trainer_client/dropin).
+contracts, `HybridCPDataLoaderWrapper` (0.19.x) and `wrap_data_iterator` (dev branch); docs/megatron-lm.md.
 """
 
 from trainer_client.megatron_lm.hybrid_cp import HybridCPDataLoaderWrapper

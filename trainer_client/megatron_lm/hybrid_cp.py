@@ -13,16 +13,8 @@ from trainer_client.megatron_lm.checks import check_model
 
 
 class HybridCPDataLoaderWrapper:
-    """Drop-in for `megatron.core.datasets.data_schedule.HybridCPDataLoaderWrapper`.
-
-    Each DP rank's `data_iterator` yields a list of packed samples (dicts with `cu_seqlens` and 1-D
-    per-token fields) per step, as for Megatron-Core's wrapper. `next()` yields
-    `(samples_this_rank_with_id, sample_id_groups)`: this rank's sub-samples by global id and the
-    plan in Megatron-Core's shape; TP ranks other than the first (whose `data_iterator` is None)
-    get `(None, None)`, as from Megatron-Core's wrapper.
-
-    Extra keyword `planner`: the planner settings (see the package docstring).
-    """
+    """Drop-in for `megatron.core.datasets.data_schedule.HybridCPDataLoaderWrapper`: its arguments and
+    what `next()` yields (docs/megatron-lm.md, "What stays the same"), plus the keyword `planner`."""
 
     def __init__(self, data_iterator, config, pg_collection=None, *, planner: PlannerClientConfig | dict | None = None):
         self.data_iterator = data_iterator

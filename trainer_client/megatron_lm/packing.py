@@ -1,17 +1,7 @@
 """The drop-in for the dev branch's `wrap_data_iterator` (`--sequence-packing-scheduler
-default_dynamic_cp | dp_balanced`): dynamic CP and static packing into THD micro-batches.
-
-Megatron-LM calls `wrap_data_iterator(data_iterator, ...)` once per step with the same iterator (with
-virtual pipeline stages, the same list of one iterator per virtual stage), so the state kept between
-steps (the read-ahead planner, the last step) lives on one `PackingDropIn` per wrapped iterator,
-found by the object it was handed.
-
-Pipeline parallelism, as Megatron-Core's own packing schedulers run it: every stage's TP rank 0
-reads the whole step from its iterator and plans it (one planner request per stage and step: the
-stages' DPxCP groups are disjoint, and each asks the planner for the same lengths), keeps the
-fields its model chunks read (`StageData`), and the stages agree on the plan before any of them
-sends an activation (`Agreement.pipeline`). With virtual stages the plan is made with
-`microbatch_group_size_per_vp_stage` and each virtual stage gets its own iterator."""
+default_dynamic_cp | dp_balanced`): dynamic CP and static packing into THD micro-batches, pipeline
+stages included (docs/megatron-lm.md). Megatron-LM calls it once per step with the same iterator (with
+virtual stages, the same list), so the state kept between steps lives on one `PackingDropIn` per wrapped iterator."""
 
 from __future__ import annotations
 
@@ -104,12 +94,8 @@ def _wrapper_of(data_iterator) -> PackingDropIn | None:
 
 
 def wrap_data_iterator(data_iterator, config, num_microbatches, pg_collection=None, *, planner=None):
-    """Drop-in for the dev branch's `megatron.core.datasets.data_schedule.wrap_data_iterator`.
-
-    Returns `(data_iterator over this rank's packed THD micro-batches, number of micro-batches,
-    sum of the global batch's sequence lengths, sum of their squares)`, built with Megatron-Core's
-    own packing helpers; TP ranks other than the first get None and the broadcast numbers.
-    """
+    """Drop-in for the dev branch's `megatron.core.datasets.data_schedule.wrap_data_iterator`: its arguments
+    and return value (docs/megatron-lm.md, "What stays the same"), plus the keyword `planner`."""
     groups = mcore.DataGroups.of(pg_collection)
     if _first_iterator(data_iterator) is None:  # TP ranks > 0: the TP broadcasts only, as upstream's
         values = mcore.broadcast_scalars([0, 0.0, 0.0], groups.tp, data_device(groups.dp_cp))

@@ -1,13 +1,5 @@
-"""Importing this module makes verl's Megatron engine plan through the batch planner.
-
-Load it with verl's own hook for a user's module, no edit to verl (docs/verl.md):
-`actor_rollout_ref.model.external_lib=trainer_client.verl.enable` (verl's
-`import_external_libs`), or `VERL_USE_EXTERNAL_MODULES=trainer_client.verl.enable`.
-
-It replaces `DynamicCPScheduler` in `verl.utils.dynamic_cp_scheduler` (where verl's engine imports
-it from) and in verl's Megatron engine module when that is already imported. verl's
-`postprocess_dynamic_cp_batch` stays as it is. On a verl version this module was not checked
-against it logs and warns that it changes nothing, and changes nothing.
+"""Importing this module makes verl's Megatron engine plan through the batch planner: it replaces verl's
+`DynamicCPScheduler`, on the verl versions it was checked against (docs/verl.md, "Turning it on").
 """
 
 from __future__ import annotations

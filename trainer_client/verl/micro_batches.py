@@ -1,10 +1,5 @@
-"""One plan, this rank's verl micro-batches: the TensorDicts verl's Megatron engine runs.
-
-Per micro-batch of the plan, this rank's samples selected from the replicated mini-batch with
-verl's own `index_select_tensor_dict`, and the non-tensor keys verl's engine and its
-`postprocess_dynamic_cp_batch` read: `local_cp_size`, `_dcp_sample_ids`, `_dcp_group_leader`,
-`_dcp_padding_mask`, `_dcp_local_num_tokens`. The CP groups are the plan's own; the padding mask
-is the execution units' padding rule (`trainer_client.apply.shard_padding_mask`).
+"""One plan, this rank's verl micro-batches: the TensorDicts verl's Megatron engine runs, with the
+non-tensor keys its `postprocess_dynamic_cp_batch` reads (docs/verl.md).
 """
 
 from __future__ import annotations

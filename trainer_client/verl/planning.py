@@ -1,13 +1,5 @@
-"""Plans for verl's mini-batches: one rank of the DPxCP group asks, all ranks agree, and each
-distinct mini-batch is planned once.
-
-verl schedules the same data several times per rollout batch: the old log-probs, the reference
-log-probs, then `ppo_epochs` updates over the same mini-batches. Plan ids are deterministic, so
-plans are cached by the request's digest: the client's own `plan(lengths, cache=True)` and its
-plan-ahead threads (trainer_client/ahead.py), so a mini-batch seen again reuses its plan and asks
-the service nothing. The cache is bounded (least recently used out). `prefetch` starts planning
-several mini-batches at once in the background, so their planning overlaps the log-prob passes;
-`plan` then waits only for what has not arrived. Every `plan` call is the same collectives on
+"""Plans for verl's mini-batches: one rank of the DPxCP group asks, all ranks agree, and each distinct
+mini-batch is planned once (docs/verl.md, "What changes"). Every `plan` call is the same collectives on
 every rank, hit or miss, so ranks can never disagree on whether a collective runs.
 """
 

@@ -1,12 +1,5 @@
-"""`DynamicCPScheduler`: verl 0.9's class (`verl.utils.dynamic_cp_scheduler`), planned by the
-batch planner.
-
-Same constructor, same `schedule()` arguments, same return value: this rank's micro-batch
-TensorDicts, which verl's `postprocess_dynamic_cp_batch` collects unchanged. What changes: the
-plan comes from the planner service (one rank of `dcp_group` asks, every rank checks it holds the
-same plan for the same batch, in-process fallback with the same Megatron-Core scheduler), and each
-distinct mini-batch is planned once (trainer_client/verl/planning.py). `prefetch` plans several
-mini-batches ahead.
+"""`DynamicCPScheduler`: verl 0.9's class (`verl.utils.dynamic_cp_scheduler`), planned by the batch
+planner, with the same constructor, `schedule()` arguments and return value (docs/verl.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""The planner settings of a verl job: the client's own config format, from the environment.
-
-- `BATCH_PLANNER_CONFIG`: a YAML file with a top-level `batch_planner` section
-  (trainer_client/config.py's keys), as for the Megatron-LM drop-in;
-- `BATCH_PLANNER_ENDPOINT`: the planner's address ("host:port" or "dns:///name:port"); set, it
-  wins over the file's `planner_endpoint`.
-
-Neither set: planning in-process only. The sizes come from verl's engine (its `DynamicCPScheduler`
-arguments), never from the settings: a size in both must agree (ConfigError names both).
+"""The planner settings of a verl job, from `$BATCH_PLANNER_CONFIG` and `$BATCH_PLANNER_ENDPOINT` (which
+wins over the file's endpoint), and the engine's sizes (docs/verl.md, "Planner settings").
 """
 
 from __future__ import annotations
@@ -19,15 +12,13 @@ from trainer_client.config import ConfigError, PlannerClientConfig
 from trainer_client.dropin.settings import CONFIG_ENV, given_planner_settings, merged_settings
 
 ENDPOINT_ENV = "BATCH_PLANNER_ENDPOINT"
-# verl's engine runs the dynamic-CP contract: every rank of the DPxCP group gets a sample list in
-# every micro-batch, CP groups are aligned runs of ranks, a group's samples are packed into one
-# THD buffer. Of the service's schedulers only dynamic CP plans for that (docs/verl.md).
+# Of the service's schedulers only dynamic CP plans for verl's engine (docs/verl.md, "Which schedulers").
 VERL_SCHEDULERS = (SchedulerKind.DYNAMIC_CP,)
 _ALLOWED = (SchedulerKind.DYNAMIC_CP, SchedulerKind.AUTO)
 
 
 def planner_settings() -> dict[str, Any]:
-    """The settings the environment names (see the module docstring)."""
+    """The settings the environment names (`$BATCH_PLANNER_ENDPOINT` wins over the file's endpoint)."""
     given = given_planner_settings(None) if os.environ.get(CONFIG_ENV) else {}
     endpoint = os.environ.get(ENDPOINT_ENV, "").strip()
     if endpoint:
