@@ -165,8 +165,8 @@ class BatchPlannerClient:
     def plan(self, lengths: Sequence[int], *, cache: bool = False) -> Plan:
         """The plan for one batch that is not a training step of its own, the same on every rank
         of the group (a collective: all ranks call it, hit or miss). cache=True: the asking rank
-        keeps the plans of the last `plan_cache_size` batches by their request's digest (docs/trainer-client.md,
-        "Batches that are not steps"). cache=False: planned now."""
+        keeps the plans of the last `plan_cache_size` batches by their request's digest
+        (docs/trainer-client.md, "Usage": "Batches that are not steps"). cache=False: planned now."""
         if cache:
             return self._agreed_plan(lengths, None, lambda request: self.ahead.get_cached(canonical_digest(request), request))
         return self._agreed_plan(lengths, None, lambda request: Fetched(self.source.plan(request), 0.0))

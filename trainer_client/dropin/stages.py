@@ -1,6 +1,7 @@
 """What each pipeline stage keeps of a step, as Megatron-Core's packing schedulers decide it (the dev
 branch's `DpBalancedScheduler.run`, and `create_data_iterator` with `vpp_needs_data`): docs/megatron-lm.md,
-"Pipeline parallelism, as Megatron-Core's packing schedulers run it"."""
+"Pipeline, virtual pipeline, MTP, MoE and RoPE", its paragraph "Pipeline parallelism, as Megatron-Core's
+packing schedulers run it"."""
 
 from __future__ import annotations
 
