@@ -105,4 +105,3 @@ def _robust_scale(residual: np.ndarray) -> float:
 
 def _round(value: float) -> float:
     return float(f"{value:.{SIGNIFICANT_DIGITS}g}") if value > 0 else 0.0
-

@@ -104,6 +104,7 @@ class PlanAhead:
 
     def get(self, step: int, request: PlanRequest) -> Fetched:
         """The plan for `step` and its lead."""
+        asked = time.perf_counter()
         pending = self._take(step)
         if pending is not None and pending.request is not request and pending.request != request:
             log.warning("step %d: the batch differs from the one prefetched; planning it again", step)
@@ -111,7 +112,7 @@ class PlanAhead:
             pending = None
         if pending is None:
             return Fetched(self._plan_fn(request), 0.0)
-        return _fetched(pending)
+        return _fetched(pending, asked)
 
     def prefetch_cached(self, key: str, request: PlanRequest) -> None:
         """Starts planning the batch of `key` (its request's digest) unless it is kept already."""
@@ -119,9 +120,10 @@ class PlanAhead:
 
     def get_cached(self, key: str, request: PlanRequest) -> Fetched:
         """The plan of the batch of `key`: kept, in flight, or planned now (and kept)."""
+        asked = time.perf_counter()
         pending = self._entry(key, request, count=True)
         try:
-            return _fetched(pending)
+            return _fetched(pending, asked)
         except BaseException:
             with self._lock:
                 if self._cached.get(key) is pending:
@@ -164,9 +166,9 @@ class PlanAhead:
         self._executor.shutdown(wait=True)
 
 
-def _fetched(pending: _Pending) -> Fetched:
-    """`pending`'s plan once it has arrived, with its lead."""
-    asked = time.perf_counter()
+def _fetched(pending: _Pending, asked: float) -> Fetched:
+    """`pending`'s plan once it has arrived, with its lead: how long before `asked` it arrived (0
+    when it arrived after: the caller waited for it)."""
     ready = pending.future.done()
     lead = max(asked - pending.arrived[0], 0.0) if ready and pending.arrived else 0.0
     return Fetched(pending.future.result(), lead)

@@ -1,7 +1,7 @@
 """One rank asks, all ranks agree: share a step's plan over the DPxCP process group.
 
-The asking rank (rank 0; every rank with `who_asks=all_ranks`) has the plan as serialized
-PlanResponse bytes, or its error, and broadcasts it; every rank then all-gathers (plan id, digest of
+Rank 0 asks and broadcasts the plan as serialized PlanResponse bytes, or its error (with
+`who_asks=all_ranks` every rank plans for itself); every rank then all-gathers (plan id, digest of
 its own request) and raises PlanMismatchError unless all hold the same plan for the same batch: a
 rank that trains another plan than its peers would hang the job in its first CP collective.
 `share_over_tp` hands TP rank 0's answer to the other TP ranks first (docs/trainer-client.md, "Usage").

@@ -146,7 +146,7 @@ class Rule:
     """One reason for a refusal: the value at any of `places` is refused when `refused(value, inputs)`.
 
     A place is read when its source was given, and the rule only when every source in `needs` was
-    too. `value` is read at the place (`default` when absent) unless `read` says otherwise (a rule
+    too (`check` chooses the rules by that). `value` is read at the place (`default` when absent) unless `read` says otherwise (a rule
     with `read` has one place, which names the option). `build` is the Megatron-Core build the rule
     applies to (None: both); `schedulers` the schedulers (empty: any; none known: the rule waits)."""
 

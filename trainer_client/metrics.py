@@ -39,7 +39,7 @@ _METRICS = {
     "step_time": (Histogram, "batch_planner_client_step_seconds", "Training step time.", (), STEP_BUCKETS),
     "micro_batches": (Gauge, "batch_planner_client_micro_batches", "Micro-batches in the current step's plan.", ()),
     # Calibration (trainer_client/calibration.py): the same values on every rank of the DPxCP group (from the group's
-    # gathered timings); counters and the error histogram count on the group"s first rank only, so a sum over ranks is the group"s.
+    # gathered timings); counters and the error histogram count on the group's first rank only, so a sum over ranks is the group's.
     "calibration_predicted_step": (Gauge, "batch_planner_client_calibration_predicted_step_seconds",
         "The last gathered step's time as the cost model that planned it predicted (timed units).", ()),
     "calibration_measured_step": (Gauge, "batch_planner_client_calibration_measured_step_seconds",
@@ -47,7 +47,7 @@ _METRICS = {
     "calibration_error": (Histogram, "batch_planner_client_calibration_relative_error_ratio",
         "|predicted - measured| / measured step time, per gathered step.", (), RELATIVE_ERROR_BUCKETS),
     "calibration_coefficients": (Gauge, "batch_planner_client_calibration_coefficient",
-        "The cost-model coefficients the job's plan requests carry (seconds), by coefficient.", ('coefficient',)),
+        "The cost-model coefficients the job's plan requests carry (seconds), by coefficient.", ("coefficient",)),
     "calibration_dropped": (Counter, "batch_planner_client_calibration_dropped_total",
         "Measurements dropped and never fitted, by reason (bounded: see trainer_client/calibration.py).", ("reason",)),
     "calibration_fits": (Counter, "batch_planner_client_calibration_fits_total",

@@ -1,7 +1,8 @@
 """Turning the drop-in on: `enable(cfg)` before `pretrain(cfg, forward_step)`, no edit of Bridge. It replaces
 `get_forward_backward_func` and `make_data_iterator_list` in Bridge's train and eval modules, and `get_batch`
-and `get_packed_seq_params` in `gpt_step`; `disable()` puts them back (docs/megatron-bridge.md, "What it does
-in Bridge's loop", and its VPP row).
+and `get_packed_seq_params` in `gpt_step` (Bridge's own would cut a planned unit again over the static CP
+group and give its `PackedSeqParams` no CP group); `disable()` puts them back (docs/megatron-bridge.md, "What it
+does in Bridge's loop", and the VPP row of "Pipeline, virtual pipeline, MTP, MoE and RoPE").
 """
 
 from __future__ import annotations

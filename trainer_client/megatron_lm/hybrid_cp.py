@@ -14,7 +14,8 @@ from trainer_client.megatron_lm.checks import check_model
 
 class HybridCPDataLoaderWrapper:
     """Drop-in for `megatron.core.datasets.data_schedule.HybridCPDataLoaderWrapper`: its arguments and
-    what `next()` yields (docs/megatron-lm.md, "What stays the same"), plus the keyword `planner`."""
+    what `next()` yields (docs/megatron-lm.md, "What stays the same"), plus the keyword `planner`. Each DP
+    rank's `data_iterator` yields a list of packed samples (dicts with `cu_seqlens` and 1-D per-token fields)."""
 
     def __init__(self, data_iterator, config, pg_collection=None, *, planner: PlannerClientConfig | dict | None = None):
         self.data_iterator = data_iterator
