@@ -1,8 +1,8 @@
 """Where a step's plan comes from: the service, or in-process planning when the service fails
 (the same `plan_batch` and Megatron-Core scheduler: the same plan where both run the same Megatron-Core
-build). While the service is failing a
-circuit breaker plans in-process for `fallback_cooldown_seconds`, then lets one step probe the
-service (docs/trainer-client.md, "Faults"); an outage is logged once when it starts and once when it ends.
+build). While the service is failing, a circuit breaker plans in-process for `fallback_cooldown_seconds`,
+then lets one step probe the service (docs/trainer-client.md, "Faults"); an outage is logged once when
+it starts and once when it ends.
 """
 
 from __future__ import annotations

@@ -45,6 +45,17 @@ def _sample(job: str, source: str, planner) -> float:
     return value or 0.0
 
 
+def _fallback_reasons(planners) -> dict[str, float]:
+    """Why plans were made in-process, by `fallbacks_total`'s reason: what a failed count says."""
+    reasons: dict[str, float] = {}
+    for p in planners:
+        for metric in p.metrics.fallbacks.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    reasons[sample.labels["reason"]] = reasons.get(sample.labels["reason"], 0.0) + sample.value
+    return reasons
+
+
 def _schedule_both(batch, group, dp, cp, tp, layout, min_rows, where):
     from verl.utils.dynamic_cp_scheduler import DynamicCPScheduler as VerlScheduler
     from verl.utils.dynamic_cp_scheduler import postprocess_dynamic_cp_batch
@@ -89,7 +100,9 @@ def _equality_rank(rank: int, world: int, store_path: str, tp: int, cp: int, sou
     asked = sum(_sample(p.metrics.job, source, p) for p in planners())
     other = sum(_sample(p.metrics.job, "fallback" if source == "service" else "service", p) for p in planners())
     if group.rank() == 0:  # the asking rank: one plan per distinct mini-batch, all from `source`
-        assert (asked, other) == (len(cases), 0.0), f"rank {rank}: plans from {source} {asked}, other {other}"
+        assert (asked, other) == (len(cases), 0.0), (
+            f"rank {rank}: plans from {source} {asked}, other {other} (fallbacks by reason: {_fallback_reasons(planners())})"
+        )
     else:
         assert (asked, other) == (0.0, 0.0), f"rank {rank} asked the planner but is not its group's asking rank"
     if source == "fallback" and group.rank() == 0:
@@ -101,16 +114,22 @@ def _equality_rank(rank: int, world: int, store_path: str, tp: int, cp: int, sou
     dist.destroy_process_group()
 
 
-def _use_service(monkeypatch, address: str) -> None:
-    """The drop-in's ranks find the planner at `address`, through the environment, no config file."""
+def _use_service(monkeypatch, address: str, tmp_path=None) -> None:
+    """The drop-in's ranks find the planner at `address`, through the environment. With `tmp_path`, a
+    config file gives each plan a deadline that 8 ranks and the planner sharing 2 cores cannot run
+    past (the default 2 s can: the plan is then the fallback's, which these tests count as a failure)."""
     monkeypatch.setenv("BATCH_PLANNER_ENDPOINT", address)
     monkeypatch.delenv("BATCH_PLANNER_CONFIG", raising=False)
+    if tmp_path is not None:
+        config = tmp_path / "planner.yaml"
+        config.write_text("batch_planner:\n  deadline_seconds: 60.0\n")
+        monkeypatch.setenv("BATCH_PLANNER_CONFIG", str(config))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,tp,cp", [(4, 1, 2), (4, 2, 2), (8, 1, 4), (8, 2, 2)])
 def test_micro_batches_equal_verls_own_where_the_service_plans(world, tp, cp, tmp_path, planner, monkeypatch):
-    _use_service(monkeypatch, planner.address)
+    _use_service(monkeypatch, planner.address, tmp_path)
     run_ranks(_equality_rank, (world, str(tmp_path / "store"), tp, cp, "service"), world, DEADLINE)
 
 
@@ -143,7 +162,7 @@ def _pipeline_rank(rank: int, world: int, store_path: str) -> None:
 
 @pytest.mark.slow
 def test_every_pipeline_stage_gets_verls_own_micro_batches(tmp_path, planner, monkeypatch):
-    _use_service(monkeypatch, planner.address)
+    _use_service(monkeypatch, planner.address, tmp_path)
     run_ranks(_pipeline_rank, (8, str(tmp_path / "store")), 8, DEADLINE)
 
 
@@ -263,5 +282,5 @@ def _dp3_cp2_rank(rank: int, world: int, store_path: str) -> None:
 
 @pytest.mark.slow
 def test_dpxcp_6_equals_verls_own_where_it_runs_and_serves_the_substitute_where_it_would_fail(tmp_path, planner, monkeypatch):
-    _use_service(monkeypatch, planner.address)
+    _use_service(monkeypatch, planner.address, tmp_path)
     run_ranks(_dp3_cp2_rank, (6, str(tmp_path / "store")), 6, DEADLINE)
