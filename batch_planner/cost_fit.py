@@ -16,7 +16,6 @@ from batch_planner.cost import price
 from batch_planner.cost_spec import COEFFICIENT_BOUNDS, COEFFICIENT_NAMES, CostModel, validate_coefficients
 from batch_planner.errors import InvalidRequestError
 
-FIT_RESULTS = ("updated", "insufficient_data", "not_converged", "out_of_bounds")
 # A coefficient is fitted when its feature is non-zero in at least this many distinct units.
 MIN_UNITS_PER_TERM = 3
 SIGNIFICANT_DIGITS = 4  # fitted coefficients travel rounded: readable, and stable across ranks
@@ -35,7 +34,7 @@ def price_vector(model: CostModel, features: Sequence[float]) -> float:
 class FitResult:
     """`model`: the fitted coefficients, or None when `result` is not "updated"."""
 
-    result: str
+    result: str  # updated, insufficient_data, not_converged or out_of_bounds (fits_total's label)
     model: CostModel | None = None
     observations: int = 0  # distinct units the fit saw
     fitted_terms: tuple[str, ...] = ()

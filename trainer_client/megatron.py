@@ -7,6 +7,7 @@ Transformer Engine can do. The two builds: docs/design.md ("Megatron-Core builds
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -30,7 +31,7 @@ def packed_seq_params(cu_seqlens, cu_seqlens_padded, max_seqlen: int, local_cp_s
     attention kernel knows this rank holds its CP shard of each)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    extra = {"cp_partition_mode": layout.value} if any(f.name == "cp_partition_mode" for f in dataclasses.fields(PackedSeqParams)) else {}
+    extra = {"cp_partition_mode": layout.value} if _takes_partition_mode() else {}
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,
@@ -43,6 +44,14 @@ def packed_seq_params(cu_seqlens, cu_seqlens_padded, max_seqlen: int, local_cp_s
         cp_group=cp_group,
         **extra,
     )
+
+
+@functools.cache
+def _takes_partition_mode() -> bool:
+    """Whether the installed PackedSeqParams has `cp_partition_mode` (the dev build), asked once, not per unit."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return any(f.name == "cp_partition_mode" for f in dataclasses.fields(PackedSeqParams))
 
 
 def parallel_state_initialized() -> bool:
