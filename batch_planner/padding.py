@@ -7,17 +7,42 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from batch_planner.columns import lengths_column, round_up, segment_sums
-from batch_planner.request import CpLayout, PlanRequest
+from batch_planner.request import CpLayout, PaddingRule, PlanRequest
 
 
-def padding_multiple(cp_size: int, tensor_parallel_size: int, cp_layout: CpLayout) -> int:
-    """A sequence on `cp_size` ranks is padded to a multiple of this (docs/design.md, Padding, layouts and statistics)."""
-    zigzag_factor = 2 if cp_layout is CpLayout.ZIGZAG and cp_size > 1 else 1
-    return tensor_parallel_size * cp_size * zigzag_factor
+def padding_multiple(cp_size: int, tensor_parallel_size: int, cp_layout: CpLayout, rule: PaddingRule = PaddingRule.MEGATRON_CORE) -> int:
+    """A sequence on `cp_size` ranks is padded to a multiple of this (docs/design.md, "Padding,
+    layouts and statistics"): TP alone at CP1; on a CP group, 2 x CP x TP in either layout, by
+    Megatron-Core's rule, and CP x TP for the contiguous layout by verl's.
+
+    2 x CP: Transformer Engine's THD attention cuts every sequence of a CP shard into 2 x CP chunks
+    (zigzag), and Megatron-Core converts contiguous input to zigzag before it
+    (`context_parallel_layout/routes.py` refuses a sequence that is not a multiple of 2 x CP).
+    x TP: sequence parallelism splits each rank's rows over the TP ranks. Megatron-LM's own dataset
+    pads the same way. verl pads its contiguous layout to CP x TP only (`preprocess_thd_engine`): its
+    engine picks that layout for attention that reads contiguous shards itself (DeepSeek-V4's)."""
+    if cp_size == 1:
+        return tensor_parallel_size
+    if rule is PaddingRule.VERL and cp_layout is CpLayout.CONTIGUOUS:
+        return tensor_parallel_size * cp_size
+    return 2 * tensor_parallel_size * cp_size
 
 
-def padded_length(length: int, cp_size: int, tensor_parallel_size: int, cp_layout: CpLayout) -> int:
-    return _round_up(length, padding_multiple(cp_size, tensor_parallel_size, cp_layout))
+def padded_length(length: int, cp_size: int, tensor_parallel_size: int, cp_layout: CpLayout, rule: PaddingRule = PaddingRule.MEGATRON_CORE) -> int:
+    return _round_up(length, padding_multiple(cp_size, tensor_parallel_size, cp_layout, rule))
+
+
+def group_padded_lengths(
+    lengths: Sequence[int], cp_size: int, tensor_parallel_size: int, cp_layout: CpLayout,
+    rule: PaddingRule = PaddingRule.MEGATRON_CORE, min_local_rows: int | None = None,
+) -> list[int]:
+    """Each sequence's padded length in one CP group's packed THD buffer: `padded_length`, then,
+    with `min_local_rows` (verl's: a kernel's minimum window per rank), the last sequence padded
+    further until the buffer holds at least `cp_size * min_local_rows` rows."""
+    padded = [padded_length(n, cp_size, tensor_parallel_size, cp_layout, rule) for n in lengths]
+    if min_local_rows is not None and padded and sum(padded) < cp_size * min_local_rows:
+        padded[-1] += cp_size * min_local_rows - sum(padded)
+    return padded
 
 
 def _round_up(length: int, multiple: int) -> int:

@@ -29,6 +29,17 @@ class CpLayout(str, Enum):
     CONTIGUOUS = "contiguous"
 
 
+class PaddingRule(str, Enum):
+    """Whose THD/CP padding the trainer's engine applies: what plan statistics count (docs/design.md,
+    "Padding, layouts and statistics"; batch_planner/padding.py)."""
+
+    # Megatron-Core's: on a CP group, every sequence to a multiple of 2 x CP x TP, in either layout.
+    MEGATRON_CORE = "megatron_core"
+    # verl's preprocess_thd_engine: zigzag as Megatron-Core; contiguous to CP x TP only (verl picks it
+    # for attention that reads contiguous shards itself); then `min_local_rows`.
+    VERL = "verl"
+
+
 class CapacityBound(str, Enum):
     """Which reading of plan invariant 4 holds for a plan (docs/design.md, Plan invariants)."""
 

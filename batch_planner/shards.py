@@ -1,7 +1,7 @@
 """Shard geometry: which tokens of an execution unit each rank of its CP group holds.
 
 Pure integer arithmetic over padded lengths (batch_planner/padding.py), shared by the trainer client
-(trainer_client/units.py builds the tensors from it) and the GPU benchmark. docs/design.md,
+(trainer_client/apply.py builds the tensors from it) and the GPU benchmark. docs/design.md,
 "Padding, layouts and statistics":
 
 - zigzag: each *sequence* of the unit is cut into 2c chunks; rank r holds chunks r and 2c-1-r of
@@ -42,15 +42,24 @@ def unit_shard(
 
 
 def padded_unit_shard(padded: Sequence[int], cp_size: int, cp_rank: int, layout: CpLayout) -> list[ShardRange]:
-    """`unit_shard` of sequences already padded to `padded` rows (each a multiple of `cp_size`;
-    zigzag cuts each into 2c chunks of `padded // 2c` rows, and rows past the last chunk, when a
-    length is not a multiple of 2c, belong to no range)."""
+    """`unit_shard` of sequences already padded to `padded` rows. Zigzag cuts each sequence into 2c
+    chunks, so each must be a multiple of 2c; contiguous cuts the buffer into c intervals, so their
+    sum must be a multiple of c. Anything else raises ValueError: rows that no rank would hold."""
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} is outside a CP group of size {cp_size}")
     if cp_size == 1:
         return [ShardRange(i, 0, p) for i, p in enumerate(padded)]
     if layout is CpLayout.ZIGZAG:
+        uneven = [(i, p) for i, p in enumerate(padded) if p % (2 * cp_size)]
+        if uneven:
+            raise ValueError(
+                f"padded lengths: sequence {uneven[0][0]} is padded to {uneven[0][1]} rows, not a multiple of "
+                f"2 x CP = {2 * cp_size}; the zigzag layout cuts every sequence into 2 x CP chunks"
+            )
         return [r for i, p in enumerate(padded) for r in _zigzag(i, p, cp_size, cp_rank)]
+    if sum(padded) % cp_size:
+        raise ValueError(f"padded lengths: the buffer holds {sum(padded)} rows, not a multiple of CP = {cp_size}; "
+                         "the contiguous layout cuts it into CP equal intervals")
     return _contiguous(padded, cp_size, cp_rank)
 
 
@@ -63,7 +72,6 @@ def _zigzag(index: int, padded: int, cp_size: int, cp_rank: int) -> list[ShardRa
 
 
 def _contiguous(padded: Sequence[int], cp_size: int, cp_rank: int) -> list[ShardRange]:
-    # Every padded length is a multiple of cp_size (padding_multiple), so the buffer splits evenly.
     per_rank = sum(padded) // cp_size
     begin, end = cp_rank * per_rank, (cp_rank + 1) * per_rank
     ranges: list[ShardRange] = []

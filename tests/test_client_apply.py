@@ -83,7 +83,7 @@ def test_zigzag_takes_chunks_r_and_2c_minus_1_minus_r():
     # 10 tokens on CP2, TP1: padded to 12, chunks of 3: rank 0 gets chunks 0 and 3, rank 1 chunks 1 and 2.
     assert shard_positions(10, 2, 0, 1, CpLayout.ZIGZAG) == [0, 1, 2, 9, 10, 11]
     assert shard_positions(10, 2, 1, 1, CpLayout.ZIGZAG) == [3, 4, 5, 6, 7, 8]
-    assert shard_positions(10, 2, 1, 1, CpLayout.CONTIGUOUS) == [5, 6, 7, 8, 9]
+    assert shard_positions(10, 2, 1, 1, CpLayout.CONTIGUOUS) == [6, 7, 8, 9, 10, 11]  # padded to 12 too
     assert shard_positions(5, 1, 0, 2, CpLayout.ZIGZAG) == [0, 1, 2, 3, 4, 5]
 
 

@@ -10,10 +10,10 @@ from tests.cost_support import group_seconds
 from batch_planner.cost_spec import CostModel
 from batch_planner.distributions import DISTRIBUTIONS, sample_lengths
 from batch_planner.errors import InvariantViolationError
-from batch_planner.padding import padded_length
+from batch_planner.padding import group_padded_lengths, padded_length
 from batch_planner.plan import CpGroup, MicroBatch, Plan, check_plan_invariants
 from batch_planner.planner import plan_batch
-from batch_planner.request import CapacityBound, CpLayout, PlanRequest, SchedulerKind
+from batch_planner.request import CapacityBound, CpLayout, PaddingRule, PlanRequest, SchedulerKind
 from batch_planner.schedulers import _DpCpGroupSize, valid_cp_sizes
 from tests.megatron_builds import require_scheduler
 
@@ -86,12 +86,20 @@ def test_statistics_add_up():
 
 
 def test_padding_rules():
-    # zigzag pads to a multiple of tp * 2c for c > 1; contiguous to tp * c; CP1 to tp.
+    # Megatron-Core's: a multiple of 2c * tp on a CP group, in either layout (it converts contiguous
+    # input to zigzag, which needs 2c); CP1 to tp. verl's: contiguous to c * tp only.
     assert padded_length(1001, 1, 1, CpLayout.ZIGZAG) == 1001
     assert padded_length(1001, 2, 1, CpLayout.ZIGZAG) == 1004
-    assert padded_length(1001, 2, 1, CpLayout.CONTIGUOUS) == 1002
+    assert padded_length(1001, 2, 1, CpLayout.CONTIGUOUS) == 1004
     assert padded_length(1001, 4, 2, CpLayout.ZIGZAG) == 1008
+    assert padded_length(1001, 4, 2, CpLayout.CONTIGUOUS) == 1008
     assert padded_length(1001, 1, 2, CpLayout.ZIGZAG) == 1002
+    assert padded_length(1001, 2, 1, CpLayout.CONTIGUOUS, PaddingRule.VERL) == 1002
+    assert padded_length(1001, 2, 1, CpLayout.ZIGZAG, PaddingRule.VERL) == 1004
+    assert padded_length(1001, 1, 2, CpLayout.CONTIGUOUS, PaddingRule.VERL) == 1002
+    # verl's min_local_rows tops the group's buffer up through its last sequence.
+    assert group_padded_lengths([3, 5], 2, 1, CpLayout.CONTIGUOUS, PaddingRule.VERL, min_local_rows=8) == [4, 12]
+    assert group_padded_lengths([30, 5], 2, 1, CpLayout.CONTIGUOUS, PaddingRule.VERL, min_local_rows=8) == [30, 6]
 
 
 def test_cost_model_rejects_bad_coefficients():

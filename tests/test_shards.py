@@ -18,16 +18,17 @@ Z, C = CpLayout.ZIGZAG, CpLayout.CONTIGUOUS
 
 # (lengths, cp, tp, layout, {rank: [(sequence index, start, stop), ...]}), worked out by hand.
 CASES = [
-    # padded [6, 4] = 10 rows, 5 per rank: rank 1 holds the tail of sequence 0 and all of 1.
-    ((5, 3), 2, 1, C, {0: [(0, 0, 5)], 1: [(0, 5, 6), (1, 0, 4)]}),
-    # padded [8, 4, 4] = 16, 4 per rank: one interval each, sequence by sequence.
-    ((7, 1, 4), 4, 1, C, {0: [(0, 0, 4)], 1: [(0, 4, 8)], 2: [(1, 0, 4)], 3: [(2, 0, 4)]}),
-    # TP 2 pads to multiples of tp * c = 4: [8, 4] = 12, 6 per rank.
-    ((5, 3), 2, 2, C, {0: [(0, 0, 6)], 1: [(0, 6, 8), (1, 0, 4)]}),
-    # padded [4, 4, 12] = 20, 5 per rank: a rank may hold three pieces, or none of a sequence.
-    ((3, 4, 11), 4, 1, C, {0: [(0, 0, 4), (1, 0, 1)], 1: [(1, 1, 4), (2, 0, 2)], 2: [(2, 2, 7)], 3: [(2, 7, 12)]}),
-    # One sequence: contiguous is c equal chunks of it.
-    ((10,), 2, 1, C, {0: [(0, 0, 5)], 1: [(0, 5, 10)]}),
+    # Both layouts pad to multiples of tp * 2c (Megatron-Core converts contiguous input to zigzag).
+    # padded [8, 4] = 12 rows, 6 per rank: rank 1 holds the tail of sequence 0 and all of 1.
+    ((5, 3), 2, 1, C, {0: [(0, 0, 6)], 1: [(0, 6, 8), (1, 0, 4)]}),
+    # padded [8, 8, 8] = 24, 6 per rank: intervals that cross sequence boundaries.
+    ((7, 1, 4), 4, 1, C, {0: [(0, 0, 6)], 1: [(0, 6, 8), (1, 0, 4)], 2: [(1, 4, 8), (2, 0, 2)], 3: [(2, 2, 8)]}),
+    # TP 2 pads to multiples of tp * 2c = 8: [8, 8] = 16, 8 per rank.
+    ((5, 3), 2, 2, C, {0: [(0, 0, 8)], 1: [(1, 0, 8)]}),
+    # padded [4, 4, 12] = 20, 10 per rank: a rank may hold three pieces, or none of a sequence.
+    ((3, 4, 11), 2, 1, C, {0: [(0, 0, 4), (1, 0, 4), (2, 0, 2)], 1: [(2, 2, 12)]}),
+    # One sequence: contiguous is c equal chunks of it (padded 10 -> 12).
+    ((10,), 2, 1, C, {0: [(0, 0, 6)], 1: [(0, 6, 12)]}),
     # zigzag pads to tp * 2c = 4: [8, 4]; chunks of 2 and 1; rank r takes r and 3 - r of each.
     ((5, 3), 2, 1, Z, {0: [(0, 0, 2), (0, 6, 8), (1, 0, 1), (1, 3, 4)], 1: [(0, 2, 6), (1, 1, 3)]}),
     # zigzag over 4 ranks, one sequence of 16: chunks of 2; the middle ranks' chunks do not touch.
@@ -62,18 +63,16 @@ def _packed_plan(lengths, cp, layout) -> Plan:
 
 
 def test_packed_contiguous_unit_tensors_by_hand():
-    lengths = (3, 4, 11)  # the fourth case above: padded [4, 4, 12], 5 rows per rank
+    lengths = (3, 4, 11)  # the fourth case above: padded [4, 4, 12], 10 rows per rank
     batch = TensorDict(
         {"input_ids": torch.nested.nested_tensor([100 * i + torch.arange(n) for i, n in enumerate(lengths)], layout=torch.jagged)},
         batch_size=[3],
     )
-    plan = _packed_plan(lengths, 4, C)
+    plan = _packed_plan(lengths, 2, C)
     P = -1  # pad token
     expected = {
-        0: ([0, 1, 2, P, 100], [0, 1, 2, 3, 0], [True, True, True, False, True], (4, 1, 0)),
-        1: ([101, 102, 103, 200, 201], [1, 2, 3, 0, 1], [True] * 5, (0, 3, 2)),
-        2: ([202, 203, 204, 205, 206], [2, 3, 4, 5, 6], [True] * 5, (0, 0, 5)),
-        3: ([207, 208, 209, 210, P], [7, 8, 9, 10, 11], [True, True, True, True, False], (0, 0, 5)),
+        0: ([0, 1, 2, P, 100, 101, 102, 103, 200, 201], [0, 1, 2, 3, 0, 1, 2, 3, 0, 1], [True] * 3 + [False] + [True] * 6, (4, 4, 2)),
+        1: ([202, 203, 204, 205, 206, 207, 208, 209, 210, P], list(range(2, 12)), [True] * 9 + [False], (0, 0, 10)),
     }
     pieces = []
     for rank, (ids, positions, mask, counts) in expected.items():

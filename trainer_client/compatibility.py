@@ -10,6 +10,7 @@ and what the drop-ins hand the trainer.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import cache, cached_property, partial
 from typing import Any, Callable, Literal, Mapping, NamedTuple
@@ -21,8 +22,8 @@ PACKING_SCHEDULERS = (SchedulerKind.DYNAMIC_CP, SchedulerKind.STATIC_PACKING)
 MULTIMODAL_BATCH_FIELDS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "multi_modal_inputs")
 
 # What a caller may hand `check`, by name; a drop-in's own source is read by its rows only.
-SOURCES = ("engine", "model", "transformer", "planner config", "plan", "batch", "bridge", "megatron_lm")
-DROP_IN_SOURCES = {"bridge": "Megatron-Bridge's drop-in", "megatron_lm": "Megatron-LM's drop-ins"}
+SOURCES = ("engine", "model", "transformer", "planner config", "plan", "batch", "bridge", "megatron_lm", "verl")
+DROP_IN_SOURCES = {"bridge": "Megatron-Bridge's drop-in", "megatron_lm": "Megatron-LM's drop-ins", "verl": "verl's drop-in"}
 # Position embeddings that rotate queries and keys by position (RoPE and its variants).
 ROTARY_EMBEDDINGS = ("rope", "mrope", "yarn")
 
@@ -235,6 +236,16 @@ def _mtp_with_tp_and_sp(inputs: Inputs) -> bool:
     return (inputs.tc("mtp_num_layers") or 0) > 0 and inputs.tp > 1 and bool(inputs.tc("sequence_parallel", False))
 
 
+def _uneven_top_up(value: Any, inputs: Inputs) -> bool:
+    """verl's min_local_rows top-up (the last sequence of a CP group padded until the group holds CP x
+    min_local_rows rows) leaves each rank min_local_rows rows, which sequence parallelism splits over
+    TP, and in the zigzag layout a last sequence that is a multiple of 2 x CP only when
+    min_local_rows is even."""
+    tp = _get(inputs.sources["planner config"], "tensor_parallel_size", 1) or 1
+    multiple = math.lcm(2, tp) if inputs.layout is CpLayout.ZIGZAG else tp
+    return value is not None and value % multiple != 0
+
+
 def _plan_not_grouped(_: Any, inputs: Inputs) -> bool:
     return inputs.vpp > 1 and bool(inputs.group) and len(inputs.plan.micro_batches) % inputs.group != 0
 
@@ -358,6 +369,12 @@ RULES: tuple[Rule, ...] = (
     Rule(Place("batch", "batch field"), "one of " + ", ".join(MULTIMODAL_BATCH_FIELDS),
          "multimodal inputs are not supported with dynamic CP; drop them or use static CP",
          lambda v, _: v is not None, read=_first_multimodal_field),
+    Rule(Place("verl", "min_local_rows"), "not a multiple of the planner config's tensor_parallel_size (and, with the zigzag layout, of 2)",
+         "verl pads a CP group's last sequence until every rank holds min_local_rows rows, which sequence parallelism "
+         "splits over the TP ranks; in the zigzag layout that sequence must also stay a multiple of 2 x CP (Transformer "
+         "Engine's THD attention cuts it into 2 x CP chunks): set min_local_rows to a multiple of the tensor parallel size "
+         "(and of 2 with zigzag; verl's engine pairs min_local_rows with the contiguous layout)",
+         _uneven_top_up, needs=("planner config",)),
     Rule((_megatron_lm("num_microbatches"), _bridge("train.rampup_batch_size")), "changed between steps (num_microbatches), or set (rampup_batch_size)",
          "the drop-in reads one global batch ahead with the micro-batch count in force; batch-size ramp-up "
          "changes it between steps: turn ramp-up off (unset rampup_batch_size)", _is_set),

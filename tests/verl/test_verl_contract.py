@@ -9,6 +9,8 @@ import sys
 import textwrap
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from verl.utils import tensordict_utils as tu
 from verl.utils.dynamic_cp_scheduler import DCP_GROUP_LEADER, DCP_LOCAL_NUM_TOKENS, DCP_PADDING_MASK, DCP_SAMPLE_IDS
 
@@ -135,6 +137,9 @@ def test_a_rank_without_a_sample_is_refused():
         (lambda s, b: s.schedule(b, _Group(4), tp_size=1, cp_layout="ring"), "cp_layout: 'ring' is not allowed"),
         (lambda s, b: s.schedule(b, _Group(4), tp_size=1, min_local_rows=0), "min_local_rows: 0 is not allowed"),
         (lambda s, b: s.schedule(mini_batch([40], seed=3), _Group(4), tp_size=1), "40 tokens needs at least 10 ranks"),
+        # The refusal table's verl row: a top-up that would leave a zigzag sequence Transformer Engine asserts on.
+        (lambda s, b: s.schedule(b, _Group(4), tp_size=1, min_local_rows=5), r"min_local_rows.*multiple of 2 x CP"),
+        (lambda s, b: s.schedule(b, _Group(4), tp_size=2, cp_layout="contiguous", min_local_rows=3), r"min_local_rows.*sequence parallelism"),
     ],
 )
 def test_schedule_refuses_bad_input_before_planning(call, message):
@@ -223,3 +228,30 @@ def test_an_unchecked_verl_version_says_so_and_changes_nothing():
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "verl.utils.dynamic_cp_scheduler"]
     assert "verl 0.10.0 is not a version this drop-in was checked against" in done.stderr
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.lists(st.integers(1, 200), min_size=1, max_size=6), st.integers(1, 8), st.sampled_from([1, 2]),
+       st.sampled_from(list(CpLayout)), st.one_of(st.none(), st.integers(1, 64)))
+def test_verls_padding_is_verls_own(lengths, cp_size, tp_size, layout, min_local_rows):
+    """The drop-in pads as verl does (verl's own `_local_padding_mask`, the mask verl's preprocessing
+    yields): every rank's padding mask equal, for odd lengths, CP 1-8, TP 1-2, both layouts and
+    `min_local_rows`, save what the refusal table refuses before the first step."""
+    from verl.utils.dynamic_cp_scheduler import _local_padding_mask
+
+    from batch_planner.padding import group_padded_lengths
+    from batch_planner.request import PaddingRule
+    from trainer_client.compatibility import check
+    from trainer_client.config import PlannerClientConfig
+    from trainer_client.errors import UnsupportedCombinationError
+
+    try:
+        check({"verl": {"min_local_rows": min_local_rows},
+               "planner config": PlannerClientConfig(max_seqlen_per_dp_cp_rank=64, cp_layout=layout, tensor_parallel_size=tp_size)})
+    except UnsupportedCombinationError:
+        return  # refused before verl pads anything
+    padded = group_padded_lengths(lengths, cp_size, tp_size, layout, PaddingRule.VERL, min_local_rows)
+    for rank in range(cp_size):
+        theirs = _local_padding_mask(lengths, cp_size=cp_size, cp_rank=rank, tp_size=tp_size, cp_layout=layout.value,
+                                     min_local_rows=min_local_rows)
+        assert shard_padding_mask(lengths, padded, cp_size, rank, layout).tolist() == theirs.tolist(), (padded, rank)

@@ -15,9 +15,9 @@ from verl.utils.dynamic_cp_scheduler import (
     DCP_SAMPLE_IDS,
 )
 
-from batch_planner.padding import padded_length
+from batch_planner.padding import group_padded_lengths
 from batch_planner.plan import MicroBatch
-from batch_planner.request import CpLayout
+from batch_planner.request import CpLayout, PaddingRule
 from trainer_client.apply import shard_padding_mask
 
 
@@ -49,7 +49,7 @@ def rank_micro_batches(
             )
         sample_ids = [int(i) for i in group.sample_ids]
         group_lengths = [lengths[i] for i in sample_ids]
-        padded = padded_lengths(group_lengths, group.size, tp_size, cp_layout, min_local_rows)
+        padded = group_padded_lengths(group_lengths, group.size, tp_size, cp_layout, PaddingRule.VERL, min_local_rows)
         mask = shard_padding_mask(group_lengths, padded, group.size, rank - group.first_rank, cp_layout)
         selected = tu.index_select_tensor_dict(batch, sample_ids)
         tu.assign_non_tensor_data(selected, "local_cp_size", group.size)
@@ -60,14 +60,3 @@ def rank_micro_batches(
         out.append(selected)
     return out
 
-
-def padded_lengths(
-    lengths: Sequence[int], cp_size: int, tensor_parallel_size: int, layout: CpLayout, min_local_rows: int | None
-) -> list[int]:
-    """Each sample's padded length in the group's THD buffer: the plan's padding
-    (batch_planner/padding.py), and with verl's `min_local_rows` the last sample padded further
-    until the buffer holds at least `cp_size * min_local_rows` rows (a kernel's minimum window)."""
-    padded = [padded_length(n, cp_size, tensor_parallel_size, layout) for n in lengths]
-    if min_local_rows is not None and sum(padded) < cp_size * min_local_rows:
-        padded[-1] += cp_size * min_local_rows - sum(padded)
-    return padded

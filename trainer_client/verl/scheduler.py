@@ -11,6 +11,7 @@ import torch
 from tensordict import TensorDict
 
 from batch_planner.request import CpLayout
+from trainer_client.compatibility import check
 from trainer_client.verl.micro_batches import rank_micro_batches
 from trainer_client.verl.planning import CachedPlanner, planner_for
 from trainer_client.verl.settings import planner_settings, verl_planner_config
@@ -42,8 +43,10 @@ class DynamicCPScheduler:
         layout = _layout(cp_layout)
         if min_local_rows is not None and (type(min_local_rows) is not int or min_local_rows <= 0):
             raise ValueError(f"min_local_rows: {min_local_rows!r} is not allowed; expected None or a positive integer")
+        config = self._config(tp_size, cp_layout)
+        check({"verl": {"min_local_rows": min_local_rows}, "planner config": config})
         lengths = self._lengths(batch, dcp_group)
-        planner = self.planner(dcp_group, tp_size=tp_size, cp_layout=cp_layout)
+        planner = planner_for(config, dcp_group)
         plan = planner.plan(lengths)
         planner.client.check_planned_batch(plan, lengths)  # the batch split is the one planned
         return rank_micro_batches(
@@ -60,11 +63,13 @@ class DynamicCPScheduler:
 
     def planner(self, dcp_group, *, tp_size: int, cp_layout: str = "zigzag") -> CachedPlanner:
         """The planner (client, cache, metrics) this process uses for `dcp_group` and these sizes."""
-        config = verl_planner_config(
+        return planner_for(self._config(tp_size, cp_layout), dcp_group)
+
+    def _config(self, tp_size: int, cp_layout: str):
+        return verl_planner_config(
             planner_settings(), max_seqlen_per_dp_cp_rank=self.max_seqlen_per_dp_cp_rank,
             cp_size=self.cp_size, tp_size=tp_size, cp_layout=_layout(cp_layout),
         )
-        return planner_for(config, dcp_group)
 
     def _lengths(self, batch: TensorDict, dcp_group: Any) -> list[int]:
         input_ids = batch.get("input_ids", None)
