@@ -31,6 +31,10 @@ def planner_config_for(
         "tensor_parallel_size": int(getattr(megatron_config, "tensor_model_parallel_size", 1) or 1),
         "scheduler": scheduler.value,
     }
+    if getattr(megatron_config, "cp_partition_mode", None) is not None:
+        # The layout Megatron-Core cuts and reads the shards in (dev build; 0.19 reads zigzag only):
+        # the drop-ins' shards and the plan's padding must be of the same one.
+        derived["cp_layout"] = megatron_config.cp_partition_mode
     if scheduler is SchedulerKind.DYNAMIC_CP:
         derived["min_cp_size"] = getattr(megatron_config, "min_dynamic_context_parallel_size", None)
     if scheduler is SchedulerKind.STATIC_PACKING:

@@ -100,7 +100,7 @@ def rank_micro_batches(plan, samples, layout: GlobalLayout, dp_cp_rank: int, cp_
 
 class PlannedMicroBatches(Iterator[RankMicroBatch]):
     """The iterator the schedule is given instead of Bridge's: one planned unit per `next()`;
-    `device`, where `get_batch` puts the unit's tensors (trainer_client.dropin.data_device)."""
+    `device`, where `get_batch` puts the unit's tensors (trainer_client.dropin.device.model_device)."""
 
     def __init__(self, units: list[RankMicroBatch], device: torch.device | None = None):
         self.units = units

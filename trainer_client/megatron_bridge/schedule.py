@@ -12,7 +12,7 @@ from batch_planner.request import SchedulerKind
 from trainer_client import megatron as mcore
 from trainer_client.config import ConfigError
 from trainer_client.distributed import is_distributed
-from trainer_client.dropin.device import data_device
+from trainer_client.dropin.device import model_device
 from trainer_client.dropin.settings import checked_transformer_config, client_for
 from trainer_client.dropin.step_planner import Agreement, PlannedStep, StepPlanner
 from trainer_client.megatron_bridge.micro_batches import PlannedMicroBatches, rank_micro_batches, read_local_batch
@@ -101,7 +101,7 @@ class PlannedForwardBackward:
         planned = self.dropin.planned_iterator(source, kwargs["num_microbatches"], kwargs.get("pg_collection"))
         rerun = not kwargs.get("forward_only", False) and mcore.in_rerun()
         units = planned.units_for(rerun)
-        device = data_device(planned.groups.dp_cp)
+        device = model_device()
         if chunks is not None:  # one iterator per virtual stage, each over every unit of the step
             iterators: Any = [PlannedMicroBatches(units, device) for _ in chunks]
         else:

@@ -14,7 +14,7 @@ from batch_planner.request import SchedulerKind
 from trainer_client import megatron as mcore
 from trainer_client.compatibility import Changed, check
 from trainer_client.config import ConfigError
-from trainer_client.dropin.device import data_device
+from trainer_client.dropin.device import data_device, model_device
 from trainer_client.dropin.settings import PACKING_SCHEDULERS, checked_transformer_config, client_for, planner_config_for
 from trainer_client.dropin.stages import StageData
 from trainer_client.dropin.step_input import GlobalLayout, LocalBatch, raise_on_bad_packed_sample
@@ -55,13 +55,16 @@ class PackingDropIn:
         """wrap_data_iterator's answer for the next step."""
         check({"megatron_lm": {"num_microbatches": Changed.of(self.num_microbatches, num_microbatches)}})
         step = self.last_step = self.planner.next_step()
-        device = data_device(self.groups.dp_cp)
+        device = model_device()
         dynamic = self.scheduler is SchedulerKind.DYNAMIC_CP
-        samples = {i: {**fields, **_length_tensors(step.layout, i, device)} for i, fields in step.samples.items()}
+        samples = {
+            i: {**{k: v.to(device) for k, v in fields.items()}, **_length_tensors(step.layout, i, device)}
+            for i, fields in step.samples.items()
+        }
         packed = mcore.build_packed_microbatches(samples, step.sample_id_groups, self.groups.dp_cp.rank(), device, dynamic)
         padded = step.layout.padded
         sums = [len(step.sample_id_groups), float(sum(padded)), float(sum(p * p for p in padded))]
-        count, total, squares = mcore.broadcast_scalars(sums, self.groups.tp, device)
+        count, total, squares = mcore.broadcast_scalars(sums, self.groups.tp, data_device(self.groups.tp))
         iterator = mcore.create_packed_data_iterator(packed, self.groups.tp, self.config, dynamic, self.stage.vpp_needs_data)
         return iterator, int(count), total, squares
 
@@ -98,7 +101,7 @@ def wrap_data_iterator(data_iterator, config, num_microbatches, pg_collection=No
     and return value (docs/megatron-lm.md, "What stays the same"), plus the keyword `planner`."""
     groups = mcore.DataGroups.of(pg_collection)
     if _first_iterator(data_iterator) is None:  # TP ranks > 0: the TP broadcasts only, as upstream's
-        values = mcore.broadcast_scalars([0, 0.0, 0.0], groups.tp, data_device(groups.dp_cp))
+        values = mcore.broadcast_scalars([0, 0.0, 0.0], groups.tp, data_device(groups.tp))
         dynamic = PACKING_SCHEDULERS.get(getattr(config, "sequence_packing_scheduler", None)) is SchedulerKind.DYNAMIC_CP
         return mcore.create_packed_data_iterator(None, groups.tp, config, dynamic), int(values[0]), values[1], values[2]
     wrapper = _wrapper_of(data_iterator)
