@@ -30,6 +30,17 @@ def test_a_size_set_in_both_places_must_agree():
         planner_config_for(megatron_config(), SchedulerKind.HYBRID_CP, 2, {"context_parallel_size": 4})
 
 
+def test_the_layout_is_the_models_own_where_the_build_has_one():
+    """The dev build's cp_partition_mode decides the planner's cp_layout (Megatron-Core cuts and reads
+    the shards in it, and the Bridge drop-in shards in it); a planner setting that says otherwise is
+    refused, naming both; 0.19's config has none, and the setting stands."""
+    contiguous = planner_config_for(megatron_config(cp_partition_mode="contiguous"), SchedulerKind.DYNAMIC_CP, 2)
+    assert contiguous.cp_layout.value == "contiguous"
+    with pytest.raises(ConfigError, match="cp_layout: the planner settings say 'zigzag' but Megatron runs 'contiguous'"):
+        planner_config_for(megatron_config(cp_partition_mode="contiguous"), SchedulerKind.DYNAMIC_CP, 2, {"cp_layout": "zigzag"})
+    assert planner_config_for(megatron_config(), SchedulerKind.HYBRID_CP, 2, {"cp_layout": "contiguous"}).cp_layout.value == "contiguous"
+
+
 def test_settings_file_from_the_environment(tmp_path, monkeypatch):
     path = tmp_path / "planner.yaml"
     path.write_text("batch_planner:\n  planner_endpoint: 127.0.0.1:5\n  tls: false\n")
