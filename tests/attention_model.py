@@ -1,8 +1,15 @@
-"""A tiny Megatron-Core GPTModel whose tokens interact: Megatron-Core's own `SelfAttention` (its
-linear layers and its RoPE code, unfused) with only core attention replaced by the CPU stand-in for
-Transformer Engine's THD attention (tests/cp_attention_standin.py). Build it after
-`parallel_state.initialize_model_parallel` and inside `CudaDeviceRequestsOnCpu()`; every rank
-that builds it with the same config gets the same weights."""
+"""A tiny Megatron-Core GPTModel whose tokens interact, on one of two engines (`AttentionModelConfig.engine`):
+
+- "cpu-standin": Megatron-Core's own `SelfAttention` (its linear layers and its RoPE code, unfused)
+  on its local layer spec, with only core attention replaced by the CPU stand-in for Transformer
+  Engine's THD attention (tests/cp_attention_standin.py); fp32 on the CPU. Build it inside
+  `CudaDeviceRequestsOnCpu()`.
+- "transformer-engine": Megatron-Core's Transformer Engine layer spec (`TEDotProductAttention`:
+  Transformer Engine's THD/CP kernels and ring; its fused norm and linear layers); bf16 on the
+  current CUDA device (tests/transformer_engine).
+
+Build it after `parallel_state.initialize_model_parallel`; every rank of a pipeline stage that builds
+it with the same config gets the same weights."""
 
 from __future__ import annotations
 
@@ -14,11 +21,17 @@ import torch
 from tests.cp_attention_standin import layer_spec_with_standin
 
 
+Engine = Literal["cpu-standin", "transformer-engine"]
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionModelConfig:
+    engine: Engine = "cpu-standin"
+    """Core attention and where the model runs (module docstring)."""
     vocab_size: int = 64
     hidden_size: int = 32
-    """Hidden width; 4 attention heads of hidden_size / 4."""
+    """Hidden width; 4 attention heads of hidden_size / 4 (Transformer Engine's fused attention takes
+    head sizes that are multiples of 8: its models are built 128 wide)."""
     num_layers: int = 2
     max_position: int = 512
     """The longest sequence the model takes (RoPE tables, learned positions)."""
@@ -51,12 +64,14 @@ class AttentionModelConfig:
 def transformer_config(cfg: AttentionModelConfig):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    on_gpu = cfg.engine == "transformer-engine"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
     fields = dict(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=4,
-        context_parallel_size=cfg.context_parallel_size, use_cpu_initialization=True,
+        context_parallel_size=cfg.context_parallel_size, use_cpu_initialization=not on_gpu,
         apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32, bf16=False, fp16=False,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=on_gpu, fp16=False,
         init_method_std=cfg.init_method_std,
     )
     has_mode = any(f.name == "cp_partition_mode" for f in dataclasses.fields(TransformerConfig))
@@ -86,21 +101,33 @@ def transformer_config(cfg: AttentionModelConfig):
     return config
 
 
+def layer_spec(cfg: AttentionModelConfig):
+    """The engine's layer spec: the local spec with the attention stand-in, or Transformer Engine's."""
+    if cfg.engine == "transformer-engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False)
+    return layer_spec_with_standin(cfg.num_moe_experts)
+
+
 def attention_gpt_model(cfg: AttentionModelConfig = AttentionModelConfig(), *, pre_process: bool = True,
                         post_process: bool = True, **model_kwargs):
-    """GPTModel(position_embedding_type=cfg's) on the local spec with the attention stand-in."""
+    """GPTModel(position_embedding_type=cfg's) on the engine's layer spec (`layer_spec`)."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(cfg)
-    spec = layer_spec_with_standin(cfg.num_moe_experts)
+    spec = layer_spec(cfg)
     if cfg.mtp_num_layers is not None:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-        model_kwargs.setdefault("mtp_block_spec", get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False,
-                                                                         vp_stage=model_kwargs.get("vp_stage")))
+        model_kwargs.setdefault("mtp_block_spec", get_gpt_mtp_block_spec(
+            config, spec, use_transformer_engine=cfg.engine == "transformer-engine", vp_stage=model_kwargs.get("vp_stage")))
     torch.manual_seed(cfg.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, inference_rng_tracker=True, force_reset_rng=True)
+    # On the CPU, Megatron-Core's inference RNG tracker: its fork() does nothing (dropout is 0); on a
+    # GPU the real CUDA RNG tracker.
+    on_cpu = cfg.engine == "cpu-standin"
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed, inference_rng_tracker=on_cpu, force_reset_rng=on_cpu)
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position, position_embedding_type=cfg.position_embedding_type,

@@ -8,7 +8,9 @@ each real token's loss, and every parameter's gradient.
 The loss is the per-token cross entropy times the loss mask, summed over every rank's passes and
 divided by the loss mask's sum over all samples (Megatron-Core's `calculate_per_token_loss`
 normalisation); gradients are summed over the ranks, as Megatron-Core's finalize_model_grads
-all-reduces them over DP x CP.
+all-reduces them over DP x CP. Each pass runs its backward at once (as Megatron-Core's schedules
+do), and parameters held in a 16-bit type (a bf16 model on a GPU) accumulate their passes'
+gradients in fp32 (`Fp32Grads`), as Megatron-Core's DDP does in its main_grad.
 """
 
 from __future__ import annotations
@@ -32,6 +34,55 @@ class Sample:
         return int(self.tokens.numel())
 
 
+class Fp32Grads:
+    """Each parameter's gradient summed in fp32 over backward passes (Megatron-Core's DDP keeps an
+    fp32 main_grad): a bf16 parameter's gradient of each pass is added to an fp32 sum and cleared.
+    fp32 parameters keep torch's own accumulation. `reset()` before a step, `read()` after it."""
+
+    def __init__(self, models) -> None:
+        self.params = {f"{i}.{name}" if len(models) > 1 else name: p
+                       for i, m in enumerate(models) for name, p in m.named_parameters()}
+        self.sums: dict[int, torch.Tensor] = {}
+        for p in self.params.values():
+            if p.dtype != torch.float32 and p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._add)
+
+    def _add(self, p: torch.Tensor) -> None:
+        found = self.sums.get(id(p))
+        grad = p.grad.detach().float()
+        self.sums[id(p)] = grad if found is None else found + grad
+        p.grad = None
+
+    def reset(self) -> None:
+        self.sums.clear()
+        for p in self.params.values():
+            p.grad = None
+
+    def read(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in self.params.items():
+            if id(p) in self.sums:
+                out[name] = self.sums[id(p)].clone()
+            elif p.grad is not None:
+                out[name] = p.grad.detach().float().clone()
+            else:
+                out[name] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        return out
+
+
+def fp32_grads(model) -> Fp32Grads:
+    """The model's Fp32Grads, made once (its hooks stay on the parameters)."""
+    found = getattr(model, "_fp32_grads", None)
+    if found is None:
+        found = Fp32Grads([model])
+        object.__setattr__(model, "_fp32_grads", found)
+    return found
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
 @dataclasses.dataclass
 class RankShard:
     """One forward pass on this rank: its THD shard (1-D fields, padding rows included) and the
@@ -45,6 +96,16 @@ class RankShard:
     token_ids: torch.Tensor | None = None
     """Each row's global token id (`token_id(samples, sample, position)`), -1 on padding rows;
     None: per-token losses are not compared."""
+
+    def to(self, device) -> RankShard:
+        """This shard with its tensors, and its PackedSeqParams' cu_seqlens, on `device`."""
+        params = dataclasses.replace(self.packed_seq_params, **{
+            name: getattr(self.packed_seq_params, name).to(device)
+            for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+            if getattr(self.packed_seq_params, name, None) is not None
+        })
+        return RankShard(self.tokens.to(device), self.labels.to(device), self.loss_mask.to(device), self.position_ids.to(device),
+                         params, self.token_ids)
 
 
 @dataclasses.dataclass
@@ -104,33 +165,33 @@ def _mtp_losses() -> torch.Tensor | None:
     return torch.cat([tracker["loss_sums"], tracker["num_tokens"]]).detach().clone()
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for name, p in model.named_parameters()}
-
-
 def packed_loss_and_grads(model, shards: Sequence[RankShard], samples: Sequence[Sample], group=None, expert_group=None) -> LossAndGrads:
-    """Runs this rank's `shards` forward and backward; every rank of `group` (default: the world,
-    as DP x CP) calls it with its own shards (possibly none) and gets the same summed loss and
-    gradients. Parameters Megatron-Core marks `allreduce=False` (MoE experts, which differ from
-    rank to rank under expert parallelism) are summed over `expert_group` instead (Megatron-Core's
-    expert-data-parallel group; None: not summed)."""
-    model.zero_grad(set_to_none=True)
+    """Runs this rank's `shards` forward and backward, each at once (on the model's device); every
+    rank of `group` (default: the world, as DP x CP) calls it with its own shards (possibly none)
+    and gets the same summed loss and gradients (fp32). Parameters Megatron-Core marks
+    `allreduce=False` (MoE experts, which differ from rank to rank under expert parallelism) are
+    summed over `expert_group` instead (Megatron-Core's expert-data-parallel group; None: not summed)."""
+    device = model_device(model)
+    grads_of = fp32_grads(model)
+    grads_of.reset()
     _clear_mtp_tracker()
     total = float(sum(float(s.loss_mask.sum()) for s in samples))
-    loss = torch.zeros(())
+    loss = 0.0
     reported = []
     for shard in shards:
+        shard = shard.to(device)
         per_token = _forward(model, shard.tokens, shard.position_ids, shard.labels, shard.loss_mask, shard.packed_seq_params)
-        loss = loss + (per_token * shard.loss_mask).sum() / total
+        shard_loss = (per_token.float() * shard.loss_mask).sum() / total
+        if shard_loss.requires_grad:
+            shard_loss.backward()
+        loss += float(shard_loss.detach())
         if shard.token_ids is not None:
             keep = shard.token_ids >= 0
-            reported.append((shard.token_ids[keep], per_token.detach()[keep]))
-    if loss.requires_grad:
-        loss.backward()
-    grads = _grads(model)
+            reported.append((shard.token_ids[keep], per_token.detach().float().cpu()[keep]))
+    grads = grads_of.read()
     experts = [n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False]
     dense = [n for n in grads if n not in experts]
-    flat = torch.cat([loss.detach().reshape(1)] + [grads[n].reshape(-1) for n in dense])
+    flat = torch.cat([torch.tensor([loss], device=device)] + [grads[n].reshape(-1) for n in dense])
     dist.all_reduce(flat, group=group)
     summed = _unflatten(flat[1:], dense, grads)
     if experts:
@@ -150,7 +211,7 @@ def packed_loss_and_grads(model, shards: Sequence[RankShard], samples: Sequence[
             if not torch.isnan(token_losses[ids]).all():
                 raise AssertionError(f"token ids {sorted(set(ids.tolist()))[:8]}... reported by more than one rank")
             token_losses[ids] = values
-    return LossAndGrads(float(flat[0]), summed, token_losses, None if mtp is None else mtp.tolist())
+    return LossAndGrads(float(flat[0]), {n: g.cpu() for n, g in summed.items()}, token_losses, None if mtp is None else mtp.tolist())
 
 
 def _unflatten(flat: torch.Tensor, names: Sequence[str], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -163,25 +224,30 @@ def _unflatten(flat: torch.Tensor, names: Sequence[str], like: dict[str, torch.T
 
 def reference_loss_and_grads(model, samples: Sequence[Sample], solo_group) -> LossAndGrads:
     """The same model over each whole sample alone, CP1 (`solo_group`: a process group of this rank
-    alone, which Megatron-Core's dynamic-CP attention and RoPE ask for), no communication."""
+    alone, which Megatron-Core's dynamic-CP attention and RoPE ask for), no communication, each
+    sample's backward at once (on the model's device, gradients in fp32)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    model.zero_grad(set_to_none=True)
+    device = model_device(model)
+    grads_of = fp32_grads(model)
+    grads_of.reset()
     _clear_mtp_tracker()
     total = float(sum(float(s.loss_mask.sum()) for s in samples))
-    loss = torch.zeros(())
+    loss = 0.0
     token_losses = []
     for s in samples:
-        cu = torch.tensor([0, len(s)], dtype=torch.int32)
+        cu = torch.tensor([0, len(s)], dtype=torch.int32, device=device)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                                  cu_seqlens_kv_padded=cu, max_seqlen_q=len(s), max_seqlen_kv=len(s), local_cp_size=1,
                                  cp_group=solo_group)
-        per_token = _forward(model, s.tokens, torch.arange(len(s)), s.labels, s.loss_mask, params)
-        loss = loss + (per_token * s.loss_mask).sum() / total
-        token_losses.append(per_token.detach())
-    loss.backward()
+        mask = s.loss_mask.to(device)
+        per_token = _forward(model, s.tokens.to(device), torch.arange(len(s), device=device), s.labels.to(device), mask, params)
+        sample_loss = (per_token.float() * mask).sum() / total
+        sample_loss.backward()
+        loss += float(sample_loss.detach())
+        token_losses.append(per_token.detach().float().cpu())
     mtp = _mtp_losses()
-    return LossAndGrads(float(loss.detach()), _grads(model), torch.cat(token_losses), None if mtp is None else mtp.tolist())
+    return LossAndGrads(loss, {n: g.cpu() for n, g in grads_of.read().items()}, torch.cat(token_losses), None if mtp is None else mtp.tolist())
 
 
 def parity_errors(got: LossAndGrads, want: LossAndGrads, samples: Sequence[Sample], rtol: float = 1e-4, atol: float = 1e-6) -> list[str]:
@@ -208,6 +274,46 @@ def parity_errors(got: LossAndGrads, want: LossAndGrads, samples: Sequence[Sampl
         diff = float((got.grads[name] - g).abs().max())
         if diff > atol + rtol * scale:
             errors.append(f"gradient of {name} differs by {diff:.3g} (largest entry {scale:.3g})")
+    return errors
+
+
+def relative_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| (0 when both are 0)."""
+    scale = float(want.double().norm())
+    difference = float((got.double() - want.double()).norm())
+    return difference / scale if scale else difference
+
+
+def worst_differences(got: LossAndGrads, want: LossAndGrads, samples: Sequence[Sample]) -> dict:
+    """How far `got` is from `want`, each as a fraction of the reference's scale: the loss (of its
+    own value), the real tokens' losses (the largest difference, of the largest loss), the worst
+    parameter's gradient (the norm of its difference, of its own norm; and, for the record, its
+    largest entry's difference, of its largest entry); the real tokens no rank reported; the worst
+    gradient's name."""
+    out: dict = {"loss": abs(got.loss - want.loss) / max(abs(want.loss), 1e-30), "missing_tokens": 0,
+                 "token_losses": 0.0, "gradients": 0.0, "gradients_largest_entry": 0.0, "worst_gradient": None}
+    if got.token_losses is not None:
+        missing = torch.isnan(got.token_losses)
+        out["missing_tokens"] = int(missing.sum())
+        scale = float(want.token_losses.abs().max())
+        out["token_losses"] = float((got.token_losses - want.token_losses)[~missing].abs().max()) / scale if scale else 0.0
+    for name, g in want.grads.items():
+        relative = relative_l2(got.grads[name], g)
+        if relative > out["gradients"]:
+            out["gradients"], out["worst_gradient"] = relative, name
+        scale = float(g.abs().max())
+        if scale:
+            out["gradients_largest_entry"] = max(out["gradients_largest_entry"], float((got.grads[name] - g).abs().max()) / scale)
+    return out
+
+
+def beyond(worst: dict, tolerance: float) -> list[str]:
+    """What of `worst_differences` exceeds `tolerance` (empty: parity), in words."""
+    errors = [f"{out} tokens have no loss from any rank" for out in [worst["missing_tokens"]] if out]
+    errors += [f"{key} differ by {worst[key]:.3g} of their scale (tolerance {tolerance:.3g})"
+               for key in ("loss", "token_losses", "gradients") if worst[key] > tolerance]
+    if worst["gradients"] > tolerance:
+        errors[-1] += f"; worst: {worst['worst_gradient']}"
     return errors
 
 

@@ -1,8 +1,12 @@
 """How the attention model's multi-rank tests run: `run_attention_ranks(body, world, tmp_path)`
 runs `body(rank)` on `world` gloo ranks (tests/megatron_init.run_ranks: forked on CPU, with a
-deadline) inside `CudaDeviceRequestsOnCpu`, with tests/megatron_init.py's CPU stand-ins for CUDA
-calls, and returns each rank's record (the dict `body` returned, or {"raised": ...}) in rank
-order. `body` initialises parallel_state as its test needs; it is destroyed afterwards."""
+deadline) and returns each rank's record (the dict `body` returned, or {"raised": ...}) in rank
+order. `body` initialises parallel_state as its test needs; it is destroyed afterwards.
+
+On the CPU (the default) `body` runs inside `CudaDeviceRequestsOnCpu`, with tests/megatron_init.py's
+CPU stand-ins for CUDA calls. With `on_gpu=True` (tests/transformer_engine) every rank runs on the
+one GPU (spawned), inside the stand-in for NCCL's point-to-point
+(tests/transformer_engine/staged_p2p.py), since gloo moves no CUDA tensor point to point."""
 
 from __future__ import annotations
 
@@ -30,24 +34,32 @@ def require_dynamic_build() -> None:
         pytest.skip("needs the Megatron-LM dev build's dynamic-CP groups (size 1 for the reference) and cp_partition_mode")
 
 
-def run_attention_ranks(body: Callable[[int], dict], world: int, tmp_path, deadline_seconds: float = DEADLINE_SECONDS) -> list[dict]:
-    run_ranks(_rank, (body, str(tmp_path), world), world, deadline_seconds)
+def run_attention_ranks(body: Callable[[int], dict], world: int, tmp_path, deadline_seconds: float = DEADLINE_SECONDS,
+                        on_gpu: bool = False) -> list[dict]:
+    run_ranks(_rank, (body, str(tmp_path), world, on_gpu), world, deadline_seconds)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def _rank(rank: int, body: Callable[[int], dict], out_dir: str, world: int) -> None:
+def _rank(rank: int, body: Callable[[int], dict], out_dir: str, world: int, on_gpu: bool = False) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)  # forked: never enter the parent's OpenMP pool
     from megatron.core import parallel_state
 
-    from tests.cuda_requests_on_cpu import CudaDeviceRequestsOnCpu
-    from tests.megatron_init import _stand_in_for_cuda_calls_on_cpu
+    if on_gpu:
+        from tests.transformer_engine.staged_p2p import CpuStagedPointToPointStandIn
 
-    _stand_in_for_cuda_calls_on_cpu()
+        torch.cuda.set_device(0)
+        context = CpuStagedPointToPointStandIn()
+    else:
+        from tests.cuda_requests_on_cpu import CudaDeviceRequestsOnCpu
+        from tests.megatron_init import _stand_in_for_cuda_calls_on_cpu
+
+        _stand_in_for_cuda_calls_on_cpu()
+        context = CudaDeviceRequestsOnCpu()
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(out_dir, "store"), world), rank=rank, world_size=world)
     record: dict = {}
     try:
-        with CudaDeviceRequestsOnCpu():
+        with context:
             record = body(rank)
     except Exception as error:  # the test reports it with the rank; the rank still fails
         record = {"raised": f"{type(error).__name__}: {error}"}

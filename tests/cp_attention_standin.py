@@ -55,6 +55,9 @@ class ThdGeometry:
     position: torch.Tensor  # [rows] long: position in the padded sequence
     real: torch.Tensor  # [rows] bool: a real token (position < the sequence's real length)
 
+    def to(self, device) -> ThdGeometry:
+        return ThdGeometry(self.sequence.to(device), self.position.to(device), self.real.to(device))
+
 
 def thd_geometry(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int, rows: int) -> ThdGeometry:
     """The geometry of `rows` local rows of group rank `cp_rank` (module docstring)."""
@@ -127,10 +130,10 @@ class TeThdCpAttentionStandIn(torch.nn.Module):
         cu_kv = _or(packed_seq_params.cu_seqlens_kv_padded, packed_seq_params.cu_seqlens_kv)
         if not torch.equal(cu_q, cu_kv) or not torch.equal(packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv):
             raise ValueError("TeThdCpAttentionStandIn is self-attention: the q and kv cu_seqlens must be equal")
-        mine = thd_geometry(packed_seq_params.cu_seqlens_q, cu_q, cp_size, cp_rank, q.shape[0])
+        mine = thd_geometry(packed_seq_params.cu_seqlens_q, cu_q, cp_size, cp_rank, q.shape[0]).to(q.device)
         if cp_size > 1:
             k, v = (all_gather_with_grad(x, group, dim=0) for x in (k, v))
-            geometries = [thd_geometry(packed_seq_params.cu_seqlens_q, cu_q, cp_size, r, q.shape[0]) for r in range(cp_size)]
+            geometries = [thd_geometry(packed_seq_params.cu_seqlens_q, cu_q, cp_size, r, q.shape[0]).to(q.device) for r in range(cp_size)]
         else:
             geometries = [mine]
         key_sequence = torch.cat([g.sequence for g in geometries])

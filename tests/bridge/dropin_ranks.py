@@ -193,21 +193,23 @@ def position_embedding_type() -> str:
     return "rope" if _has_dynamic_cp() else "learned_absolute"
 
 
-def tiny_model(cfg, vp_stage: int | None = None) -> torch.nn.Module:
+def tiny_model(cfg, vp_stage: int | None = None, engine: str = "cpu-standin") -> torch.nn.Module:
     """This pipeline stage's (or virtual stage's) GPTModel with the attention stand-in (see the
-    module docstring), seeded alike on every rank of the stage."""
+    module docstring), or on a GPU with Transformer Engine's layer spec (`engine`
+    "transformer-engine", tests/transformer_engine), seeded alike on every rank of the stage."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from tests.cp_attention_standin import layer_spec_with_standin
+    from tests.attention_model import AttentionModelConfig, layer_spec
 
     virtual = {"ignore_virtual": vp_stage is None, "vp_stage": vp_stage}
-    spec = layer_spec_with_standin()
+    spec = layer_spec(AttentionModelConfig(engine=engine))
     extra: dict = {"vp_stage": vp_stage} if vp_stage is not None else {}
-    if cfg.model.mtp_num_layers:  # Megatron-Core's MTP block (on the last stage) on the same spec and stand-in
+    if cfg.model.mtp_num_layers:  # Megatron-Core's MTP block (on the last stage) on the same spec and attention
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-        extra["mtp_block_spec"] = get_gpt_mtp_block_spec(cfg.model, spec, use_transformer_engine=False, vp_stage=vp_stage)
+        extra["mtp_block_spec"] = get_gpt_mtp_block_spec(cfg.model, spec, use_transformer_engine=engine == "transformer-engine",
+                                                         vp_stage=vp_stage)
     torch.manual_seed(1234 + (vp_stage or 0))
     return GPTModel(config=cfg.model, transformer_layer_spec=spec, vocab_size=VOCAB,
                     max_sequence_length=MAX_POSITION, position_embedding_type=cfg.model.position_embedding_type,
@@ -277,14 +279,17 @@ def pipeline_reference_loss(modules: list[torch.nn.Module], samples: list[dict[s
     return loss / tokens if tokens else 0.0
 
 
-def start_rank(rank: int, world: int, store_path: str, tp: int, cp: int, pp: int = 1, vpp: int | None = None, **overrides):
-    """gloo, then Bridge's own distributed initialisation, rerun state machine and optimizer setup;
-    returns what train_step needs: (cfg, state, model list, optimizer, scheduler, pg_collection, p2p).
-    Call it, and run the steps, inside `CudaDeviceRequestsOnCpu()`."""
+def start_rank(rank: int, world: int, store_path: str, tp: int, cp: int, pp: int = 1, vpp: int | None = None,
+               engine: str = "cpu-standin", **overrides):
+    """gloo (unless the caller started it), then Bridge's own distributed initialisation, rerun state
+    machine and optimizer setup; returns what train_step needs: (cfg, state, model list, optimizer,
+    scheduler, pg_collection, p2p). On the CPU, call it, and run the steps, inside
+    `CudaDeviceRequestsOnCpu()`; `engine` "transformer-engine": the model of `tiny_model` on a GPU."""
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     stand_in_for_cuda_calls_on_cpu()
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     from megatron.bridge.training.initialize import _initialize_distributed, init_rerun_state
     from megatron.bridge.training.optim import setup_optimizer
     from megatron.bridge.training.state import GlobalState
@@ -300,7 +305,7 @@ def start_rank(rank: int, world: int, store_path: str, tp: int, cp: int, pp: int
     tensor_parallel.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True, force_reset_rng=True)
     state = GlobalState()
     state.cfg = cfg
-    chunks = [tiny_model(cfg, v) for v in range(vpp)] if vpp else [tiny_model(cfg)]
+    chunks = [tiny_model(cfg, v, engine) for v in range(vpp)] if vpp else [tiny_model(cfg, engine=engine)]
     model = [  # as Megatron-LM and Bridge wrap model chunks: buckets for the first chunk only
         DistributedDataParallel(config=cfg.model, ddp_config=cfg.ddp, module=chunk, pg_collection=pg_collection,
                                 disable_bucketing=index > 0)
