@@ -14,7 +14,7 @@ from google.protobuf.message import Message as ProtoMessage
 from batch_planner.cost_spec import COEFFICIENT_NAMES, CostModel, CostModelSpec, spec_from_mapping
 from batch_planner.errors import InvalidRequestError
 from batch_planner.plan import CandidateSummary, GroupColumns, MicroBatch, MicroBatches, Plan, PlanStatistics, new_cp_group
-from batch_planner.request import CapacityBound, CpLayout, PlanningOptions, PlanRequest, SchedulerKind
+from batch_planner.request import CapacityBound, CpLayout, PaddingRule, PlanningOptions, PlanRequest, SchedulerKind
 from batch_planner.substitute import SubstituteReason, Substitution
 from batch_planner.v1 import planner_pb2 as pb
 
@@ -34,6 +34,8 @@ REASON_TO_PROTO = {reason: pb.SubstituteReason.Value(f"SUBSTITUTE_REASON_{reason
 REASON_FROM_PROTO: dict[int, SubstituteReason] = {v: k for k, v in REASON_TO_PROTO.items()}
 LAYOUT_TO_PROTO = {CpLayout.ZIGZAG: pb.CP_LAYOUT_ZIGZAG, CpLayout.CONTIGUOUS: pb.CP_LAYOUT_CONTIGUOUS}
 LAYOUT_FROM_PROTO = {**{v: k for k, v in LAYOUT_TO_PROTO.items()}, pb.CP_LAYOUT_UNSPECIFIED: CpLayout.ZIGZAG}
+PADDING_TO_PROTO = {rule: pb.PaddingRule.Value(f"PADDING_RULE_{rule.name}") for rule in PaddingRule}
+PADDING_FROM_PROTO = {**{v: k for k, v in PADDING_TO_PROTO.items()}, pb.PADDING_RULE_UNSPECIFIED: PaddingRule.MEGATRON_CORE}
 BOUND_TO_PROTO = {
     CapacityBound.PER_SAMPLE: pb.CAPACITY_BOUND_PER_SAMPLE,
     CapacityBound.PER_RANK_SUM: pb.CAPACITY_BOUND_PER_RANK_SUM,
@@ -69,6 +71,9 @@ def request_from_proto(message: pb.PlanRequest) -> PlanRequest:
             f"cp_layout: {message.cp_layout} is unknown; allowed: CP_LAYOUT_ZIGZAG, CP_LAYOUT_CONTIGUOUS",
             field="cp_layout",
         )
+    if message.padding not in PADDING_FROM_PROTO:
+        allowed = ", ".join(pb.PaddingRule.Name(v) for v in PADDING_TO_PROTO.values())
+        raise InvalidRequestError(f"padding: {message.padding} is unknown; allowed: {allowed}", field="padding")
     options = {f.name: _read(message, f) for f in _OPTIONS}
     return PlanRequest(
         sequence_lengths=tuple(message.sequence_lengths[:]),  # one list, not id by id
@@ -136,12 +141,14 @@ def cost_spec_from_proto(message: pb.CostModelSpec) -> CostModelSpec:
 _TO_PROTO: dict[str, Callable[[Any], Any]] = {
     "scheduler": SCHEDULER_TO_PROTO.__getitem__,
     "cp_layout": LAYOUT_TO_PROTO.__getitem__,
+    "padding": PADDING_TO_PROTO.__getitem__,
     "cost_model": cost_spec_to_proto,
     "auto_schedulers": lambda kinds: [SCHEDULER_TO_PROTO[k] for k in kinds],
 }
 _FROM_PROTO: dict[str, Callable[[Any], Any]] = {
     "scheduler": SCHEDULER_FROM_PROTO.__getitem__,
     "cp_layout": LAYOUT_FROM_PROTO.__getitem__,
+    "padding": PADDING_FROM_PROTO.__getitem__,
     "tensor_parallel_size": lambda value: value or 1,  # 0 is read as 1 (the proto's comment)
     "cost_model": cost_spec_from_proto,
     "auto_schedulers": lambda values: tuple(_scheduler_of(v, "auto_schedulers") for v in values),
@@ -195,6 +202,8 @@ def plan_to_proto(plan: Plan, columns: bool = False) -> pb.PlanResponse:
         tensor_parallel_size=plan.tensor_parallel_size,
         candidates=[_candidate_to_proto(c) for c in plan.candidates],
         substitution=None if plan.substitution is None else _substitution_to_proto(plan.substitution),
+        padding=PADDING_TO_PROTO[plan.padding],
+        min_local_rows=plan.min_local_rows,
     )
 
 
@@ -267,6 +276,8 @@ def plan_from_proto(message: pb.PlanResponse) -> Plan:
             for c in message.candidates
         ),
         substitution=_substitution_from_proto(message.substitution) if message.HasField("substitution") else None,
+        padding=PADDING_FROM_PROTO.get(message.padding, PaddingRule.MEGATRON_CORE),
+        min_local_rows=message.min_local_rows if message.HasField("min_local_rows") else None,
     )
 
 

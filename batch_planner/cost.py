@@ -164,7 +164,9 @@ def static_cp_step_cost(request: PlanRequest, model: CostModel) -> float:
     lengths = lengths_column(request.sequence_lengths, cp, request.tensor_parallel_size)
     starts = pack_starts(lengths, request.max_seqlen_per_dp_cp_rank * cp)
     offsets = np.asarray([*starts, len(lengths)], dtype=np.int64)
-    padded = segment_sums(round_up(lengths, padding_multiple(cp, request.tensor_parallel_size, request.cp_layout)), offsets)
+    padded = segment_sums(round_up(lengths, padding_multiple(cp, request.tensor_parallel_size, request.cp_layout, request.padding)), offsets)
+    if request.min_local_rows is not None:  # verl's top-up of each pack's buffer
+        padded = np.maximum(padded, cp * request.min_local_rows)
     features = unit_features(padded, segment_sums(lengths * lengths, offsets), cp, 1)  # one pass per pack
     return _slowest_replica(_price_columns(model, features), request.data_parallel_size)
 

@@ -113,7 +113,9 @@ def _sample_sizes(request: PlanRequest) -> _SampleSizes:
         held = fits.any(axis=1)
         first = np.argmax(fits, axis=1)
     ordered = ascending and bool(held.all()) and exact.dtype == np.int64 and int(lengths.min()) >= 1
-    multiples = np.asarray([padding_multiple(c, request.tensor_parallel_size, request.cp_layout) for c in allowed], dtype=np.int64)
+    # verl's min_local_rows top-up only adds: a bound without it is still a bound.
+    multiples = np.asarray([padding_multiple(c, request.tensor_parallel_size, request.cp_layout, request.padding) for c in allowed],
+                           dtype=np.int64)
     return _SampleSizes(lengths, sizes, multiples, np.where(held, first, 0), ordered, held, capacities)
 
 

@@ -61,28 +61,37 @@ class PlanPadding:
     """The padding arithmetic of one plan's request: each CP size's padding multiple computed once.
 
     Building the CP groups needs their padded tokens (`group_tokens`, every group at once); the
-    statistics then read each group's padded_tokens instead of padding its samples again.
+    statistics then read each group's padded_tokens instead of padding its samples again. A group's
+    padded tokens are `group_padded_lengths`' sum: its samples packed into one buffer, as the
+    packing schedulers run them (verl's `min_local_rows` top-up is per buffer; validation allows it
+    with the packing schedulers only).
     """
 
-    def __init__(self, sequence_lengths: Sequence[int], tensor_parallel_size: int, cp_layout: CpLayout):
+    def __init__(self, sequence_lengths: Sequence[int], tensor_parallel_size: int, cp_layout: CpLayout,
+                 rule: PaddingRule = PaddingRule.MEGATRON_CORE, min_local_rows: int | None = None):
         self.sequence_lengths = sequence_lengths
         self._tensor_parallel_size = tensor_parallel_size
         self._cp_layout = cp_layout
+        self._rule = rule
+        self._min_local_rows = min_local_rows
         self._multiples: dict[int, int] = {}
 
     @classmethod
     def for_request(cls, request: PlanRequest) -> PlanPadding:
-        return cls(request.sequence_lengths, request.tensor_parallel_size, request.cp_layout)
+        return cls(request.sequence_lengths, request.tensor_parallel_size, request.cp_layout, request.padding, request.min_local_rows)
 
     def multiple(self, cp_size: int) -> int:
         found = self._multiples.get(cp_size)
         if found is None:
-            found = self._multiples[cp_size] = padding_multiple(cp_size, self._tensor_parallel_size, self._cp_layout)
+            found = self._multiples[cp_size] = padding_multiple(cp_size, self._tensor_parallel_size, self._cp_layout, self._rule)
         return found
 
     def padded_tokens(self, sample_ids: Sequence[int], cp_size: int) -> int:
-        """Sum of the padded lengths of `sample_ids` (all within the request) on `cp_size` ranks."""
-        return padded_sum(map(self.sequence_lengths.__getitem__, sample_ids), self.multiple(cp_size))
+        """The padded tokens of one group of `sample_ids` (all within the request) on `cp_size` ranks."""
+        padded = padded_sum(map(self.sequence_lengths.__getitem__, sample_ids), self.multiple(cp_size))
+        if self._min_local_rows is not None and sample_ids:
+            return max(padded, cp_size * self._min_local_rows)
+        return padded
 
     def group_tokens(self, sample_ids: np.ndarray, offsets: np.ndarray, sizes: Sequence[int]) -> tuple[list[int], list[int]]:
         """Real and padded tokens of groups given by their sizes and all their sample ids one after
@@ -94,4 +103,8 @@ class PlanPadding:
         multiple_of = {size: self.multiple(size) for size in set(sizes)}
         multiples = np.repeat(np.asarray(list(map(multiple_of.__getitem__, sizes)), dtype=column.dtype), np.diff(offsets))
         real = segment_sums(tokens, offsets).tolist()
-        return real, segment_sums(round_up(tokens, multiples), offsets).tolist()
+        padded = segment_sums(round_up(tokens, multiples), offsets)
+        if self._min_local_rows is not None:  # verl's top-up of each non-empty group's buffer
+            floor = np.asarray(sizes, dtype=padded.dtype) * self._min_local_rows
+            padded = np.where(np.diff(offsets) > 0, np.maximum(padded, floor), padded)
+        return real, padded.tolist()

@@ -15,7 +15,7 @@ import numpy as np
 from batch_planner.columns import INT64_EXACT, lengths_column, run_offsets, segment_sums
 from batch_planner.errors import InvariantViolationError
 from batch_planner.padding import PlanPadding
-from batch_planner.request import CapacityBound, CpLayout, PlanRequest, SchedulerKind
+from batch_planner.request import CapacityBound, CpLayout, PaddingRule, PlanRequest, SchedulerKind
 from batch_planner.substitute import Substitution
 
 
@@ -112,6 +112,9 @@ class Plan:
     # Set when the requested scheduler's plan of this batch was not valid and the substitute was
     # served instead (batch_planner/substitute.py); `scheduler` is then the substitute's.
     substitution: Substitution | None = None
+    # The padding its padded tokens count (the request's): applying the plan pads the same way.
+    padding: PaddingRule = PaddingRule.MEGATRON_CORE
+    min_local_rows: int | None = None
 
     def sample_cp_sizes(self) -> dict[int, int]:
         """Sample id -> the local CP size it runs with."""

@@ -129,6 +129,8 @@ def _plan_validated(request: PlanRequest, cost_model: CostModel, implementation:
         cp_layout=request.cp_layout,
         capacity_bound=spec.capacity_bound,
         micro_batches=micro_batches,
+        padding=request.padding,
+        min_local_rows=request.min_local_rows,
     )
     try:
         check_plan_invariants(

@@ -28,7 +28,7 @@ from pydantic.dataclasses import dataclass
 from batch_planner.cp_groups import is_power_of_two, largest_power_of_two_group, megatron_cp_group_sizes
 from batch_planner.domain import layout_refusal, per_batch
 from batch_planner.errors import InvalidRequestError
-from batch_planner.request import PlanRequest, SchedulerKind, option_bounds
+from batch_planner.request import PaddingRule, PlanRequest, SchedulerKind, option_bounds
 from batch_planner.schedulers import require_scheduler
 
 # \Z, not $: "$" also matches before a trailing newline, which would let "run1\n" through.
@@ -221,6 +221,16 @@ def _reject_unsupported_options(request: PlanRequest) -> None:
                 "min_cp_size",
                 f"got {request.min_cp_size}; allowed: a CP group size Megatron-Core builds over "
                 f"DPxCP = {request.dp_cp_size} ranks: {', '.join(map(str, buildable))}",
+            )
+    if request.min_local_rows is not None:
+        if request.padding is not PaddingRule.VERL:
+            _reject("min_local_rows", "only verl's padding tops groups up to a minimum of rows per rank; set padding to verl, or leave it unset")
+        unpacked = kind is SchedulerKind.HYBRID_CP or (kind is SchedulerKind.AUTO and SchedulerKind.HYBRID_CP in (request.auto_schedulers or (SchedulerKind.HYBRID_CP,)))
+        if unpacked:
+            _reject(
+                "min_local_rows",
+                "tops up a packed group's buffer, and hybrid_cp runs each sample alone; use dynamic_cp or static_packing "
+                "(with auto: auto_schedulers without hybrid_cp)",
             )
     if request.max_seqs_per_micro_batch is not None:
         if kind not in (SchedulerKind.STATIC_PACKING, SchedulerKind.AUTO):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from batch_planner.identity import canonical_request
 from batch_planner.planner import plan_batch
-from batch_planner.request import PlanningOptions, PlanRequest, SchedulerKind
+from batch_planner.request import PaddingRule, PlanningOptions, PlanRequest, SchedulerKind
 from tests.megatron_init import run_ranks
 from trainer_client.broadcast import canonical_digest
 
@@ -26,10 +26,16 @@ def _request(group_size: int | None) -> PlanRequest:
 
 def test_the_digest_covers_every_option_of_the_canonical_request():
     base = _request(None)
-    assert set(canonical_request(base)) == {"lengths", "dp", *PlanningOptions.names()}
+    # Options added after plan ids were first handed out are left out at their default (the ids of
+    # requests that do not use them stay as they were), and counted once set.
+    later = {"padding", "min_local_rows"}
+    assert set(canonical_request(base)) == {"lengths", "dp", *PlanningOptions.names()} - later
+    verl = base.replace(padding=PaddingRule.VERL, min_local_rows=8)
+    assert set(canonical_request(verl)) == {"lengths", "dp", *PlanningOptions.names()}
     assert canonical_digest(base) == canonical_digest(_request(None))
     assert canonical_digest(base) != canonical_digest(_request(2))
     assert canonical_digest(base) != canonical_digest(base.replace(max_seqs_per_micro_batch=3))
+    assert canonical_digest(base) != canonical_digest(verl) != canonical_digest(verl.replace(min_local_rows=16))
 
 
 def _on_two_ranks(tmp_path, outcome_of) -> list[str]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -64,9 +65,10 @@ def engine_refusal(padded: list[int], cp: int, tp: int, layout: CpLayout, rule: 
 
 
 def refused_by_the_table(cp_layout: CpLayout, tp: int, min_local_rows: int | None) -> UnsupportedCombinationError | None:
-    config = PlannerClientConfig(max_seqlen_per_dp_cp_rank=64, cp_layout=cp_layout, tensor_parallel_size=tp)
+    config = PlannerClientConfig(max_seqlen_per_dp_cp_rank=64, cp_layout=cp_layout, tensor_parallel_size=tp,
+                                 padding=PaddingRule.VERL, min_local_rows=min_local_rows)
     try:
-        check({"verl": {"min_local_rows": min_local_rows}, "planner config": config})
+        check({"planner config": config})
     except UnsupportedCombinationError as error:
         return error
     return None
@@ -112,3 +114,45 @@ def test_the_planted_contiguous_padding_of_cp_times_tp_is_one_megatron_core_refu
     padded = [256, 146, 1260]  # lengths [255, 146, 1259] padded to multiples of CP x TP = 2
     assert "divisible by 2 * cp_size (4)" in engine_refusal(padded, 2, 1, CpLayout.CONTIGUOUS, PaddingRule.MEGATRON_CORE)
     assert group_padded_lengths([255, 146, 1259], 2, 1, CpLayout.CONTIGUOUS) == [256, 148, 1260]
+
+
+plans = st.tuples(
+    st.lists(st.integers(1, 1000), min_size=4, max_size=20), st.sampled_from([(2, 1), (2, 2), (4, 1), (1, 4)]), st.sampled_from([1, 2]),
+    st.sampled_from(list(CpLayout)), st.sampled_from(list(PaddingRule)), st.one_of(st.none(), st.integers(1, 64)),
+    st.sampled_from(["dynamic_cp", "static_packing", "hybrid_cp"]),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans)
+def test_the_plans_padded_tokens_are_the_padding_the_trainer_applies(case):
+    """The statistics follow the same padding: each CP group's padded tokens (and so the plan's, and
+    its cost) are the padded lengths `micro_batches_for_rank` gives the group's samples."""
+    from batch_planner.planner import plan_batch
+    from batch_planner.request import CapacityBound, PlanRequest, SchedulerKind
+    from trainer_client.apply import micro_batches_for_rank
+    from trainer_client.batch import GlobalBatch, JaggedField
+
+    lengths, (dp, cp), tp, layout, rule, min_local_rows, scheduler = case
+    if rule is PaddingRule.MEGATRON_CORE or scheduler == "hybrid_cp" or refused_by_the_table(layout, tp, min_local_rows):
+        min_local_rows = None  # verl's top-up is for its packed groups, where the table lets it through
+    kind = SchedulerKind(scheduler)
+    from tests.megatron_builds import require_scheduler
+
+    require_scheduler(kind)
+    plan = plan_batch(PlanRequest.of(lengths, dp, cp, 1000, scheduler=kind, cp_layout=layout, tensor_parallel_size=tp,
+                                     padding=rule, min_local_rows=min_local_rows))
+    packed = plan.capacity_bound is CapacityBound.PER_RANK_SUM
+    for micro_batch in plan.micro_batches:
+        for group in micro_batch.cp_groups:
+            sizes = [[lengths[i] for i in group.sample_ids]] if packed else [[lengths[i]] for i in group.sample_ids]
+            expected = sum(sum(group_padded_lengths(unit, group.size, tp, layout, rule, min_local_rows)) for unit in sizes if unit)
+            assert group.padded_tokens == expected, (case, group)
+    assert plan.statistics.padded_tokens == sum(g.padded_tokens for mb in plan.micro_batches for g in mb.cp_groups)
+    # micro_batches_for_rank pads each unit as the plan counted it: rank 0's units' padded buffers.
+    starts = tuple(itertools.accumulate(lengths, initial=0))[:-1]
+    batch = GlobalBatch(tuple(lengths), {"input_ids": JaggedField(torch.zeros(sum(lengths), dtype=torch.long), starts)}, {})
+    for unit in micro_batches_for_rank(plan, batch, 0, pack_group_samples=packed):
+        group = plan.micro_batches[unit.micro_batch_index].group_of_rank(0)
+        sizes = [lengths[i] for i in unit.sample_ids]
+        assert int(unit.cu_seqlens_padded[-1]) == sum(group_padded_lengths(sizes, group.size, tp, layout, rule, min_local_rows))

@@ -97,6 +97,11 @@ REFUSED = [
      ("planner config", "cp_layout"), "MLA requires the zigzag"),
     ("MTP + TP + SP contiguous", lambda: dict(transformer_config=transformer(mtp_num_layers=1, tensor_model_parallel_size=2, sequence_parallel=True),
      planner_config=planner(cp_layout="contiguous", tensor_parallel_size=2, **DYNAMIC)), ("planner config", "cp_layout"), "multi-token prediction"),
+    ("verl's top-up leaves a zigzag sequence uneven", lambda: dict(planner_config=planner(padding="verl", min_local_rows=5, **DYNAMIC)),
+     ("planner config", "min_local_rows"), "multiple of 2 x CP"),
+    ("verl's top-up splits unevenly over TP", lambda: dict(planner_config=planner(
+        padding="verl", min_local_rows=3, cp_layout="contiguous", tensor_parallel_size=2, **DYNAMIC)),
+     ("planner config", "min_local_rows"), "sequence parallelism"),
     ("TP differs from planner", lambda: dict(transformer_config=transformer(tensor_model_parallel_size=2), planner_config=planner()),
      ("planner config", "tensor_parallel_size"), "set tensor_parallel_size=2"),
     ("TP differs from plan", lambda: dict(transformer_config=transformer(tensor_model_parallel_size=2), plan=hybrid_plan()),

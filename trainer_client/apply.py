@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from batch_planner.padding import padded_length
+from batch_planner.padding import group_padded_lengths
 from batch_planner.plan import CpGroup, Plan
 from batch_planner.request import CapacityBound, CpLayout
 from batch_planner.shards import padded_unit_shard
@@ -120,9 +120,9 @@ class _Unit:
         cls, plan: Plan, batch: GlobalBatch, rank: int, index: int, last: bool, group: CpGroup,
         sample_ids: tuple[int, ...], process_group: Any,
     ) -> "_Unit":
-        tp, layout = plan.tensor_parallel_size, plan.cp_layout
         lengths = tuple(batch.lengths[i] for i in sample_ids)
-        padded = tuple(padded_length(n, group.size, tp, layout) for n in lengths)
+        padded = tuple(group_padded_lengths(lengths, group.size, plan.tensor_parallel_size, plan.cp_layout, plan.padding, plan.min_local_rows))
+        layout = plan.cp_layout
         return cls(index, last, group, group.size, rank - group.first_rank, process_group, sample_ids, lengths, padded, layout).sharded()
 
     def sharded(self) -> "_Unit":

@@ -22,8 +22,8 @@ PACKING_SCHEDULERS = (SchedulerKind.DYNAMIC_CP, SchedulerKind.STATIC_PACKING)
 MULTIMODAL_BATCH_FIELDS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "multi_modal_inputs")
 
 # What a caller may hand `check`, by name; a drop-in's own source is read by its rows only.
-SOURCES = ("engine", "model", "transformer", "planner config", "plan", "batch", "bridge", "megatron_lm", "verl")
-DROP_IN_SOURCES = {"bridge": "Megatron-Bridge's drop-in", "megatron_lm": "Megatron-LM's drop-ins", "verl": "verl's drop-in"}
+SOURCES = ("engine", "model", "transformer", "planner config", "plan", "batch", "bridge", "megatron_lm")
+DROP_IN_SOURCES = {"bridge": "Megatron-Bridge's drop-in", "megatron_lm": "Megatron-LM's drop-ins"}
 # Position embeddings that rotate queries and keys by position (RoPE and its variants).
 ROTARY_EMBEDDINGS = ("rope", "mrope", "yarn")
 
@@ -369,12 +369,12 @@ RULES: tuple[Rule, ...] = (
     Rule(Place("batch", "batch field"), "one of " + ", ".join(MULTIMODAL_BATCH_FIELDS),
          "multimodal inputs are not supported with dynamic CP; drop them or use static CP",
          lambda v, _: v is not None, read=_first_multimodal_field),
-    Rule(Place("verl", "min_local_rows"), "not a multiple of the planner config's tensor_parallel_size (and, with the zigzag layout, of 2)",
+    Rule(_planner("min_local_rows"), "not a multiple of tensor_parallel_size (and, with the zigzag layout, of 2)",
          "verl pads a CP group's last sequence until every rank holds min_local_rows rows, which sequence parallelism "
          "splits over the TP ranks; in the zigzag layout that sequence must also stay a multiple of 2 x CP (Transformer "
          "Engine's THD attention cuts it into 2 x CP chunks): set min_local_rows to a multiple of the tensor parallel size "
          "(and of 2 with zigzag; verl's engine pairs min_local_rows with the contiguous layout)",
-         _uneven_top_up, needs=("planner config",)),
+         _uneven_top_up),
     Rule((_megatron_lm("num_microbatches"), _bridge("train.rampup_batch_size")), "changed between steps (num_microbatches), or set (rampup_batch_size)",
          "the drop-in reads one global batch ahead with the micro-batch count in force; batch-size ramp-up "
          "changes it between steps: turn ramp-up off (unset rampup_batch_size)", _is_set),

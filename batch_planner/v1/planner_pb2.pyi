@@ -21,6 +21,12 @@ class CpLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CP_LAYOUT_ZIGZAG: _ClassVar[CpLayout]
     CP_LAYOUT_CONTIGUOUS: _ClassVar[CpLayout]
 
+class PaddingRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PADDING_RULE_UNSPECIFIED: _ClassVar[PaddingRule]
+    PADDING_RULE_MEGATRON_CORE: _ClassVar[PaddingRule]
+    PADDING_RULE_VERL: _ClassVar[PaddingRule]
+
 class CapacityBound(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CAPACITY_BOUND_UNSPECIFIED: _ClassVar[CapacityBound]
@@ -46,6 +52,9 @@ SCHEDULER_AUTO: Scheduler
 CP_LAYOUT_UNSPECIFIED: CpLayout
 CP_LAYOUT_ZIGZAG: CpLayout
 CP_LAYOUT_CONTIGUOUS: CpLayout
+PADDING_RULE_UNSPECIFIED: PaddingRule
+PADDING_RULE_MEGATRON_CORE: PaddingRule
+PADDING_RULE_VERL: PaddingRule
 CAPACITY_BOUND_UNSPECIFIED: CapacityBound
 CAPACITY_BOUND_PER_SAMPLE: CapacityBound
 CAPACITY_BOUND_PER_RANK_SUM: CapacityBound
@@ -67,7 +76,7 @@ class ParallelLayout(_message.Message):
     def __init__(self, data_parallel_size: _Optional[int] = ..., context_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("sequence_lengths", "layout", "max_seqlen_per_dp_cp_rank", "scheduler", "cp_layout", "min_cp_size", "max_seqs_per_micro_batch", "micro_batch_group_size", "job", "cost_model", "auto_schedulers", "plan_form")
+    __slots__ = ("sequence_lengths", "layout", "max_seqlen_per_dp_cp_rank", "scheduler", "cp_layout", "min_cp_size", "max_seqs_per_micro_batch", "micro_batch_group_size", "job", "cost_model", "auto_schedulers", "plan_form", "padding", "min_local_rows")
     SEQUENCE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQLEN_PER_DP_CP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +89,8 @@ class PlanRequest(_message.Message):
     COST_MODEL_FIELD_NUMBER: _ClassVar[int]
     AUTO_SCHEDULERS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FORM_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
+    MIN_LOCAL_ROWS_FIELD_NUMBER: _ClassVar[int]
     sequence_lengths: _containers.RepeatedScalarFieldContainer[int]
     layout: ParallelLayout
     max_seqlen_per_dp_cp_rank: int
@@ -92,7 +103,9 @@ class PlanRequest(_message.Message):
     cost_model: CostModelSpec
     auto_schedulers: _containers.RepeatedScalarFieldContainer[Scheduler]
     plan_form: PlanForm
-    def __init__(self, sequence_lengths: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., max_seqlen_per_dp_cp_rank: _Optional[int] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., min_cp_size: _Optional[int] = ..., max_seqs_per_micro_batch: _Optional[int] = ..., micro_batch_group_size: _Optional[int] = ..., job: _Optional[str] = ..., cost_model: _Optional[_Union[CostModelSpec, _Mapping]] = ..., auto_schedulers: _Optional[_Iterable[_Union[Scheduler, str]]] = ..., plan_form: _Optional[_Union[PlanForm, str]] = ...) -> None: ...
+    padding: PaddingRule
+    min_local_rows: int
+    def __init__(self, sequence_lengths: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., max_seqlen_per_dp_cp_rank: _Optional[int] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., min_cp_size: _Optional[int] = ..., max_seqs_per_micro_batch: _Optional[int] = ..., micro_batch_group_size: _Optional[int] = ..., job: _Optional[str] = ..., cost_model: _Optional[_Union[CostModelSpec, _Mapping]] = ..., auto_schedulers: _Optional[_Iterable[_Union[Scheduler, str]]] = ..., plan_form: _Optional[_Union[PlanForm, str]] = ..., padding: _Optional[_Union[PaddingRule, str]] = ..., min_local_rows: _Optional[int] = ...) -> None: ...
 
 class CostModelSpec(_message.Message):
     __slots__ = ("preset", "coefficients", "model", "hardware")
@@ -227,7 +240,7 @@ class PlanStatistics(_message.Message):
     def __init__(self, real_tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., padding_ratio: _Optional[float] = ..., micro_batch_count: _Optional[int] = ..., cp_size_mix: _Optional[_Iterable[_Union[CpSizeCount, _Mapping]]] = ..., predicted_step_cost: _Optional[float] = ..., lower_bound_cost: _Optional[float] = ..., balance_efficiency: _Optional[float] = ..., static_cp_step_cost: _Optional[float] = ..., predicted_speedup_over_static_cp: _Optional[float] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("plan_id", "scheduler", "scheduler_class", "megatron_core_version", "micro_batches", "statistics", "capacity_bound", "dp_cp_size", "cp_layout", "tensor_parallel_size", "candidates", "columns", "substitution")
+    __slots__ = ("plan_id", "scheduler", "scheduler_class", "megatron_core_version", "micro_batches", "statistics", "capacity_bound", "dp_cp_size", "cp_layout", "tensor_parallel_size", "candidates", "columns", "substitution", "padding", "min_local_rows")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_CLASS_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +254,8 @@ class PlanResponse(_message.Message):
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
     SUBSTITUTION_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
+    MIN_LOCAL_ROWS_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     scheduler: Scheduler
     scheduler_class: str
@@ -254,7 +269,9 @@ class PlanResponse(_message.Message):
     candidates: _containers.RepeatedCompositeFieldContainer[Candidate]
     columns: PlanColumns
     substitution: Substitution
-    def __init__(self, plan_id: _Optional[str] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., scheduler_class: _Optional[str] = ..., megatron_core_version: _Optional[str] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., statistics: _Optional[_Union[PlanStatistics, _Mapping]] = ..., capacity_bound: _Optional[_Union[CapacityBound, str]] = ..., dp_cp_size: _Optional[int] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., tensor_parallel_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., columns: _Optional[_Union[PlanColumns, _Mapping]] = ..., substitution: _Optional[_Union[Substitution, _Mapping]] = ...) -> None: ...
+    padding: PaddingRule
+    min_local_rows: int
+    def __init__(self, plan_id: _Optional[str] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., scheduler_class: _Optional[str] = ..., megatron_core_version: _Optional[str] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., statistics: _Optional[_Union[PlanStatistics, _Mapping]] = ..., capacity_bound: _Optional[_Union[CapacityBound, str]] = ..., dp_cp_size: _Optional[int] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., tensor_parallel_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., columns: _Optional[_Union[PlanColumns, _Mapping]] = ..., substitution: _Optional[_Union[Substitution, _Mapping]] = ..., padding: _Optional[_Union[PaddingRule, str]] = ..., min_local_rows: _Optional[int] = ...) -> None: ...
 
 class Substitution(_message.Message):
     __slots__ = ("requested", "reason", "detail")

@@ -246,8 +246,8 @@ def test_verls_padding_is_verls_own(lengths, cp_size, tp_size, layout, min_local
     from trainer_client.errors import UnsupportedCombinationError
 
     try:
-        check({"verl": {"min_local_rows": min_local_rows},
-               "planner config": PlannerClientConfig(max_seqlen_per_dp_cp_rank=64, cp_layout=layout, tensor_parallel_size=tp_size)})
+        check({"planner config": PlannerClientConfig(max_seqlen_per_dp_cp_rank=64, cp_layout=layout, tensor_parallel_size=tp_size,
+                                                     padding=PaddingRule.VERL, min_local_rows=min_local_rows)})
     except UnsupportedCombinationError:
         return  # refused before verl pads anything
     padded = group_padded_lengths(lengths, cp_size, tp_size, layout, PaddingRule.VERL, min_local_rows)

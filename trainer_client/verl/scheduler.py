@@ -43,8 +43,8 @@ class DynamicCPScheduler:
         layout = _layout(cp_layout)
         if min_local_rows is not None and (type(min_local_rows) is not int or min_local_rows <= 0):
             raise ValueError(f"min_local_rows: {min_local_rows!r} is not allowed; expected None or a positive integer")
-        config = self._config(tp_size, cp_layout)
-        check({"verl": {"min_local_rows": min_local_rows}, "planner config": config})
+        config = self._config(tp_size, cp_layout, min_local_rows)
+        check({"planner config": config})
         lengths = self._lengths(batch, dcp_group)
         planner = planner_for(config, dcp_group)
         plan = planner.plan(lengths)
@@ -54,21 +54,22 @@ class DynamicCPScheduler:
             tp_size=tp_size, cp_layout=layout, min_local_rows=min_local_rows,
         )
 
-    def prefetch(self, batches: Sequence[TensorDict], dcp_group, *, tp_size: int, cp_layout: str = "zigzag") -> None:
+    def prefetch(self, batches: Sequence[TensorDict], dcp_group, *, tp_size: int, cp_layout: str = "zigzag",
+                 min_local_rows: int | None = None) -> None:
         """Starts planning each of `batches` (e.g. every mini-batch of a rollout batch, as soon as
-        it exists) in the background, so that `schedule` finds the plans ready. Not a collective:
-        only the asking rank plans; any rank may call it."""
-        planner = self.planner(dcp_group, tp_size=tp_size, cp_layout=cp_layout)
+        it exists) in the background, so that `schedule` finds the plans ready (with the same
+        arguments). Not a collective: only the asking rank plans; any rank may call it."""
+        planner = self.planner(dcp_group, tp_size=tp_size, cp_layout=cp_layout, min_local_rows=min_local_rows)
         planner.prefetch([self._lengths(b, dcp_group) for b in batches])
 
-    def planner(self, dcp_group, *, tp_size: int, cp_layout: str = "zigzag") -> CachedPlanner:
+    def planner(self, dcp_group, *, tp_size: int, cp_layout: str = "zigzag", min_local_rows: int | None = None) -> CachedPlanner:
         """The planner (client, cache, metrics) this process uses for `dcp_group` and these sizes."""
-        return planner_for(self._config(tp_size, cp_layout), dcp_group)
+        return planner_for(self._config(tp_size, cp_layout, min_local_rows), dcp_group)
 
-    def _config(self, tp_size: int, cp_layout: str):
+    def _config(self, tp_size: int, cp_layout: str, min_local_rows: int | None = None):
         return verl_planner_config(
             planner_settings(), max_seqlen_per_dp_cp_rank=self.max_seqlen_per_dp_cp_rank,
-            cp_size=self.cp_size, tp_size=tp_size, cp_layout=_layout(cp_layout),
+            cp_size=self.cp_size, tp_size=tp_size, cp_layout=_layout(cp_layout), min_local_rows=min_local_rows,
         )
 
     def _lengths(self, batch: TensorDict, dcp_group: Any) -> list[int]:

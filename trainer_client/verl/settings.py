@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from batch_planner.request import CpLayout, SchedulerKind
+from batch_planner.request import CpLayout, PaddingRule, SchedulerKind
 from trainer_client.config import ConfigError, PlannerClientConfig
 from trainer_client.dropin.settings import CONFIG_ENV, given_planner_settings, merged_settings
 
@@ -33,6 +33,7 @@ def verl_planner_config(
     cp_size: int,
     tp_size: int,
     cp_layout: CpLayout,
+    min_local_rows: int | None = None,
 ) -> PlannerClientConfig:
     """The client config for one of verl's schedule calls: the settings plus the engine's sizes;
     scheduler dynamic_cp (verl's own) unless the settings say auto, whose candidates are then
@@ -42,6 +43,9 @@ def verl_planner_config(
         "context_parallel_size": cp_size,
         "tensor_parallel_size": tp_size,
         "cp_layout": cp_layout.value,
+        # verl pads as its preprocess_thd_engine does (batch_planner/padding.py), so the plan counts it.
+        "padding": PaddingRule.VERL.value,
+        "min_local_rows": min_local_rows,
     }
     values = merged_settings(settings, derived, "verl's engine")
     scheduler = values.setdefault("scheduler", SchedulerKind.DYNAMIC_CP.value)
