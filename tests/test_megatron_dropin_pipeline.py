@@ -15,7 +15,9 @@ Each step, on every stage:
   trained exactly once, with the right CP group, chunks and positions;
 - the planner was asked once per stage (the design: docs/megatron-lm.md, "Pipeline parallelism").
 
-With MTP (one layer, on the last stage as upstream places it), the last stage keeps all four fields.
+With the contiguous layout (the model's cp_partition_mode; static CP1, DP4 with the dynamic groups),
+Megatron-Core cuts contiguous shards and converts them around attention. With MTP (one layer, on the
+last stage as upstream places it), the last stage keeps all four fields.
 With MoE (expert parallel 2), expert gradients are summed over the expert-data-parallel group.
 Stages that read different data refuse the step on every rank, naming it and the stages."""
 
@@ -39,6 +41,9 @@ JOB = "pipeline-dropin-{case}"
 
 CASES = {
     "pp1": dict(pp=1, vpp=None, mtp=None, experts=None),
+    # The contiguous layout (static CP1, as upstream allows it for standard attention: DP4 with the
+    # dynamic groups; Megatron-Core converts the shards to zigzag around attention).
+    "pp1-contiguous": dict(pp=1, vpp=None, mtp=None, experts=None, layout="contiguous"),
     "pp2": dict(pp=2, vpp=None, mtp=None, experts=None),
     "pp2-vpp2": dict(pp=2, vpp=2, mtp=None, experts=None),
     "pp2-mtp": dict(pp=2, vpp=None, mtp=1, experts=None),
@@ -58,7 +63,9 @@ def _models(case: dict):
     if vpp:
         overrides += [("virtual_pipeline_model_parallel_size", vpp), ("overlap_p2p_comm", True), ("batch_p2p_comm", False),
                       ("microbatch_group_size_per_vp_stage", 2)]
-    cfg = AttentionModelConfig(num_layers=2 * (vpp or 1), context_parallel_size=2, mtp_num_layers=case["mtp"],
+    contiguous = case.get("layout") == "contiguous"
+    cfg = AttentionModelConfig(num_layers=2 * (vpp or 1), context_parallel_size=1 if contiguous else 2, mtp_num_layers=case["mtp"],
+                               cp_partition_mode=case.get("layout", "zigzag"),
                                num_moe_experts=case["experts"], transformer_overrides=tuple(overrides))
     models = []
     for v in range(vpp or 1):
@@ -95,7 +102,8 @@ def _pipeline_dropin_rank(name: str, endpoint: str, rank: int) -> dict:
     stand_in_for_te_partitioning_on_cpu()
     stand_in_for_moe_calls_on_cpu()
     experts = EXPERT_PARALLEL if case["experts"] else 1
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=case["pp"], context_parallel_size=2, expert_model_parallel_size=experts,
+    static_cp = 1 if case.get("layout") == "contiguous" else 2
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=case["pp"], context_parallel_size=static_cp, expert_model_parallel_size=experts,
                                              virtual_pipeline_model_parallel_size=vpp, dynamic_context_parallel=True)
     models = _models(case)
     config = packing_config(models[0].config)

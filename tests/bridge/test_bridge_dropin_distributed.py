@@ -1,5 +1,6 @@
-"""The Bridge drop-in on 4 real gloo ranks (DP2 x CP2, and TP2 x CP2) and on 6 (DP3 x CP2: a DPxCP
-that is not a power of two, dynamic CP planned batch by batch), a real planner on loopback,
+"""The Bridge drop-in on 4 real gloo ranks (DP2 x CP2, TP2 x CP2, and DP4 with the contiguous layout on
+the dev build) and on 6 (DP3 x CP2: a DPxCP that is not a power of two, dynamic CP planned batch by
+batch), a real planner on loopback,
 Bridge's own distributed initialisation, `train_step` with its rerun loop, `evaluate`, its GPT
 forward step and loss (tests/bridge/dropin_ranks.py names the CPU stand-ins).
 
@@ -28,10 +29,14 @@ pytestmark = pytest.mark.attention  # CI prints these tests' time (tests/conftes
 STEPS = 3
 STOP_PLANNER_AFTER = 0  # step after which rank 0 kills the planner (the next one is planned already)
 DEADLINE_SECONDS = 600
-LAYOUTS = {"dp2_cp2": (1, 2, 4), "tp2_cp2": (2, 2, 4), "dp3_cp2": (1, 2, 6)}  # (TP, CP, ranks)
+LAYOUTS = {"dp2_cp2": (1, 2, 4), "tp2_cp2": (2, 2, 4), "dp3_cp2": (1, 2, 6), "dp4_contiguous": (1, 1, 4)}  # (TP, CP, ranks)
 # The TP layout also plans with min_dynamic_context_parallel_size 2 where the build has it: then
 # parallel_state builds no CP group of size 1.
-MIN_CP = {"dp2_cp2": None, "tp2_cp2": 2, "dp3_cp2": None}
+MIN_CP = {"dp2_cp2": None, "tp2_cp2": 2, "dp3_cp2": None, "dp4_contiguous": None}
+# The contiguous layout (dev build): the model's cp_partition_mode, static CP1 as upstream allows it
+# for standard attention, the dynamic groups over DP4; Megatron-Core converts the drop-in's
+# contiguous shards to zigzag around attention.
+MODEL = {"dp4_contiguous": {"cp_partition_mode": "contiguous"}}
 
 
 def _rank(rank: int, *args) -> None:
@@ -40,10 +45,11 @@ def _rank(rank: int, *args) -> None:
 
 
 def _train_and_evaluate(rank: int, world: int, store_path: str, out_dir: str, tp: int, cp: int, min_cp: int | None, endpoint: str,
-                        planner_pid: int, port: int) -> None:
+                        planner_pid: int, port: int, model: dict) -> None:
     import torch.distributed as dist
 
     model_overrides = {"min_dynamic_context_parallel_size": min_cp} if min_cp and ranks._has_dynamic_cp() else {}
+    model_overrides.update(model)
     cfg, state, model, optimizer, scheduler, pgs, p2p = ranks.start_rank(
         rank, world, store_path, tp, cp, model=model_overrides,
         # Every step's (non-fatal) spiky-loss check is failed on purpose, so the state machine re-runs
@@ -121,10 +127,12 @@ def _train_and_evaluate(rank: int, world: int, store_path: str, out_dir: str, tp
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_dynamic_cp_through_bridge_train_step(layout, tmp_path):
     tp, cp, world = LAYOUTS[layout]
+    if layout in MODEL and not ranks._has_dynamic_cp():
+        pytest.skip("the contiguous layout needs the dev build's cp_partition_mode (0.19 reads every CP shard as zigzag)")
     planner = start_planner(workers=1, without_release_overlay=True)
     try:
         run_ranks(_rank, (world, str(tmp_path / "store"), str(tmp_path), tp, cp, MIN_CP[layout], planner.address,
-                          planner.proc.pid, planner.port),
+                          planner.proc.pid, planner.port, MODEL.get(layout, {})),
                   world, DEADLINE_SECONDS)
     finally:
         planner.stop()
