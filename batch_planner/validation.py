@@ -225,8 +225,8 @@ def _reject_unsupported_options(request: PlanRequest) -> None:
     if request.min_local_rows is not None:
         if request.padding is not PaddingRule.VERL:
             _reject("min_local_rows", "only verl's padding tops groups up to a minimum of rows per rank; set padding to verl, or leave it unset")
-        unpacked = kind is SchedulerKind.HYBRID_CP or (kind is SchedulerKind.AUTO and SchedulerKind.HYBRID_CP in (request.auto_schedulers or (SchedulerKind.HYBRID_CP,)))
-        if unpacked:
+        candidates = request.auto_schedulers or (SchedulerKind.HYBRID_CP,)  # auto without a list: every scheduler
+        if kind is SchedulerKind.HYBRID_CP or (kind is SchedulerKind.AUTO and SchedulerKind.HYBRID_CP in candidates):
             _reject(
                 "min_local_rows",
                 "tops up a packed group's buffer, and hybrid_cp runs each sample alone; use dynamic_cp or static_packing "

@@ -17,7 +17,7 @@ from batch_planner.distributions import sample_lengths
 from batch_planner.errors import InvalidRequestError
 from batch_planner.plan import CpGroup, MicroBatch, MicroBatches, Plan
 from batch_planner.planner import plan_batch
-from batch_planner.request import CpLayout, PlanRequest, SchedulerKind
+from batch_planner.request import CpLayout, PaddingRule, PlanRequest, SchedulerKind
 from batch_planner.v1 import planner_pb2 as pb
 from tests.megatron_builds import best_local_scheduler
 
@@ -27,6 +27,18 @@ def test_a_request_survives_its_message():
                              cp_layout=CpLayout.CONTIGUOUS, max_seqs_per_micro_batch=4, micro_batch_group_size=2, job="convert")
     assert request_from_proto(request_to_proto(request)) == request
     assert request_from_proto(pb.PlanRequest.FromString(request_to_proto(request).SerializeToString())) == request
+    verl = request.replace(padding=PaddingRule.VERL, min_local_rows=16)
+    assert request_from_proto(pb.PlanRequest.FromString(request_to_proto(verl).SerializeToString())) == verl
+
+
+def test_a_plan_carries_its_padding():
+    request = PlanRequest.of(tuple(sample_lengths("long_tail_16k", 32, seed=5)), 4, 2, 8192, scheduler=best_local_scheduler(),
+                             cp_layout=CpLayout.CONTIGUOUS, padding=PaddingRule.VERL)
+    if request.scheduler is not SchedulerKind.HYBRID_CP:
+        request = request.replace(min_local_rows=16)
+    plan = plan_batch(request)
+    again = plan_from_proto(pb.PlanResponse.FromString(plan_to_proto(plan).SerializeToString()))
+    assert (again.padding, again.min_local_rows) == (plan.padding, plan.min_local_rows) == (PaddingRule.VERL, request.min_local_rows)
 
 
 def test_a_plan_survives_its_message_and_its_bytes_are_deterministic():
