@@ -276,7 +276,7 @@ def plan_from_proto(message: pb.PlanResponse) -> Plan:
             for c in message.candidates
         ),
         substitution=_substitution_from_proto(message.substitution) if message.HasField("substitution") else None,
-        padding=PADDING_FROM_PROTO.get(message.padding, PaddingRule.MEGATRON_CORE),
+        padding=PADDING_FROM_PROTO[message.padding],
         min_local_rows=message.min_local_rows if message.HasField("min_local_rows") else None,
     )
 

@@ -16,7 +16,7 @@ from typing import Any
 from batch_planner.request import PlanRequest
 
 # Bumped when the mapping from scheduler output to a plan changes, so plan ids change with it.
-PLAN_FORMAT_VERSION = 2
+PLAN_FORMAT_VERSION = 3  # 3: contiguous plans pad to 2 x CP x TP (issue 52)
 
 
 def canonical_request(request: PlanRequest) -> dict[str, Any]:

@@ -52,12 +52,10 @@ class CapacityBound(str, Enum):
 Count = Annotated[int, Field(ge=1)]
 
 
-def _option(default: Any, proto: str, limit: str = "", identity_default: bool = False) -> Any:
+def _option(default: Any, proto: str, limit: str = "") -> Any:
     """An option's default, its place in batch_planner.v1.PlanRequest (`proto`) and the server's
-    RequestLimits field that bounds it above (`limit`, batch_planner/validation.py), if any.
-    `identity_default`: an option added after plan ids were first handed out; at its default it is
-    left out of the canonical form, so that a request that does not use it keeps its plan id."""
-    return field(default=default, metadata={"proto": proto, "limit": limit, "identity_default": identity_default})
+    RequestLimits field that bounds it above (`limit`, batch_planner/validation.py), if any."""
+    return field(default=default, metadata={"proto": proto, "limit": limit})
 
 
 @dataclass(frozen=True)
@@ -80,15 +78,15 @@ class PlanningOptions:
     context_parallel_size: Count = _option(1, "layout.context_parallel_size", "max_dp_cp_size")
     # Which Megatron-Core scheduler plans the batch.
     scheduler: SchedulerKind = _option(SchedulerKind.HYBRID_CP, "scheduler")
-    # Samples are padded to multiples of TP (sequence parallelism) times the CP layout's unit.
+    # Samples are padded to multiples of TP (sequence parallelism) times the padding rule's CP unit.
     tensor_parallel_size: Count = _option(1, "layout.tensor_parallel_size", "max_tensor_parallel_size")
     cp_layout: CpLayout = _option(CpLayout.ZIGZAG, "cp_layout")
     # Whose THD/CP padding the trainer's engine applies, which the plan's padded tokens and cost
     # count (batch_planner/padding.py): Megatron-Core's, or verl's (the verl drop-in sets it).
-    padding: PaddingRule = _option(PaddingRule.MEGATRON_CORE, "padding", identity_default=True)
+    padding: PaddingRule = _option(PaddingRule.MEGATRON_CORE, "padding")
     # verl's padding only: every rank of a packed CP group holds at least this many rows (a kernel's
     # window); the group's last sequence is padded up to it.
-    min_local_rows: Count | None = _option(None, "min_local_rows", identity_default=True)
+    min_local_rows: Count | None = _option(None, "min_local_rows")
     # Smallest CP size dynamic CP may give a sample (a group size Megatron-Core builds).
     min_cp_size: Count | None = _option(None, "min_cp_size")
     # Cap on sequences packed into one micro-batch (static packing).
@@ -112,12 +110,8 @@ class PlanningOptions:
         return PlanningOptions(**{name: getattr(source, name) for name in PlanningOptions.names()})
 
     def canonical(self) -> dict[str, Any]:
-        """Plain values by field name (enums by value): what the plan id and the digest hash. An
-        option marked `identity_default` is left out at its default (`_option`)."""
-        return {
-            f.name: _plain(getattr(self, f.name)) for f in fields(PlanningOptions)
-            if not (f.metadata["identity_default"] and getattr(self, f.name) == f.default)
-        }
+        """Plain values by field name (enums by value): what the plan id and the digest hash."""
+        return {name: _plain(getattr(self, name)) for name in PlanningOptions.names()}
 
 
 _OPTION_NAMES = PlanningOptions.names()

@@ -224,13 +224,14 @@ def _reject_unsupported_options(request: PlanRequest) -> None:
             )
     if request.min_local_rows is not None:
         if request.padding is not PaddingRule.VERL:
-            _reject("min_local_rows", "only verl's padding tops groups up to a minimum of rows per rank; set padding to verl, or leave it unset")
+            _reject("min_local_rows", f"got {request.min_local_rows} with padding {request.padding.value}; only verl's padding tops groups "
+                    "up to a minimum of rows per rank: set padding to verl, or leave min_local_rows unset")
         candidates = request.auto_schedulers or (SchedulerKind.HYBRID_CP,)  # auto without a list: every scheduler
         if kind is SchedulerKind.HYBRID_CP or (kind is SchedulerKind.AUTO and SchedulerKind.HYBRID_CP in candidates):
             _reject(
                 "min_local_rows",
-                "tops up a packed group's buffer, and hybrid_cp runs each sample alone; use dynamic_cp or static_packing "
-                "(with auto: auto_schedulers without hybrid_cp)",
+                f"got {request.min_local_rows} with scheduler {kind.value}; it tops up a packed group's buffer, and hybrid_cp runs "
+                "each sample alone: use dynamic_cp or static_packing (with auto: auto_schedulers without hybrid_cp)",
             )
     if request.max_seqs_per_micro_batch is not None:
         if kind not in (SchedulerKind.STATIC_PACKING, SchedulerKind.AUTO):

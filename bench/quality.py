@@ -91,7 +91,7 @@ def static_cp_row(distribution: str, size: BatchSize, request: PlanRequest, cp: 
     dp = static.data_parallel_size
     lengths = static.sequence_lengths
     assert [n for pack in packs for n in pack] == list(lengths), "packs must keep every sample, in order"
-    padded = sum(padded_length(n, cp, static.tensor_parallel_size, static.cp_layout) for n in lengths)
+    padded = sum(padded_length(n, cp, static.tensor_parallel_size, static.cp_layout, static.padding) for n in lengths)
     lower = single_rank_work(model, lengths) / size.ranks
     too_long = [n for n in lengths if n > MAX_SEQLEN_PER_DP_CP_RANK * cp]
     note = (
@@ -232,7 +232,7 @@ def plot_plan(plan: Plan, lengths: tuple[int, ...], path: Path) -> None:
         for group in micro_batch.cp_groups:
             bottom = 0.0
             for sample_id in group.sample_ids:
-                height = padded_length(lengths[sample_id], group.size, plan.tensor_parallel_size, plan.cp_layout) / group.size
+                height = padded_length(lengths[sample_id], group.size, plan.tensor_parallel_size, plan.cp_layout, plan.padding) / group.size
                 colour = CP_COLOURS.get(group.size, "#636363")
                 used.add(group.size)
                 ax.add_patch(Rectangle((group.first_rank + 0.04, bottom), group.size - 0.08, height,

@@ -17,6 +17,7 @@ import pytest
 from batch_planner.convert import plan_to_proto
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
+from batch_planner.v1 import planner_pb2 as pb
 from trainer_client.config import PlannerClientConfig
 from trainer_client.metrics import TrainerMetrics
 from trainer_client.plan_source import FALLBACK, MALFORMED_RESPONSE, SERVICE, PlannerUnavailableError, PlanSource
@@ -50,6 +51,11 @@ ANSWERS = {
     "a group of size 0": _answer(_set("sizes", -1, 0)),
     "a group over every rank": _answer(_set("sizes", 0, 8)),
     "another DPxCP size": _answer(_dp_cp_size),
+    # A plan padded otherwise than the request asked (a server that predates an option answers without it).
+    "another padding rule": _answer(lambda m: setattr(m, "padding", pb.PADDING_RULE_VERL)),
+    "an unknown padding rule": _answer(lambda m: setattr(m, "padding", 9)),
+    "another layout": _answer(lambda m: setattr(m, "cp_layout", pb.CP_LAYOUT_CONTIGUOUS)),
+    "a top-up not asked for": _answer(lambda m: setattr(m, "min_local_rows", 64)),
 }
 
 
@@ -93,7 +99,7 @@ def test_an_unreadable_answer_is_planned_in_process_and_counted(unreadable):
 def test_with_fallback_off_an_unreadable_answer_raises_what_the_broadcast_hands_every_rank(unreadable):
     source = _source(unreadable, fallback=False)
     try:
-        with pytest.raises(PlannerUnavailableError, match=r"malformed_response.*(not a readable PlanResponse|cannot be applied to this batch)"):
+        with pytest.raises(PlannerUnavailableError, match=r"malformed_response.*(not a readable PlanResponse|cannot be applied to this batch|plan pads for)"):
             source.plan(REQUEST)
     finally:
         source.close()

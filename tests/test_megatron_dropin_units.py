@@ -41,6 +41,16 @@ def test_the_layout_is_the_models_own_where_the_build_has_one():
     assert planner_config_for(megatron_config(), SchedulerKind.HYBRID_CP, 2, {"cp_layout": "contiguous"}).cp_layout.value == "contiguous"
 
 
+def test_the_megatron_drop_ins_pad_by_megatron_cores_rule():
+    """verl's padding or its top-up in a Megatron drop-in's settings is refused, naming both values:
+    Megatron-Core reads the shards, so the plan must count its padding."""
+    assert planner_config_for(megatron_config(), SchedulerKind.DYNAMIC_CP, 2).padding.value == "megatron_core"
+    with pytest.raises(ConfigError, match="padding: the planner settings say 'verl' but Megatron runs 'megatron_core'"):
+        planner_config_for(megatron_config(), SchedulerKind.DYNAMIC_CP, 2, {"padding": "verl"})
+    with pytest.raises(ConfigError, match="min_local_rows: the planner settings say 8 but Megatron runs None"):
+        planner_config_for(megatron_config(), SchedulerKind.DYNAMIC_CP, 2, {"min_local_rows": 8})
+
+
 def test_settings_file_from_the_environment(tmp_path, monkeypatch):
     path = tmp_path / "planner.yaml"
     path.write_text("batch_planner:\n  planner_endpoint: 127.0.0.1:5\n  tls: false\n")

@@ -149,10 +149,13 @@ def test_the_plans_padded_tokens_are_the_padding_the_trainer_applies(case):
             expected = sum(sum(group_padded_lengths(unit, group.size, tp, layout, rule, min_local_rows)) for unit in sizes if unit)
             assert group.padded_tokens == expected, (case, group)
     assert plan.statistics.padded_tokens == sum(g.padded_tokens for mb in plan.micro_batches for g in mb.cp_groups)
-    # micro_batches_for_rank pads each unit as the plan counted it: rank 0's units' padded buffers.
+    # micro_batches_for_rank pads as the plan counted: on every rank, each group's units' padded
+    # buffers add up to the group's padded tokens.
     starts = tuple(itertools.accumulate(lengths, initial=0))[:-1]
     batch = GlobalBatch(tuple(lengths), {"input_ids": JaggedField(torch.zeros(sum(lengths), dtype=torch.long), starts)}, {})
-    for unit in micro_batches_for_rank(plan, batch, 0, pack_group_samples=packed):
-        group = plan.micro_batches[unit.micro_batch_index].group_of_rank(0)
-        sizes = [lengths[i] for i in unit.sample_ids]
-        assert int(unit.cu_seqlens_padded[-1]) == sum(group_padded_lengths(sizes, group.size, tp, layout, rule, min_local_rows))
+    for rank in range(plan.dp_cp_size):
+        buffers: dict[int, int] = {}
+        for unit in micro_batches_for_rank(plan, batch, rank, pack_group_samples=packed):
+            buffers[unit.micro_batch_index] = buffers.get(unit.micro_batch_index, 0) + int(unit.cu_seqlens_padded[-1])
+        for index, padded in buffers.items():
+            assert padded == plan.micro_batches[index].group_of_rank(rank).padded_tokens, (case, rank, index)

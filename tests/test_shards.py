@@ -88,3 +88,12 @@ def test_packed_contiguous_unit_tensors_by_hand():
         pieces += token_pieces(unit, unit.input_ids.float())
     restored = restore_token_outputs(pieces, lengths)
     assert [t.long().tolist() for t in restored] == [(100 * i + torch.arange(n)).tolist() for i, n in enumerate(lengths)]
+
+
+def test_padded_lengths_that_would_leave_rows_to_no_rank_are_refused():
+    from batch_planner.shards import padded_unit_shard
+
+    with pytest.raises(ValueError, match="sequence 1 is padded to 6 rows, not a multiple of 2 x CP = 4"):
+        padded_unit_shard([8, 6], 2, 0, Z)
+    with pytest.raises(ValueError, match="the buffer holds 9 rows, not a multiple of CP = 2"):
+        padded_unit_shard([4, 5], 2, 1, C)

@@ -242,7 +242,7 @@ def _uneven_top_up(value: Any, inputs: Inputs) -> bool:
     TP, and in the zigzag layout a last sequence that is a multiple of 2 x CP only when
     min_local_rows is even."""
     tp = _get(inputs.sources["planner config"], "tensor_parallel_size", 1) or 1
-    multiple = math.lcm(2, tp) if inputs.layout is CpLayout.ZIGZAG else tp
+    multiple = math.lcm(2, tp) if (inputs.layout or CpLayout.ZIGZAG) is CpLayout.ZIGZAG else tp  # zigzag: the default
     return value is not None and value % multiple != 0
 
 

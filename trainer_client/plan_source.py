@@ -108,6 +108,10 @@ class PlanSource:
         return SourcedPlan(plan, FALLBACK)
 
 
+def _shown(value):
+    return getattr(value, "value", value)
+
+
 def _read(response: bytes, request: PlanRequest) -> Plan:
     """The plan of the service's answer to `request`. An answer that is not a readable
     PlanResponse, or whose plan cannot be applied to the request's batch (plan.structure_problem),
@@ -120,6 +124,15 @@ def _read(response: bytes, request: PlanRequest) -> Plan:
     problem = structure_problem(plan, request.num_samples, request.dp_cp_size)
     if problem is not None:
         raise ServiceFailedError(MALFORMED_RESPONSE, f"its plan cannot be applied to this batch: {problem}")
+    # The plan pads as the trainer's engine does (a server that predates an option answers without it).
+    asked = (request.cp_layout, request.tensor_parallel_size, request.padding, request.min_local_rows)
+    got = (plan.cp_layout, plan.tensor_parallel_size, plan.padding, plan.min_local_rows)
+    if got != asked:
+        raise ServiceFailedError(
+            MALFORMED_RESPONSE,
+            f"its plan pads for (cp_layout, tensor_parallel_size, padding, min_local_rows) = {tuple(_shown(v) for v in got)}, "
+            f"the request asked for {tuple(_shown(v) for v in asked)}",
+        )
     if isinstance(plan.micro_batches, MicroBatches):
         plan.micro_batches.as_tuple()  # built here, on the thread that fetched it (plan-ahead's), not in the step
     return plan

@@ -171,6 +171,9 @@ def test_dynamic_cp_through_bridge_train_step(layout, tmp_path):
         if result["dp_cp_ranks"][0] == rank:  # leads its DPxCP group
             assert [r["source"] for r in result["steps"]] == sources, (rank, result["steps"])
     _check_every_sample_once(results)
+    padded = [u for r in results for record in r["steps"] for u in record["units"]
+              if u["cp_size"] > 1 and u["cu_seqlens_padded"][-1] > u["cu_seqlens"][-1]]
+    assert padded, "no CP group pads: the lengths test nothing"
     for result in results:  # replicas of one DPxCP group hold the same weights after the updates
         peers = [results[r]["checksum"] for r in result["dp_cp_ranks"]]
         assert max(peers) - min(peers) < 1e-9 * max(1.0, abs(peers[0])), peers

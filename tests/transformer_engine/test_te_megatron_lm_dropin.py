@@ -10,7 +10,8 @@ long and short samples, lengths that are not multiples of 2 x CP, padded by the 
 
 - DP2 x CP2 (4 ranks, `forward_backward_no_pipelining`), and DP2 x CP2 x PP2 (8 ranks,
   `forward_backward_pipelining_without_interleaving`, activations exchanged between the stages);
-- the first step has CP1, CP2 and CP4 units, the second CP2 and CP4;
+- a step with CP1 and CP2 units (on the H100 run: the first step CP1, CP2 and CP4, the second CP2 and
+  CP4; docs/gpu-benchmark-data/transformer-engine);
 - the loss summed over the ranks and every parameter's gradient summed over DP x CP equal the same
   pipeline over each whole sample alone at CP1, within the bf16 tolerance (support.py);
 - planted: Transformer Engine's partitioned indices asked for the next rank of the CP group (every

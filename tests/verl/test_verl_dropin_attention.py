@@ -129,14 +129,17 @@ def _model_rank(layout: str, rank: int) -> dict:
     if layout == "contiguous":  # what the model's attention would do first: Megatron-Core's own route check, no collective
         from megatron.core.context_parallel_layout.routes import build_thd_cp_partition_route
 
-        refused = []
+        refused, unaligned = [], []  # per CP > 1 shard: Megatron-Core's refusal, and whether a sequence is not a multiple of 2 x CP
         for shard, size in zip(shards, cp_sizes):
             if size > 1:
+                bounds = shard.packed_seq_params.cu_seqlens_q_padded.tolist()
+                unaligned.append(any((b - a) % (2 * size) for a, b in zip(bounds, bounds[1:])))
                 try:
                     build_thd_cp_partition_route(shard.packed_seq_params.cu_seqlens_q_padded, size, dist.get_rank(shard.packed_seq_params.cp_group))
+                    refused.append(None)
                 except ValueError as error:
                     refused.append(str(error))
-        return {"refused": refused, "cp_sizes": list(cp_sizes), "masks_ok": all(masks_ok), "padded_in_groups": padded}
+        return {"refused": refused, "unaligned": unaligned, "cp_sizes": list(cp_sizes), "masks_ok": all(masks_ok), "padded_in_groups": padded}
     got = packed_loss_and_grads(model, list(shards), samples)
     return {"loss": got.loss, "reference": reference.loss, "errors": parity_errors(got, reference, samples), "cp_sizes": list(cp_sizes),
             "masks_ok": all(masks_ok), "padded_in_groups": padded}
@@ -175,5 +178,8 @@ def test_verl_shards_of_the_dropins_micro_batches_train_as_whole_samples(ranks_o
 def test_verls_contiguous_padding_is_refused_by_megatron_cores_standard_attention(ranks_of):
     per_rank = ranks_of("contiguous")
     assert all(r["masks_ok"] for r in per_rank), per_rank  # the drop-in's masks are verl's padding still
-    refused = [message for r in per_rank for message in r["refused"]]
-    assert refused and all("divisible by 2 * cp_size" in message for message in refused), per_rank
+    # Refused exactly where a sequence is not a multiple of 2 x CP, which the real lengths make happen.
+    pairs = [(message, unaligned) for r in per_rank for message, unaligned in zip(r["refused"], r["unaligned"])]
+    assert any(unaligned for _, unaligned in pairs), per_rank
+    assert all((message is not None) == unaligned for message, unaligned in pairs), per_rank
+    assert all("divisible by 2 * cp_size" in message for message, _ in pairs if message is not None), per_rank

@@ -8,7 +8,7 @@ import logging
 import os
 from typing import Any
 
-from batch_planner.request import SchedulerKind
+from batch_planner.request import PaddingRule, SchedulerKind
 from trainer_client import megatron as mcore
 from trainer_client.client import BatchPlannerClient
 from trainer_client.config import ConfigError, PlannerClientConfig
@@ -30,6 +30,9 @@ def planner_config_for(
         "context_parallel_size": cp_size,
         "tensor_parallel_size": int(getattr(megatron_config, "tensor_model_parallel_size", 1) or 1),
         "scheduler": scheduler.value,
+        # Megatron-Core pads (its dataset, or this drop-in for it) by its own rule, with no top-up.
+        "padding": PaddingRule.MEGATRON_CORE.value,
+        "min_local_rows": None,
     }
     if getattr(megatron_config, "cp_partition_mode", None) is not None:
         # The layout Megatron-Core cuts and reads the shards in (dev build; 0.19 reads zigzag only):
