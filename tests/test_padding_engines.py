@@ -26,9 +26,10 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from batch_planner.errors import BatchNotPlannableError
 from batch_planner.padding import group_padded_lengths
 from batch_planner.request import CpLayout, PaddingRule
 from batch_planner.shards import padded_unit_shard
@@ -74,7 +75,7 @@ def refused_by_the_table(cp_layout: CpLayout, tp: int, min_local_rows: int | Non
     return None
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=1000, deadline=None)
 @given(units)
 def test_every_padded_length_is_one_the_engine_accepts(unit):
     lengths, cp, tp, layout, rule, min_local_rows = unit
@@ -90,7 +91,7 @@ def test_every_padded_length_is_one_the_engine_accepts(unit):
         assert refusal is not None and refusal.option == "min_local_rows", (unit, padded, problem)
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=1000, deadline=None)
 @given(units)
 def test_every_shard_is_the_one_megatron_core_cuts(unit):
     lengths, cp, tp, layout, rule, min_local_rows = unit
@@ -140,8 +141,12 @@ def test_the_plans_padded_tokens_are_the_padding_the_trainer_applies(case):
     from tests.megatron_builds import require_scheduler
 
     require_scheduler(kind)
-    plan = plan_batch(PlanRequest.of(lengths, dp, cp, 1000, scheduler=kind, cp_layout=layout, tensor_parallel_size=tp,
-                                     padding=rule, min_local_rows=min_local_rows))
+    try:
+        plan = plan_batch(PlanRequest.of(lengths, dp, cp, 1000, scheduler=kind, cp_layout=layout, tensor_parallel_size=tp,
+                                         padding=rule, min_local_rows=min_local_rows))
+    except BatchNotPlannableError:
+        assume(False)  # a batch Megatron-Core's scheduler refuses (too few samples for static packing): no plan to check
+        return
     packed = plan.capacity_bound is CapacityBound.PER_RANK_SUM
     for micro_batch in plan.micro_batches:
         for group in micro_batch.cp_groups:
