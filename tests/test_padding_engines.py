@@ -75,7 +75,7 @@ def refused_by_the_table(cp_layout: CpLayout, tp: int, min_local_rows: int | Non
     return None
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(units)
 def test_every_padded_length_is_one_the_engine_accepts(unit):
     lengths, cp, tp, layout, rule, min_local_rows = unit
@@ -91,7 +91,7 @@ def test_every_padded_length_is_one_the_engine_accepts(unit):
         assert refusal is not None and refusal.option == "min_local_rows", (unit, padded, problem)
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(units)
 def test_every_shard_is_the_one_megatron_core_cuts(unit):
     lengths, cp, tp, layout, rule, min_local_rows = unit
@@ -124,7 +124,7 @@ plans = st.tuples(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(plans)
 def test_the_plans_padded_tokens_are_the_padding_the_trainer_applies(case):
     """The statistics follow the same padding: each CP group's padded tokens (and so the plan's, and

@@ -230,7 +230,7 @@ def test_an_unchecked_verl_version_says_so_and_changes_nothing():
     assert "verl 0.10.0 is not a version this drop-in was checked against" in done.stderr
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(1, 200), min_size=1, max_size=6), st.integers(1, 8), st.sampled_from([1, 2]),
        st.sampled_from(list(CpLayout)), st.one_of(st.none(), st.integers(1, 64)))
 def test_verls_padding_is_verls_own(lengths, cp_size, tp_size, layout, min_local_rows):
