@@ -40,6 +40,14 @@ def _picklable(state: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
+class InvalidArgumentError(PlannerClientError, ValueError):
+    """An argument of a public call has a value that is not allowed; the message names it and what is."""
+
+
+class ArgumentTypeError(PlannerClientError, TypeError):
+    """An argument of a public call is of a type that is not allowed; the message names it and what is."""
+
+
 class ConfigError(PlannerClientError, ValueError):
     """A setting with a bad value or an unknown name; the message names the key and what is allowed."""
 
@@ -97,6 +105,14 @@ class PlanMismatchError(PlannerClientError, RuntimeError):
 
 class OutputRestoreError(PlannerClientError, RuntimeError):
     """Some sample's output is missing or came back more than once."""
+
+
+class ProcessGroupError(PlannerClientError, RuntimeError):
+    """The trainer's process groups (Megatron-Core's parallel_state) cannot run the plan's CP groups."""
+
+
+class UsageError(PlannerClientError, RuntimeError):
+    """A call came before what it needs (a plan, a planned step): the message names the call to make first."""
 
 
 class RankFailedError(PlannerClientError, RuntimeError):
