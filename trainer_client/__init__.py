@@ -20,6 +20,7 @@ from trainer_client.errors import (
     RouterReplayAlignmentError,
     ServiceFailedError,
     TlsMismatchError,
+    UnrunnablePlanError,
     UnsupportedCombinationError,
     UsageError,
 )
@@ -29,7 +30,7 @@ from trainer_client.token_outputs import TokenPiece, restore_token_outputs, toke
 __all__ = [
     "ArgumentTypeError", "BatchMismatchError", "BatchPlannerClient", "ConfigError", "DropInInputError", "InvalidArgumentError", "OutputRestoreError", "PlanMismatchError",
     "PlanRejectedError", "PlannerClientConfig", "PlannerClientError", "PlannerUnavailableError", "ProcessGroupError", "RankFailedError",
-    "RouterReplayAlignmentError", "ServiceFailedError", "TlsMismatchError", "TokenPiece", "UnsupportedCombinationError", "UsageError", "WhoAsks",
+    "RouterReplayAlignmentError", "ServiceFailedError", "TlsMismatchError", "TokenPiece", "UnrunnablePlanError", "UnsupportedCombinationError", "UsageError", "WhoAsks",
     "align_router_replay", "attach_router_replay", "check_batch_is_planned", "check_dynamic_cp_support", "restore_token_outputs",
     "token_pieces",
 ]

@@ -64,6 +64,10 @@ class UnsupportedCombinationError(PlannerClientError, ValueError):
         super().__init__(f"dynamic CP does not support {option}={value!r}: {fix}")
 
 
+class UnrunnablePlanError(UnsupportedCombinationError, RuntimeError):
+    """A plan the trainer's engine cannot run (verl's engine raises RuntimeError for these, so this is one too)."""
+
+
 class PlanRejectedError(PlannerClientError, ValueError):
     """The planner (or the in-process planner) refused the request itself; retrying cannot help."""
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from batch_planner.plan import Plan
-from batch_planner.request import CpLayout
+from batch_planner.request import CpLayout, PaddingRule, SchedulerKind
 
 # size -> this rank's process group for that CP size (None: the build runs that size without one)
 CpGroupResolver = Callable[[int], "dist.ProcessGroup | None"]
@@ -226,6 +226,37 @@ def broadcast_scalars(values: list, tp_group, device) -> list:
     from megatron.core.datasets.data_schedule_utils import broadcast_scalars as broadcast
 
     return broadcast(values, tp_group, device)
+
+
+def planner_settings_of(config: Any, scheduler: SchedulerKind, cp_size: int) -> dict[str, Any]:
+    """The planner settings a Megatron-Core model config fixes (the Megatron-LM and Bridge drop-ins'
+    `derived` settings, trainer_client.dropin.settings.planner_config): its sizes, the scheduler the
+    trainer runs, and Megatron-Core's padding (its dataset, or the drop-in for it), with no top-up."""
+    derived: dict[str, Any] = {
+        "max_seqlen_per_dp_cp_rank": int(config.max_seqlen_per_dp_cp_rank),
+        "context_parallel_size": cp_size,
+        "tensor_parallel_size": int(getattr(config, "tensor_model_parallel_size", 1) or 1),
+        "scheduler": scheduler.value,
+        "padding": PaddingRule.MEGATRON_CORE.value,
+        "min_local_rows": None,
+    }
+    if getattr(config, "cp_partition_mode", None) is not None:
+        # The layout Megatron-Core cuts and reads the shards in (dev build; 0.19 reads zigzag only):
+        # the drop-ins' shards and the plan's padding must be of the same one.
+        derived["cp_layout"] = config.cp_partition_mode
+    if scheduler is SchedulerKind.DYNAMIC_CP:
+        derived["min_cp_size"] = getattr(config, "min_dynamic_context_parallel_size", None)
+    if scheduler is SchedulerKind.STATIC_PACKING:
+        derived["max_seqs_per_micro_batch"] = max_real_seqs_per_micro_batch(config)
+    if getattr(config, "virtual_pipeline_model_parallel_size", None) is not None:
+        # Megatron-Core's packing schedulers group micro-batches per virtual stage (its wrap_data_iterator).
+        derived["micro_batch_group_size"] = getattr(config, "microbatch_group_size_per_vp_stage", None)
+    return derived
+
+
+def is_transformer_config(config: Any) -> bool:
+    """Whether `config` is Megatron-Core's TransformerConfig (the refusal table's `transformer` source)."""
+    return type(config).__name__ == "TransformerConfig" or hasattr(config, "transformer_impl")
 
 
 def max_real_seqs_per_micro_batch(config: Any) -> int | None:

@@ -132,7 +132,7 @@ def test_an_unchecked_bridge_version_warns_once_and_changes_nothing(monkeypatch)
 
     before = (train.get_forward_backward_func, gpt_step.get_batch, gpt_step.get_packed_seq_params)
     monkeypatch.setattr(version, "bridge_version", lambda: "0.7.0")
-    monkeypatch.setattr(version, "_warned", False)
+    monkeypatch.setattr(version.GATE, "warned", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert enable(_config()) is False

@@ -5,7 +5,6 @@ every rank, hit or miss, so ranks can never disagree on whether a collective run
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Sequence
 
 import torch.distributed as dist
@@ -15,6 +14,7 @@ from batch_planner.request import PlanRequest
 from trainer_client.ahead import PLAN_CACHE_SIZE
 from trainer_client.client import BatchPlannerClient
 from trainer_client.config import PlannerClientConfig
+from trainer_client.dropin.registry import Registry
 
 
 class CachedPlanner:
@@ -57,17 +57,11 @@ class CachedPlanner:
 
 # One planner per DPxCP group and config: verl builds a new DynamicCPScheduler for every
 # forward/backward call, so the cache must outlive it.
-_planners: dict[tuple, CachedPlanner] = {}
-_planners_lock = threading.Lock()
+_planners: Registry[CachedPlanner] = Registry(by_identity=False)
 
 
 def planner_for(config: PlannerClientConfig, group: Any) -> CachedPlanner:
-    key = (_group_key(group), repr(config))
-    with _planners_lock:
-        found = _planners.get(key)
-        if found is None:
-            found = _planners[key] = CachedPlanner(config, group)
-        return found
+    return _planners.get((_group_key(group), repr(config)), lambda: CachedPlanner(config, group))
 
 
 def _group_key(group: Any) -> tuple:
@@ -81,14 +75,9 @@ def _group_key(group: Any) -> tuple:
 
 def planners() -> list[CachedPlanner]:
     """Every planner this process made (metrics, tests)."""
-    with _planners_lock:
-        return list(_planners.values())
+    return _planners.values()
 
 
 def close_planners() -> None:
     """Stops every planner this process made (their clients, threads and caches)."""
-    with _planners_lock:
-        held = list(_planners.values())
-        _planners.clear()
-    for planner in held:
-        planner.close()
+    _planners.close_all()
