@@ -28,9 +28,10 @@ from trainer_client.side_data import align_router_replay, attach_router_replay
 from trainer_client.token_outputs import TokenPiece, restore_token_outputs, token_pieces
 
 __all__ = [
-    "ArgumentTypeError", "BatchMismatchError", "BatchPlannerClient", "ConfigError", "DropInInputError", "InvalidArgumentError", "OutputRestoreError", "PlanMismatchError",
-    "PlanRejectedError", "PlannerClientConfig", "PlannerClientError", "PlannerUnavailableError", "ProcessGroupError", "RankFailedError",
-    "RouterReplayAlignmentError", "ServiceFailedError", "TlsMismatchError", "TokenPiece", "UnrunnablePlanError", "UnsupportedCombinationError", "UsageError", "WhoAsks",
-    "align_router_replay", "attach_router_replay", "check_batch_is_planned", "check_dynamic_cp_support", "restore_token_outputs",
-    "token_pieces",
+    "ArgumentTypeError", "BatchMismatchError", "BatchPlannerClient", "ConfigError", "DropInInputError",
+    "InvalidArgumentError", "OutputRestoreError", "PlanMismatchError", "PlanRejectedError", "PlannerClientConfig",
+    "PlannerClientError", "PlannerUnavailableError", "ProcessGroupError", "RankFailedError",
+    "RouterReplayAlignmentError", "ServiceFailedError", "TlsMismatchError", "TokenPiece", "UnrunnablePlanError",
+    "UnsupportedCombinationError", "UsageError", "WhoAsks", "align_router_replay", "attach_router_replay",
+    "check_batch_is_planned", "check_dynamic_cp_support", "restore_token_outputs", "token_pieces",
 ]

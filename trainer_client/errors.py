@@ -108,7 +108,7 @@ class PlanMismatchError(PlannerClientError, RuntimeError):
 
 
 class OutputRestoreError(PlannerClientError, RuntimeError):
-    """Some sample's output is missing or came back more than once."""
+    """Some sample's output is missing or came back more than once, or a rank's outputs could not be read."""
 
 
 class ProcessGroupError(PlannerClientError, RuntimeError):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from batch_planner.plan import Plan
 from batch_planner.request import CpLayout, PaddingRule, SchedulerKind
+from trainer_client.errors import InvalidArgumentError, ProcessGroupError
 
 # size -> this rank's process group for that CP size (None: the build runs that size without one)
 CpGroupResolver = Callable[[int], "dist.ProcessGroup | None"]
@@ -86,7 +87,7 @@ def _group_lookup() -> tuple[Callable[[int], Any], bool]:
     hybrid = getattr(parallel_state, "get_hybrid_data_context_parallel_groups", None)
     if hybrid is not None:
         return (lambda size: hybrid(group_size=size)), False
-    raise RuntimeError(
+    raise ProcessGroupError(
         "Megatron-Core's parallel_state has no per-size DPxCP groups: initialise it with "
         "initialize_model_parallel(dynamic_context_parallel=True) (Megatron-LM dev) or "
         "hybrid_context_parallel=True (0.19 releases)"
@@ -129,7 +130,7 @@ def megatron_cp_group_resolver(plan: Plan, group: Any = None) -> CpGroupResolver
         try:
             found = lookup(size)
         except KeyError:
-            raise RuntimeError(
+            raise ProcessGroupError(
                 f"this Megatron-Core's parallel_state has no DPxCP group of size {size} (a plan for "
                 f"{plan.dp_cp_size} ranks; 0.19's hybrid groups need a power-of-two DPxCP, the dev "
                 "build's dynamic groups an even one)"
@@ -138,7 +139,7 @@ def megatron_cp_group_resolver(plan: Plan, group: Any = None) -> CpGroupResolver
         expected = dp_cp_ranks[first : first + size]
         actual = dist.get_process_group_ranks(found)
         if list(actual) != list(expected):
-            raise RuntimeError(
+            raise ProcessGroupError(
                 f"Megatron-Core's CP group of size {size} for this rank has ranks {actual}; the plan needs "
                 f"{expected}: the DPxCP group's rank order differs from parallel_state's"
             )
@@ -172,7 +173,7 @@ class DataGroups:
             )
         missing = [name for name in ("dp_cp", "dp", "tp") if getattr(groups, name) is None]
         if missing:
-            raise ValueError(f"process group(s) {missing} are None: initialise Megatron-Core's parallel_state first")
+            raise InvalidArgumentError(f"process group(s) {missing} are None: initialise Megatron-Core's parallel_state first")
         return groups
 
 
