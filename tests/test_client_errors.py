@@ -241,6 +241,7 @@ def test_every_error_class_is_exported():
 # Sample arguments for the classes whose constructor takes others than a message.
 SAMPLE_ARGS = {
     "UnsupportedCombinationError": ("moe_token_dispatcher_type", "alltoall_seq", "use 'alltoall'"),
+    "UnrunnablePlanError": ("micro_batches", "micro-batch 0: DPxCP ranks [1] have no sample", "plan with dynamic_cp"),
     "PlanRejectedError": ("INVALID_ARGUMENT", "sequence_lengths: sample 0 has length -3"),
     "ServiceFailedError": ("deadline", "no answer in 5 s", False),
 }

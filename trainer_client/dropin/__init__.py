@@ -20,9 +20,10 @@ from trainer_client.dropin.step_input import (
 from trainer_client.dropin.step_planner import Agreement, PlannedStep, StepPlanner
 from trainer_client.dropin.units import rank_units
 from trainer_client.errors import DropInInputError
+from trainer_client.megatron import DataGroups
 
 __all__ = [
-    "Agreement", "CONFIG_ENV", "DropInInputError", "GlobalLayout", "LocalBatch", "Patches", "PlannedStep", "Registry",
+    "Agreement", "CONFIG_ENV", "DataGroups", "DropInInputError", "GlobalLayout", "LocalBatch", "Patches", "PlannedStep", "Registry",
     "StageData", "StepPlanner", "Traffic", "VersionGate", "agree_on_read", "agree_on_step", "check_packed_sample",
     "data_device", "given_planner_settings", "merged_settings", "model_device", "planner_config",
     "raise_on_bad_packed_sample", "rank_units", "route_samples", "sample_id_groups",
