@@ -5,23 +5,9 @@ from trainer_client.client import BatchPlannerClient
 from trainer_client.compatibility import check_dynamic_cp_support
 from trainer_client.config import PlannerClientConfig, WhoAsks
 from trainer_client.errors import (
-    ArgumentTypeError,
-    BatchMismatchError,
-    ConfigError,
-    DropInInputError,
-    InvalidArgumentError,
-    OutputRestoreError,
-    PlanMismatchError,
-    PlannerClientError,
-    PlannerUnavailableError,
-    PlanRejectedError,
-    ProcessGroupError,
-    RankFailedError,
-    RouterReplayAlignmentError,
-    ServiceFailedError,
-    TlsMismatchError,
-    UnrunnablePlanError,
-    UnsupportedCombinationError,
+    ArgumentTypeError, BatchMismatchError, ConfigError, DropInInputError, InvalidArgumentError, OutputRestoreError,
+    PlanMismatchError, PlannerClientError, PlannerUnavailableError, PlanRejectedError, ProcessGroupError, RankFailedError,
+    RouterReplayAlignmentError, ServiceFailedError, TlsMismatchError, UnrunnablePlanError, UnsupportedCombinationError,
     UsageError,
 )
 from trainer_client.side_data import align_router_replay, attach_router_replay

@@ -272,11 +272,6 @@ def _old_transformer_engine(value: Any, inputs: Inputs) -> bool:
     return value is not None and tuple(int(p) for p in value.split(".")) < MIN_TE_VERSION_FOR_THD_CP
 
 
-def _given_and_not_in(allowed: Any) -> Callable[[Any, Inputs], bool]:
-    """Refuses a value that was given (the place exists) and is not one of `allowed`."""
-    return lambda value, _: value is not _ABSENT and value not in allowed
-
-
 def _kind_name(value: Any) -> Any:
     return getattr(value, "value", value)
 
@@ -299,20 +294,15 @@ def _other_auto_schedulers(inputs: Inputs) -> list[str] | None:
 
 
 def _ranks_without_sample(inputs: Inputs) -> str | None:
-    for index, micro_batch in enumerate(inputs.plan.micro_batches):
-        empty = [r for g in micro_batch.cp_groups if not g.sample_ids for r in range(g.first_rank, g.first_rank + g.size)]
-        if empty:
-            return f"micro-batch {index}: DPxCP ranks {empty} have no sample"
-    return None
+    empty = [(i, [r for g in mb.cp_groups if not g.sample_ids for r in range(g.first_rank, g.first_rank + g.size)])
+             for i, mb in enumerate(inputs.plan.micro_batches)]
+    return next((f"micro-batch {i}: DPxCP ranks {ranks} have no sample" for i, ranks in empty if ranks), None)
 
 
 def _unaligned_group(inputs: Inputs) -> str | None:
-    for micro_batch in inputs.plan.micro_batches:
-        for g in micro_batch.cp_groups:
-            if g.first_rank % g.size:
-                ranks = list(range(g.first_rank, g.first_rank + g.size))
-                return f"CP group of ranks {ranks} (sample ids {list(g.sample_ids)}), first rank {g.first_rank}"
-    return None
+    groups = (g for mb in inputs.plan.micro_batches for g in mb.cp_groups if g.first_rank % g.size)
+    return next((f"CP group of ranks {list(range(g.first_rank, g.first_rank + g.size))} (sample ids {list(g.sample_ids)}), "
+                 f"first rank {g.first_rank}" for g in groups), None)
 
 
 # The places of each source, by path.
@@ -455,25 +445,20 @@ RULES: tuple[Rule, ...] = (
     Rule(_bridge("model.hybrid_context_parallel"), "false",
          _NO_DPXCP_GROUPS + "on 0.19 set cfg.model.hybrid_context_parallel=True (the plans still come from dynamic CP)",
          _is_false, build="release", schedulers=(SchedulerKind.DYNAMIC_CP,)),
-    Rule(_megatron_lm("sequence_packing_scheduler"), "not one of " + ", ".join(map(repr, MEGATRON_SCHEDULER_NAMES)),
-         "wrap_data_iterator's drop-in plans with Megatron-Core's packing schedulers: set "
-         "--sequence-packing-scheduler default_dynamic_cp (dynamic CP) or dp_balanced (static packing)",
-         _given_and_not_in(MEGATRON_SCHEDULER_NAMES), default=_ABSENT),
+    Rule(_megatron_lm("sequence_packing_scheduler"), "not one of " + ", ".join(map(repr, MEGATRON_SCHEDULER_NAMES)), "wrap_data_iterator's "
+         "drop-in plans with Megatron-Core's packing schedulers: set --sequence-packing-scheduler default_dynamic_cp (dynamic CP) or "
+         "dp_balanced (static packing)", lambda v, _: v is not _ABSENT and v not in MEGATRON_SCHEDULER_NAMES, default=_ABSENT),
     Rule(_bridge("model.sequence_packing_scheduler"), "not one of " + ", ".join(map(repr, MEGATRON_SCHEDULER_NAMES)),
          "the drop-in plans with Megatron-Core's packing schedulers: set cfg.model.dynamic_context_parallel=True "
          "(dynamic CP) or cfg.model.sequence_packing_scheduler='dp_balanced' (static packing)",
-         _given_and_not_in(MEGATRON_SCHEDULER_NAMES), read=_bridge_scheduler_name),
-    Rule(_planner("scheduler"), "not dynamic_cp or static_packing",
-         "each planned micro-batch is one packed forward pass of Bridge's loop: set scheduler to dynamic_cp or "
-         "static_packing in the planner settings (a Megatron-Core release has no sequence_packing_scheduler to say it)",
-         lambda v, _: v is not None and _kind_name(v) not in [k.value for k in PACKING_SCHEDULERS], needs=("bridge",)),
-    Rule(_planner("scheduler"), "not dynamic_cp or auto",
-         "verl's engine runs the dynamic-CP contract (docs/verl.md): set scheduler to dynamic_cp or auto",
-         lambda v, _: v is not None and _kind_name(v) not in [k.value for k in (*VERL_SCHEDULERS, SchedulerKind.AUTO)],
-         needs=("verl",)),
-    Rule(_planner("auto_schedulers"), "names a scheduler other than dynamic_cp",
-         "auto may choose only plans verl's engine runs: set auto_schedulers to [dynamic_cp] or leave it unset",
-         lambda v, _: v is not None, read=_other_auto_schedulers, needs=("verl",)),
+         lambda v, _: v is not _ABSENT and v not in MEGATRON_SCHEDULER_NAMES, read=_bridge_scheduler_name),
+    Rule(_planner("scheduler"), "not dynamic_cp or static_packing", "each planned micro-batch is one packed forward pass of Bridge's loop: "
+         "set scheduler to dynamic_cp or static_packing in the planner settings (a Megatron-Core release has no sequence_packing_scheduler "
+         "to say it)", lambda v, _: v is not None and _kind_name(v) not in [k.value for k in PACKING_SCHEDULERS], needs=("bridge",)),
+    Rule(_planner("scheduler"), "not dynamic_cp or auto", "verl's engine runs the dynamic-CP contract (docs/verl.md): set scheduler to "
+         "dynamic_cp or auto", lambda v, _: _kind_name(v) not in [k.value for k in (*VERL_SCHEDULERS, SchedulerKind.AUTO)], needs=("verl",)),
+    Rule(_planner("auto_schedulers"), "names a scheduler other than dynamic_cp", "auto may choose only plans verl's engine runs: set "
+         "auto_schedulers to [dynamic_cp] or leave it unset", lambda v, _: v is not None, read=_other_auto_schedulers, needs=("verl",)),
     Rule(Place("plan", "micro_batches"), "a micro-batch in which a DPxCP rank runs no sample",
          "verl's engine runs every rank of the DPxCP group on a sample in every micro-batch; plan with dynamic_cp "
          "(its groups cover every rank)", lambda v, _: v is not None, read=_ranks_without_sample, needs=("verl",),

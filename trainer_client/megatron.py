@@ -255,11 +255,6 @@ def planner_settings_of(config: Any, scheduler: SchedulerKind, cp_size: int) -> 
     return derived
 
 
-def is_transformer_config(config: Any) -> bool:
-    """Whether `config` is Megatron-Core's TransformerConfig (the refusal table's `transformer` source)."""
-    return type(config).__name__ == "TransformerConfig" or hasattr(config, "transformer_impl")
-
-
 def max_real_seqs_per_micro_batch(config: Any) -> int | None:
     """The real-sequence cap Megatron-Core's wrap_data_iterator gives the static packing scheduler."""
     from megatron.core.datasets.data_schedule import _get_scheduler_max_real_num_seqs

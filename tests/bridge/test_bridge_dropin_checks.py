@@ -32,6 +32,8 @@ REFUSED = {
     "dist.use_decentralized_pg": True,
     "model.dynamic_context_parallel": False,
     "model.hybrid_context_parallel": False,
+    "model.sequence_packing_scheduler": "round_robin",
+    "model.max_seqlen_per_dp_cp_rank": None,
 }
 
 

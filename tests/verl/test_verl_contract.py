@@ -175,8 +175,10 @@ def test_settings_come_from_the_endpoint_variable_and_the_config_file(tmp_path, 
 @pytest.mark.parametrize(
     "settings,error,message",
     [
-        ({"scheduler": "hybrid_cp"}, UnsupportedCombinationError, "scheduler=<SchedulerKind.HYBRID_CP: 'hybrid_cp'>: verl's engine runs the dynamic-CP contract.*set scheduler to dynamic_cp or auto"),
-        ({"scheduler": "auto", "auto_schedulers": ["static_packing"]}, UnsupportedCombinationError, "auto_schedulers=\\['static_packing'\\]: auto may choose only"),
+        ({"scheduler": "hybrid_cp"}, UnsupportedCombinationError,
+         "scheduler=<SchedulerKind.HYBRID_CP: 'hybrid_cp'>: verl's engine runs the dynamic-CP contract.*set scheduler to dynamic_cp or auto"),
+        ({"scheduler": "auto", "auto_schedulers": ["static_packing"]}, UnsupportedCombinationError,
+         "auto_schedulers=\\['static_packing'\\]: auto may choose only"),
         ({"context_parallel_size": 4}, ConfigError, "context_parallel_size: the planner settings say 4 but verl's engine runs 2"),
     ],
 )

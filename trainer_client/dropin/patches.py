@@ -25,17 +25,13 @@ class VersionGate:
     warned: bool = False
 
     def allows(self, version: str | None) -> bool:
-        if version in self.checked:
-            return True
-        if not self.warned:
+        if version not in self.checked and not self.warned:
             self.warned = True
-            message = (
-                f"{self.drop_in}: {self.trainer} {version or 'not installed'} is not a version this drop-in was "
-                f"checked against (checked: {list(self.checked)}); {self.unchanged}, nothing is changed"
-            )
+            message = (f"{self.drop_in}: {self.trainer} {version or 'not installed'} is not a version this drop-in was checked against "
+                       f"(checked: {list(self.checked)}); {self.unchanged}, nothing is changed")
             log.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
-        return False
+        return version in self.checked
 
 
 class Patches:
@@ -50,11 +46,10 @@ class Patches:
         if if_loaded and not hasattr(sys.modules.get(module_name), attribute):
             return None
         module = importlib.import_module(module_name)
-        key = (module_name, attribute)
-        self._originals.setdefault(key, getattr(module, attribute))
+        original = self._originals.setdefault((module_name, attribute), getattr(module, attribute))
         if value is not None:
             setattr(module, attribute, value)
-        return self._originals[key]
+        return original
 
     def original(self, module_name: str, attribute: str) -> Any:
         return self._originals[(module_name, attribute)]

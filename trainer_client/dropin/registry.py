@@ -7,54 +7,40 @@ import threading
 from typing import Any, Callable, Generic, TypeVar
 
 T = TypeVar("T")
+_ALL = object()
 
 
 class Registry(Generic[T]):
     """Entries by key, found by identity (`by_identity`: a data iterator is the same object from step
-    to step, and two equal lists of iterators are not the same one) or by equality; thread-safe."""
+    to step, and two equal lists of iterators are not the same one) or by equality; thread-safe.
+    The key is held, so an identity stays unique."""
 
     def __init__(self, by_identity: bool = True):
-        self._by_identity = by_identity
-        self._entries: list[tuple[Any, T]] = []  # the key is held, so an identity stays unique
+        self._same: Callable[[Any, Any], bool] = (lambda a, b: a is b) if by_identity else (lambda a, b: a == b)
+        self._entries: list[tuple[Any, T]] = []
         self._lock = threading.Lock()
-
-    def _index(self, key: Any) -> int | None:
-        same = (lambda k: k is key) if self._by_identity else (lambda k: k == key)
-        return next((i for i, (k, _) in enumerate(self._entries) if same(k)), None)
 
     def find(self, key: Any) -> T | None:
         with self._lock:
-            index = self._index(key)
-            return None if index is None else self._entries[index][1]
+            return next((v for k, v in self._entries if self._same(k, key)), None)
 
     def get(self, key: Any, start: Callable[[], T]) -> T:
         """The entry of `key`, started (`start()`) the first time."""
         with self._lock:
-            index = self._index(key)
-            if index is not None:
-                return self._entries[index][1]
-            value = start()
-            self._entries.append((key, value))
-            return value
-
-    def pop(self, key: Any) -> T | None:
-        with self._lock:
-            index = self._index(key)
-            return None if index is None else self._entries.pop(index)[1]
+            found = next((v for k, v in self._entries if self._same(k, key)), None)
+            if found is None:
+                found = start()
+                self._entries.append((key, found))
+            return found
 
     def values(self) -> list[T]:
         with self._lock:
-            return [value for _, value in self._entries]
+            return [v for _, v in self._entries]
 
-    def close(self, key: Any) -> None:
-        """Removes the entry of `key` and closes it (its planner client, threads and caches)."""
-        value = self.pop(key)
-        if value is not None:
-            value.close()  # type: ignore[attr-defined]
-
-    def close_all(self) -> None:
+    def close(self, key: Any = _ALL) -> None:
+        """Removes the entry of `key` (default: every entry) and closes it (its client, threads and caches)."""
         with self._lock:
-            held = [value for _, value in self._entries]
-            self._entries.clear()
-        for value in held:
+            closing = [(k, v) for k, v in self._entries if key is _ALL or self._same(k, key)]
+            self._entries = [entry for entry in self._entries if entry not in closing]
+        for _, value in closing:
             value.close()  # type: ignore[attr-defined]

@@ -15,10 +15,9 @@ from trainer_client import megatron as mcore
 from trainer_client.config import PlannerClientConfig
 from trainer_client.dropin.patches import Patches
 from trainer_client.dropin.registry import Registry
-from trainer_client.megatron_bridge.checks import check_bridge_support
 from trainer_client.megatron_bridge.micro_batches import PlannedMicroBatches, PlannedPackedSeq, bridge_batch
 from trainer_client.megatron_bridge.schedule import ChunkIterators, PlannedForwardBackward, PlannedIterator
-from trainer_client.megatron_bridge.settings import BridgeSettings
+from trainer_client.megatron_bridge.settings import BridgeSettings, check_bridge_support
 from trainer_client.megatron_bridge.version import bridge_version, version_checked
 
 log = logging.getLogger(__name__)
@@ -41,7 +40,7 @@ class BridgeDropIn:
         )
 
     def close(self) -> None:
-        self.planned.close_all()
+        self.planned.close()
 
 
 _active: BridgeDropIn | None = None

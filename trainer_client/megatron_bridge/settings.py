@@ -8,9 +8,13 @@ from typing import Any
 
 from batch_planner.request import SchedulerKind
 from trainer_client import megatron as mcore
-from trainer_client.compatibility import MEGATRON_SCHEDULER_NAMES, check, packing_scheduler_name
+from trainer_client.compatibility import MEGATRON_SCHEDULER_NAMES, RULES, check, packing_scheduler_name
 from trainer_client.config import ConfigError, PlannerClientConfig
 from trainer_client.dropin.settings import given_planner_settings, planner_config
+
+
+# The rows of the one table that read Bridge's ConfigContainer, or apply to Bridge alone.
+BRIDGE_RULES = tuple(rule for rule in RULES if rule.reads("bridge"))
 
 
 @dataclass(frozen=True)
@@ -42,3 +46,9 @@ def scheduler_of(model: Any, given: Any = None) -> SchedulerKind:
         return SchedulerKind(given) if given is not None else SchedulerKind.DYNAMIC_CP
     except ValueError:
         raise ConfigError(f"scheduler: {given!r} is not allowed; allowed: {[k.value for k in SchedulerKind]}") from None
+
+
+def check_bridge_support(cfg: Any, settings: BridgeSettings) -> None:
+    """The one call that refuses every combination the drop-in cannot honour in Bridge's loop, once, in
+    `enable()`, before Bridge initialises anything (docs/megatron-bridge.md, "What is refused, before the first step")."""
+    check({"bridge": cfg, "transformer": cfg.model, "model": cfg.model, "planner config": settings.planner})

@@ -16,7 +16,7 @@ from trainer_client.compatibility import MEGATRON_SCHEDULER_NAMES, Changed, chec
 from trainer_client.dropin.device import data_device, model_device
 from trainer_client.dropin.registry import Registry
 from trainer_client.dropin.stages import StageData
-from trainer_client.dropin.step_input import GlobalLayout, LocalBatch, raise_on_bad_packed_sample
+from trainer_client.dropin.step_input import LocalBatch, raise_on_bad_packed_sample
 from trainer_client.dropin.step_planner import PlannedStep, StepPlanner
 from trainer_client.megatron_lm.checks import start_planner
 
@@ -49,8 +49,9 @@ class PackingDropIn:
         step = self.last_step = self.planner.next_step({"megatron_lm": {"num_microbatches": changed}})
         device = model_device()
         dynamic = self.scheduler is SchedulerKind.DYNAMIC_CP
+        lengths = {"original_seq_len": step.layout.original, "padded_seq_len": step.layout.padded}
         samples = {
-            i: {**{k: v.to(device) for k, v in fields.items()}, **_length_tensors(step.layout, i, device)}
+            i: {**{k: v.to(device) for k, v in fields.items()}, **{k: torch.tensor([v[i]], device=device) for k, v in lengths.items()}}
             for i, fields in step.samples.items()
         }
         packed = mcore.build_packed_microbatches(samples, step.sample_id_groups, self.groups.dp_cp.rank(), device, dynamic)
@@ -110,10 +111,3 @@ def _first_iterator(data_iterator):
     if isinstance(data_iterator, (list, tuple)):
         return next((it for it in data_iterator if it is not None), None)
     return data_iterator
-
-
-def _length_tensors(layout: GlobalLayout, sample_id: int, device) -> dict[str, torch.Tensor]:
-    return {
-        "original_seq_len": torch.tensor([layout.original[sample_id]], device=device),
-        "padded_seq_len": torch.tensor([layout.padded[sample_id]], device=device),
-    }

@@ -10,7 +10,6 @@ from typing import Any, Sequence
 import torch.distributed as dist
 
 from batch_planner.plan import Plan
-from batch_planner.request import PlanRequest
 from trainer_client.ahead import PLAN_CACHE_SIZE
 from trainer_client.client import BatchPlannerClient
 from trainer_client.config import PlannerClientConfig
@@ -23,11 +22,7 @@ class CachedPlanner:
 
     def __init__(self, config: PlannerClientConfig, group: Any, cache_size: int = PLAN_CACHE_SIZE):
         self.client = BatchPlannerClient(config, group=group, cp_groups=None, plan_cache_size=cache_size)
-        self.group = group
-
-    @property
-    def metrics(self):
-        return self.client.metrics
+        self.metrics = self.client.metrics
 
     @property
     def hits(self) -> int:
@@ -36,9 +31,6 @@ class CachedPlanner:
     @property
     def misses(self) -> int:
         return self.client.ahead.misses
-
-    def request(self, lengths: Sequence[int]) -> PlanRequest:
-        return self.client.request_for(lengths)
 
     def prefetch(self, batches_lengths: Sequence[Sequence[int]]) -> None:
         """Start planning each batch not planned yet (asking rank only; no collective)."""
@@ -80,4 +72,4 @@ def planners() -> list[CachedPlanner]:
 
 def close_planners() -> None:
     """Stops every planner this process made (their clients, threads and caches)."""
-    _planners.close_all()
+    _planners.close()

@@ -67,10 +67,8 @@ class DynamicCPScheduler:
         return planner_for(self._config(tp_size, cp_layout, min_local_rows), dcp_group)
 
     def _config(self, tp_size: int, cp_layout: str, min_local_rows: int | None = None):
-        if min_local_rows is not None and (type(min_local_rows) is not int or min_local_rows <= 0):
-            raise InvalidArgumentError(f"min_local_rows: {min_local_rows!r} is not allowed; expected None or a positive integer")
-        return _config_for(tuple(planner_settings().items()), self.max_seqlen_per_dp_cp_rank, self.cp_size, tp_size,
-                           _layout(cp_layout), min_local_rows)
+        settings = tuple(planner_settings().items())
+        return _config_for(settings, self.max_seqlen_per_dp_cp_rank, self.cp_size, tp_size, cp_layout, min_local_rows)
 
     def _lengths(self, batch: TensorDict, dcp_group: Any) -> list[int]:
         input_ids = batch.get("input_ids", None)
@@ -103,10 +101,12 @@ class DynamicCPScheduler:
 
 
 @functools.lru_cache(maxsize=64)
-def _config_for(settings: tuple, max_seqlen: int, cp_size: int, tp_size: int, layout: CpLayout, min_local_rows: int | None):
+def _config_for(settings: tuple, max_seqlen: int, cp_size: int, tp_size: int, cp_layout: str, min_local_rows: int | None):
     """One config per distinct settings and sizes: built and checked once, not on every call."""
+    if min_local_rows is not None and (type(min_local_rows) is not int or min_local_rows <= 0):
+        raise InvalidArgumentError(f"min_local_rows: {min_local_rows!r} is not allowed; expected None or a positive integer")
     return verl_planner_config(dict(settings), max_seqlen_per_dp_cp_rank=max_seqlen, cp_size=cp_size, tp_size=tp_size,
-                               cp_layout=layout, min_local_rows=min_local_rows)
+                               cp_layout=_layout(cp_layout), min_local_rows=min_local_rows)
 
 
 def _layout(cp_layout: str) -> CpLayout:
