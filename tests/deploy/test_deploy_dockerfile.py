@@ -1,6 +1,6 @@
 """The planner image's Dockerfile: lint-clean with hadolint, and the promises docs/deployment.md
 makes about it. The image itself is built and run by the CI's image leg (./dev image,
-scripts/image/run); tests/test_image_*.py cover the build's import check and the chart's parity."""
+scripts/image/run); tests/deploy/test_image_*.py cover the build's import check and the chart's parity."""
 
 from __future__ import annotations
 

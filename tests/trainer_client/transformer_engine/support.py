@@ -15,7 +15,7 @@ fp32, as Megatron-Core's DDP sums into main_grad). Between the loss and a weight
 about 16 such roundings here (two layers, forward and backward: norm, projections, attention,
 MLP), so TOLERANCE = 16 x 2^-8 = 2^-4 of each quantity's scale: the loss of its value, the token
 losses of the largest one, each parameter's gradient as the norm of its difference of its own norm
-(tests/attention_parity.worst_differences). Every run records what it measured
+(tests/support/attention_parity.worst_differences). Every run records what it measured
 (`record_measurements`, docs/gpu-benchmark.md shows it), and each test runs a planted mistake, a
 shard rotated by one rank of its CP group, whose gradients must miss by far more.
 """

@@ -50,7 +50,7 @@ def _models(pp: int, engine: str):
 
 def _worst_gradient(got: dict, want: dict, group) -> tuple[float, str | None, float]:
     """The gradients summed over `group` against the reference's: the worst relative L2 difference,
-    its parameter, and the worst largest-entry difference (tests/attention_parity.worst_differences)."""
+    its parameter, and the worst largest-entry difference (tests/support/attention_parity.worst_differences)."""
     from tests.support.attention_parity import relative_l2
 
     worst, name_of_worst, largest_entry = 0.0, None, 0.0

@@ -1,6 +1,6 @@
 """The CPU stand-in for Transformer Engine's THD/CP attention (tests/support/cp_attention_standin.py) against
 the kernel it stands for, on a GPU: the same shards, cut as Transformer Engine documents them
-(tests/attention_parity.te_zigzag_rows), through Megatron-Core's `TEDotProductAttention` (Transformer
+(tests/support/attention_parity.te_zigzag_rows), through Megatron-Core's `TEDotProductAttention` (Transformer
 Engine's THD kernels, its ring over the CP group) and through the stand-in, with the same
 constructor and forward arguments Megatron-Core's `SelfAttention` gives core attention. Four ranks on
 one GPU (the dev build's dynamic-CP groups), micro-batches of CP4, CP2 and CP1 groups over sequences
