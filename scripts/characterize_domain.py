@@ -18,7 +18,7 @@ Each batch runs in a child process that streams one JSON line per case, so a loo
     PYTHONPATH=<0.19.2 overlay> python scripts/characterize_domain.py --out docs/domain/0.19.2.json
 
 The output lists, per scheduler and option class, the sizes swept, the sizes where some batch
-failed (with one example and the reasons seen) and the counts; tests/test_scheduler_domain.py
+failed (with one example and the reasons seen) and the counts; tests/batch_planner/test_scheduler_domain.py
 checks batch_planner/domain.py against it. Deterministic: the same seed gives the same batches.
 """
 

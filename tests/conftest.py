@@ -4,7 +4,7 @@ import grpc
 import pytest
 
 from batch_planner.v1 import planner_pb2_grpc
-from tests.planner_process import PlannerProcess, start_planner
+from tests.support.planner_process import PlannerProcess, start_planner
 
 
 @pytest.fixture(scope="session")

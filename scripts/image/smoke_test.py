@@ -7,7 +7,7 @@
 The container runs as the chart's pod does: its user (10001:10001), a read-only root filesystem with
 a tmpfs on /tmp (the chart's emptyDir, same size), no capabilities and no privilege escalation, the
 chart's container ports and its PLANNER_* settings, and the image's own entry point with no
-arguments. tests/test_image_chart_parity.py compares these arguments with the rendered chart.
+arguments. tests/deploy/test_image_chart_parity.py compares these arguments with the rendered chart.
 
 Checks, each waiting on what it checks (a port answering, health SERVING), never on a fixed sleep:
 gRPC health SERVING on the gRPC port and on the probe port (readiness "" and liveness "liveness");

@@ -1,0 +1,58 @@
+"""What the Transformer Engine tests share: the skip where they cannot run, the bf16 tolerance, and
+the report of what they measured.
+
+Where they run: a host with a CUDA GPU and Transformer Engine's PyTorch extension, several ranks on
+one GPU over gloo (tests/support/attention_ranks.py, `on_gpu=True`; the transport between ranks is the
+stand-in tests/trainer_client/transformer_engine/staged_p2p.py). docs/gpu-benchmark.md, "Plans through Transformer
+Engine", says how to get Transformer Engine onto such a host and run them (scripts/gpu/).
+
+The tolerance. The packed CP run and the whole-sample run compute the same sums in bf16, which
+keeps 8 significant bits: a rounding moves a value by up to 2^-9 of itself, and two runs that round
+at different places differ by about 2^-8 per rounding. They do round at different places:
+Transformer Engine's ring merges each query's partial softmax results step by step, the packed
+kernels tile other rows together, each pass's bf16 gradient is rounded before it is summed (in
+fp32, as Megatron-Core's DDP sums into main_grad). Between the loss and a weight's gradient lie
+about 16 such roundings here (two layers, forward and backward: norm, projections, attention,
+MLP), so TOLERANCE = 16 x 2^-8 = 2^-4 of each quantity's scale: the loss of its value, the token
+losses of the largest one, each parameter's gradient as the norm of its difference of its own norm
+(tests/support/attention_parity.worst_differences). Every run records what it measured
+(`record_measurements`, docs/gpu-benchmark.md shows it), and each test runs a planted mistake, a
+shard rotated by one rank of its CP group, whose gradients must miss by far more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+TOLERANCE = 2.0**-4
+REPORT_DIR_ENV = "GPU_REPORT_DIR"  # where each test writes what it measured (scripts/gpu/run-tests sets it)
+DEADLINE_SECONDS = 240  # per run of ranks: they import torch, Megatron-Core and Transformer Engine (about 15 s), then run a few steps
+
+
+def require_transformer_engine() -> None:
+    """Skips the test, saying why, where there is no GPU or no Transformer Engine, or the Megatron-Core
+    build lacks dynamic CP."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: Transformer Engine's THD/CP attention runs there only "
+                    "(docs/gpu-benchmark.md, 'Plans through Transformer Engine': scripts/gpu/run-tests on a GPU host)")
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - any failure to import it is the reason to skip
+        pytest.skip(f"needs Transformer Engine's PyTorch extension (import transformer_engine.pytorch: "
+                    f"{type(error).__name__}: {error}); scripts/gpu/bundle and scripts/gpu/run-tests install it")
+    from tests.support.attention_ranks import require_dynamic_build
+
+    require_dynamic_build()
+
+
+def record_measurements(name: str, records: object) -> None:
+    """Writes what a test measured to $GPU_REPORT_DIR/<name>.json, when that is set."""
+    folder = os.environ.get(REPORT_DIR_ENV)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{name}.json"), "w") as handle:
+            json.dump(records, handle, indent=1, sort_keys=True)
