@@ -17,8 +17,8 @@ from functools import partial
 import pytest
 import torch
 
-from tests.attention_parity import beyond, token_offsets
-from tests.attention_ranks import require_dynamic_build, run_attention_ranks
+from tests.support.attention_parity import beyond, token_offsets
+from tests.support.attention_ranks import require_dynamic_build, run_attention_ranks
 
 pytestmark = pytest.mark.attention  # CI prints these tests' time (tests/conftest.py)
 
@@ -32,7 +32,7 @@ TOLERANCE = 1e-4  # fp32 on the CPU: only the order of additions differs (tests/
 def dp_rank_batches(dp_rank: int, dp_size: int):
     """What DP rank `dp_rank`'s data loader yields: its samples of each step's global batch, each
     with its tokens' global ids plus one (0 on the padding rows the plan adds) to check who trained them."""
-    from tests.dropin_attention import SAMPLES_PER_DP_RANK, step_samples
+    from tests.support.dropin_attention import SAMPLES_PER_DP_RANK, step_samples
 
     for step in range(STEPS):
         samples = step_samples(step, dp_size)
@@ -45,7 +45,7 @@ def dp_rank_batches(dp_rank: int, dp_size: int):
 def plain_loop_rank(endpoint: str, rank: int) -> dict:
     """One rank: the example's groups, then each layout's loader and loop; records by layout."""
     from examples.plain_torch_dropin import dpxcp_groups
-    from tests.megatron_init import initialize_dpxcp_groups
+    from tests.support.megatron_init import initialize_dpxcp_groups
 
     initialize_dpxcp_groups(context_parallel_size=CP)  # Megatron-Core's parallel_state, for the model alone
     groups, cp_groups = dpxcp_groups(CP)
@@ -56,10 +56,10 @@ def _train(endpoint: str, groups, cp_groups, layout: str) -> list[dict]:
     import torch.distributed as dist
 
     from examples.plain_torch_dropin import PlannedLoader, model_inputs
-    from tests.attention_model import AttentionModelConfig, attention_gpt_model
-    from tests.attention_parity import RankShard, packed_loss_and_grads, reference_loss_and_grads, worst_differences
-    from tests.dropin_attention import MAX_SEQLEN_PER_RANK, step_samples
-    from tests.megatron_init import parallel_state_cp_group
+    from tests.support.attention_model import AttentionModelConfig, attention_gpt_model
+    from tests.support.attention_parity import RankShard, packed_loss_and_grads, reference_loss_and_grads, worst_differences
+    from tests.support.dropin_attention import MAX_SEQLEN_PER_RANK, step_samples
+    from tests.support.megatron_init import parallel_state_cp_group
 
     # Contiguous: static CP1 in the model's config, as upstream allows it (tests/attention_model.py).
     model = attention_gpt_model(AttentionModelConfig(cp_partition_mode=layout, context_parallel_size=CP if layout == "zigzag" else 1))
