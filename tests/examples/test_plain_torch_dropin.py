@@ -1,10 +1,10 @@
 """examples/plain_torch_dropin.py, the drop-in built only from the seam, in a plain PyTorch loop: four
-gloo ranks DP2 x CP2 with the example's own process groups, a real planner on loopback, each DP
+gloo ranks DP2 x CP2 with the seam's process groups (dpxcp_groups), a real planner on loopback, each DP
 rank's loader yielding its half of every step's global batch (lengths that are not multiples of
-2 x CP: tests/dropin_attention.step_samples), and the attention model with the CPU stand-in for
-Transformer Engine's THD/CP attention (tests/attention_model.py). The loop runs the model on each
+2 x CP: tests/support/dropin_attention.step_samples), and the attention model with the CPU stand-in for
+Transformer Engine's THD/CP attention (tests/support/attention_model.py). The loop runs the model on each
 unit the example hands out and sums the loss normalised over the global batch's loss tokens
-(tests/attention_parity.packed_loss_and_grads, which also all-reduces the gradients over DPxCP).
+(tests/support/attention_parity.packed_loss_and_grads, which also all-reduces the gradients over DPxCP).
 
 Each step, in both CP layouts: the loss, every real token's loss and every gradient equal the same
 model over each whole sample alone (no CP); every real token is trained exactly once; the step has
@@ -26,7 +26,7 @@ WORLD = 4  # DP2 x CP2
 CP = 2
 STEPS = 2
 LAYOUTS = ("zigzag", "contiguous")
-TOLERANCE = 1e-4  # fp32 on the CPU: only the order of additions differs (tests/test_cp_attention_client.py)
+TOLERANCE = 1e-4  # fp32 on the CPU: only the order of additions differs (tests/trainer_client/attention/test_cp_attention_client.py)
 
 
 def dp_rank_batches(dp_rank: int, dp_size: int):
@@ -44,15 +44,15 @@ def dp_rank_batches(dp_rank: int, dp_size: int):
 
 def plain_loop_rank(endpoint: str, rank: int) -> dict:
     """One rank: the example's groups, then each layout's loader and loop; records by layout."""
-    from examples.plain_torch_dropin import dpxcp_groups
+    from trainer_client.dropin import dpxcp_groups
     from tests.support.megatron_init import initialize_dpxcp_groups
 
     initialize_dpxcp_groups(context_parallel_size=CP)  # Megatron-Core's parallel_state, for the model alone
-    groups, cp_groups = dpxcp_groups(CP)
-    return {layout: _train(endpoint, groups, cp_groups, layout) for layout in LAYOUTS}
+    groups, cp_group_for = dpxcp_groups(CP)
+    return {layout: _train(endpoint, groups, cp_group_for, layout) for layout in LAYOUTS}
 
 
-def _train(endpoint: str, groups, cp_groups, layout: str) -> list[dict]:
+def _train(endpoint: str, groups, cp_group_for, layout: str) -> list[dict]:
     import torch.distributed as dist
 
     from examples.plain_torch_dropin import PlannedLoader, model_inputs
@@ -61,12 +61,12 @@ def _train(endpoint: str, groups, cp_groups, layout: str) -> list[dict]:
     from tests.support.dropin_attention import MAX_SEQLEN_PER_RANK, step_samples
     from tests.support.megatron_init import parallel_state_cp_group
 
-    # Contiguous: static CP1 in the model's config, as upstream allows it (tests/attention_model.py).
+    # Contiguous: static CP1 in the model's config, as upstream allows it (tests/support/attention_model.py).
     model = attention_gpt_model(AttentionModelConfig(cp_partition_mode=layout, context_parallel_size=CP if layout == "zigzag" else 1))
     planner = {"planner_endpoint": endpoint, "deadline_seconds": 30.0, "fallback": False, "job": f"plain-torch-{layout}"}
     data = dp_rank_batches(groups.dp.rank(), groups.dp.size())
     records = []
-    with PlannedLoader(data, groups, cp_groups, max_seqlen_per_dp_cp_rank=MAX_SEQLEN_PER_RANK, cp_layout=layout, planner=planner) as loader:
+    with PlannedLoader(data, groups, cp_group_for, max_seqlen_per_dp_cp_rank=MAX_SEQLEN_PER_RANK, cp_layout=layout, planner=planner) as loader:
         for step, units in enumerate(loader):
             samples = step_samples(step, groups.dp.size())
             shards = []

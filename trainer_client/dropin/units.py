@@ -6,6 +6,7 @@ verl's TensorDicts: each engine format has its one path."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -22,6 +23,13 @@ def rank_units(step: PlannedStep, dp_cp_rank: int, cp_group_for: Any) -> list[Ra
     samples routed to this rank; `cp_group_for(size)` gives the process group of each CP size."""
     batch = routed_batch(step.samples, step.layout)
     return micro_batches_for_rank(step.plan, batch, dp_cp_rank, cp_group_for, pad_token_id=0, pack_group_samples=True)
+
+
+def packed_seq_params_on(unit: RankMicroBatch, device: torch.device) -> Any:
+    """The unit's PackedSeqParams with its cu_seqlens on `device` (q and kv share their tensors: one copy each)."""
+    params, copies = unit.packed_seq_params, {}
+    names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+    return dataclasses.replace(params, **{n: copies.setdefault(id(getattr(params, n)), getattr(params, n).to(device)) for n in names})
 
 
 def routed_batch(samples: dict[int, dict[str, torch.Tensor]], layout: GlobalLayout) -> GlobalBatch:

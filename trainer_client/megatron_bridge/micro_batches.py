@@ -4,12 +4,12 @@ out (trainer_client/apply.py), built from the samples routed to this rank and tu
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Iterator, Mapping
 
 import torch
 
 from trainer_client.dropin.step_input import LocalBatch, check_packed_sample
+from trainer_client.dropin.units import packed_seq_params_on
 from trainer_client.errors import DropInInputError
 from trainer_client.micro_batch import RankMicroBatch
 
@@ -96,13 +96,8 @@ def bridge_batch(unit: RankMicroBatch, device: torch.device) -> tuple[torch.Tens
     (None: THD attention reads cu_seqlens), position_ids, packed-sequence metadata. Padding has
     loss_mask 0, so the loss stays normalised over real tokens."""
     fields = {name: unit.token_fields[name].to(device).unsqueeze(0) for name in TOKEN_FIELDS}
-    params = unit.packed_seq_params
-    copies: dict[int, torch.Tensor] = {}  # q and kv share their tensors: one copy each
-    moved = {
-        name: copies.setdefault(id(getattr(params, name)), getattr(params, name).to(device))
-        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-    }
-    metadata = PlannedPackedSeq(cu_seqlens_q=moved["cu_seqlens_q"], cu_seqlens_q_padded=moved["cu_seqlens_q_padded"],
+    params = packed_seq_params_on(unit, device)
+    metadata = PlannedPackedSeq(cu_seqlens_q=params.cu_seqlens_q, cu_seqlens_q_padded=params.cu_seqlens_q_padded,
                                 max_seqlen_q=unit.max_seqlen)
-    metadata.params = dataclasses.replace(params, **moved)
+    metadata.params = params
     return fields["tokens"], fields["labels"], fields["loss_mask"], None, fields["position_ids"], metadata

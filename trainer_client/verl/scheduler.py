@@ -15,7 +15,8 @@ from batch_planner.request import CpLayout
 from trainer_client.compatibility import check
 from trainer_client.errors import DropInInputError, ConfigError, InvalidArgumentError
 from trainer_client.verl.micro_batches import rank_micro_batches
-from trainer_client.verl.planning import CachedPlanner, planner_for
+from trainer_client.client import BatchPlannerClient
+from trainer_client.verl.planning import planner_for
 from trainer_client.verl.settings import planner_settings, verl_planner_config
 
 
@@ -46,8 +47,8 @@ class DynamicCPScheduler:
         config = self._config(tp_size, cp_layout, min_local_rows)  # the settings, checked once
         lengths = self._lengths(batch, dcp_group)
         planner = planner_for(config, dcp_group)
-        plan = planner.plan(lengths)
-        planner.client.check_planned_batch(plan, lengths)  # the batch split is the one planned
+        plan = planner.plan(lengths, cache=True)
+        planner.check_planned_batch(plan, lengths)  # the batch split is the one planned
         check({"verl": {"tp_size": tp_size, "cp_layout": layout.value}, "plan": plan})  # the step's one check of the table
         return rank_micro_batches(
             batch, plan.micro_batches, lengths, dcp_group.rank(),
@@ -60,9 +61,9 @@ class DynamicCPScheduler:
         it exists) in the background, so that `schedule` finds the plans ready (with the same
         arguments). Not a collective: only the asking rank plans; any rank may call it."""
         planner = self.planner(dcp_group, tp_size=tp_size, cp_layout=cp_layout, min_local_rows=min_local_rows)
-        planner.prefetch([self._lengths(b, dcp_group) for b in batches])
+        planner.prefetch_batches([self._lengths(b, dcp_group) for b in batches])
 
-    def planner(self, dcp_group, *, tp_size: int, cp_layout: str = "zigzag", min_local_rows: int | None = None) -> CachedPlanner:
+    def planner(self, dcp_group, *, tp_size: int, cp_layout: str = "zigzag", min_local_rows: int | None = None) -> BatchPlannerClient:
         """The planner (client, cache, metrics) this process uses for `dcp_group` and these sizes."""
         return planner_for(self._config(tp_size, cp_layout, min_local_rows), dcp_group)
 
