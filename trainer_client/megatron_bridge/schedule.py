@@ -92,7 +92,10 @@ class PlannedForwardBackward:
         rerun = not kwargs.get("forward_only", False) and mcore.in_rerun()
         units = planned.units_for(rerun)
         device = model_device()
-        if chunks is not None:  # one iterator per virtual stage, each over every unit of the step
+        # Virtual stages: each chunk iterates over every unit, and Bridge's get_batch takes what its stage
+        # reads. (Megatron-LM's drop-in hands Megatron-Core's packed micro-batches to upstream's own
+        # create_data_iterator with StageData's vpp_needs_data: another engine format, its own feed.)
+        if chunks is not None:
             iterators: Any = [PlannedMicroBatches(units, device) for _ in chunks]
         else:
             iterators = PlannedMicroBatches(units, device)
