@@ -103,6 +103,9 @@ class Inputs:
         self.scheduler = SchedulerKind(scheduler) if scheduler is not None else None
         layout = _get(self.plan, "cp_layout") or _get(planner, "cp_layout")
         self.layout = CpLayout(layout) if layout is not None else None
+        # The model's sizes the rows read (1 where the transformer config is not given).
+        self.tp, self.cp = self.tc("tensor_model_parallel_size", 1) or 1, self.tc("context_parallel_size", 1) or 1
+        self.vpp, self.group = self.tc("virtual_pipeline_model_parallel_size") or 1, self.tc("microbatch_group_size_per_vp_stage")
 
     def given(self, source: str) -> bool:
         return self.sources[source] is not None
@@ -119,21 +122,6 @@ class Inputs:
     def tc(self, name: str, default: Any = None) -> Any:
         return _get(self.transformer, name, default)
 
-    @property
-    def tp(self) -> int:
-        return self.tc("tensor_model_parallel_size", 1) or 1
-
-    @property
-    def cp(self) -> int:
-        return self.tc("context_parallel_size", 1) or 1
-
-    @property
-    def vpp(self) -> int:
-        return self.tc("virtual_pipeline_model_parallel_size") or 1
-
-    @property
-    def group(self) -> int | None:
-        return self.tc("microbatch_group_size_per_vp_stage")
 
     @cached_property
     def installed(self) -> InstalledMegatron:

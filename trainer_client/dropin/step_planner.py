@@ -68,6 +68,7 @@ class StepPlanner:
     agreements: tuple[Agreement, ...] = ()
     _ahead: ReadStep | None = field(default=None, init=False)
     _step: int = field(default=0, init=False)
+    _checks: dict[str, Any] = field(default_factory=dict, init=False)  # what the hook was handed this step
 
     @classmethod
     def start(cls, read_local: Callable[[], LocalBatch], groups: mcore.DataGroups, config: PlannerClientConfig, *,
@@ -86,8 +87,9 @@ class StepPlanner:
         """The next step, planned and routed. `checks`: what the drop-in was handed for this step, by
         refusal-table source (e.g. `{"megatron_lm": {...}}`), checked with the plan in the step's one
         `check` of the table."""
+        self._checks = checks or {}
         if not self.agreements:
-            return self._plan_and_route(self._next_read(), checks or {})
+            return self._plan_and_route(self._next_read())
         try:
             current, failure = self._next_read(), None
         except Exception as error:  # noqa: BLE001 - StopIteration too: agreed on over the groups first, then raised
@@ -97,7 +99,7 @@ class StepPlanner:
         assert current is not None
         planned, failure = None, None
         try:
-            planned = self._plan_and_route(current, checks or {})
+            planned = self._plan_and_route(current)
         except Exception as error:  # noqa: BLE001 - travels to the other ranks, then raised on all
             failure = error
         for agreement in self.agreements:
@@ -139,12 +141,12 @@ class StepPlanner:
                 pass  # lengths the planner refuses: plan_step refuses them again in this step's turn, on every rank
         return read
 
-    def _plan_and_route(self, current: ReadStep, checks: dict[str, Any]) -> PlannedStep:
+    def _plan_and_route(self, current: ReadStep) -> PlannedStep:
         assert current.layout is not None and current.local is not None
         plan = self.client.plan_step(current.step, list(current.layout.padded))
         self.client.check_planned_batch(plan, current.layout.padded)  # the batch routed is the one planned
         # The step's one check of the table: the settings, the model, the plan and what the hook was handed.
-        check({"planner config": self.client.config, "transformer": self.transformer_config, "plan": plan, **checks})
+        check({"planner config": self.client.config, "transformer": self.transformer_config, "plan": plan, **self._checks})
         id_groups = sample_id_groups(plan)
         traffic = Traffic()
         samples = route_samples(current.local, current.layout, self.groups, id_groups, traffic)
