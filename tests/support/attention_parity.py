@@ -165,17 +165,23 @@ def _mtp_losses() -> torch.Tensor | None:
     return torch.cat([tracker["loss_sums"], tracker["num_tokens"]]).detach().clone()
 
 
+def _fresh_pass(model, samples: Sequence[Sample]):
+    """Before a forward and backward pass: the model's device, its fp32 gradients reset, MTP's loss
+    tracker cleared, and the number of loss tokens in `samples` (every pass divides by it)."""
+    device = model_device(model)
+    grads_of = fp32_grads(model)
+    grads_of.reset()
+    _clear_mtp_tracker()
+    return device, grads_of, float(sum(float(s.loss_mask.sum()) for s in samples))
+
+
 def packed_loss_and_grads(model, shards: Sequence[RankShard], samples: Sequence[Sample], group=None, expert_group=None) -> LossAndGrads:
     """Runs this rank's `shards` forward and backward, each at once (on the model's device); every
     rank of `group` (default: the world, as DP x CP) calls it with its own shards (possibly none)
     and gets the same summed loss and gradients (fp32). Parameters Megatron-Core marks
     `allreduce=False` (MoE experts, which differ from rank to rank under expert parallelism) are
     summed over `expert_group` instead (Megatron-Core's expert-data-parallel group; None: not summed)."""
-    device = model_device(model)
-    grads_of = fp32_grads(model)
-    grads_of.reset()
-    _clear_mtp_tracker()
-    total = float(sum(float(s.loss_mask.sum()) for s in samples))
+    device, grads_of, total = _fresh_pass(model, samples)
     loss = 0.0
     reported = []
     for shard in shards:
@@ -228,11 +234,7 @@ def reference_loss_and_grads(model, samples: Sequence[Sample], solo_group) -> Lo
     sample's backward at once (on the model's device, gradients in fp32)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    device = model_device(model)
-    grads_of = fp32_grads(model)
-    grads_of.reset()
-    _clear_mtp_tracker()
-    total = float(sum(float(s.loss_mask.sum()) for s in samples))
+    device, grads_of, total = _fresh_pass(model, samples)
     loss = 0.0
     token_losses = []
     for s in samples:
