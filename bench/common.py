@@ -189,11 +189,11 @@ def pyplot():
 @contextlib.contextmanager
 def planner_server(address: str | None, workers: int, args: Sequence[str] = ()):
     """Yields the address of a real planner server: `address` if given, else a fresh subprocess
-    (tests.planner_process, `--workers workers` and `args`) stopped on exit."""
+    (tests.support.planner_process, `--workers workers` and `args`) stopped on exit."""
     if address:
         yield address
         return
-    from tests.planner_process import start_planner
+    from tests.support.planner_process import start_planner
 
     server = start_planner(*args, workers=workers)
     try:

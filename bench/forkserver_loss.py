@@ -2,7 +2,7 @@
 
     python -m bench.forkserver_loss --out docs/bench
 
-One planner (tests.planner_process) with 2 workers and nothing planned inline, so that every plan
+One planner (tests.support.planner_process) with 2 workers and nothing planned inline, so that every plan
 runs on a worker; as many client threads as workers send plans back to back (dynamic CP, 512
 samples on 64 ranks: milliseconds each). `--kills` times, the forkserver is SIGKILLed and so is
 one worker, whose replacement needs the new forkserver; the next kill waits until the server's
@@ -48,7 +48,7 @@ def _request(seed: int) -> bytes:
 
 
 def _load(address: str, stop: threading.Event, samples: list[Sample], seed: int) -> None:
-    from tests.reliability_support import raw_plan_method
+    from tests.support.reliability_support import raw_plan_method
 
     channel = grpc.insecure_channel(address)
     plan = raw_plan_method(channel)
@@ -68,9 +68,9 @@ def _load(address: str, stop: threading.Event, samples: list[Sample], seed: int)
 
 def _workers(server_pid: int) -> list[int]:
     """The server's planning workers, those of a forkserver that died included: the processes of
-    its session (tests.planner_process starts it in its own) run from the forkserver's command
+    its session (tests.support.planner_process starts it in its own) run from the forkserver's command
     line, less the forkserver itself."""
-    from tests.reliability_support import _cmdline, _stat_fields, forkserver_pid
+    from tests.support.reliability_support import _cmdline, _stat_fields, forkserver_pid
 
     forkserver = forkserver_pid(server_pid)
     found = []
@@ -88,8 +88,8 @@ def _workers(server_pid: int) -> list[int]:
 def measure(kills: int) -> tuple[list[Sample], list[tuple[float, float]]]:
     """The samples, and each kill's window: (killed at, a worker forked from the new forkserver
     planning at)."""
-    from tests.planner_process import start_planner
-    from tests.reliability_support import forkserver_pid, metric, wait_until
+    from tests.support.planner_process import start_planner
+    from tests.support.reliability_support import forkserver_pid, metric, wait_until
 
     server = start_planner("--inline-max-samples", "0", workers=WORKERS)
     stop = threading.Event()

@@ -125,7 +125,7 @@ def run_load(
     max_samples: int = 2048,
 ) -> LoadResult:
     """Runs `clients` threads for `duration_s` against `address`; each waits for its answer."""
-    from tests.reliability_support import tree_rss_bytes  # /proc reading shared with the tests
+    from tests.support.reliability_support import tree_rss_bytes  # /proc reading shared with the tests
 
     mix = request_mix(seed, max_samples)
     result = LoadResult(duration_s, clients, warm_up_s=duration_s / 6 if warm_up_s is None else warm_up_s)
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.address:
         address, pid = args.address, None
     else:
-        from tests.planner_process import start_planner
+        from tests.support.planner_process import start_planner
 
         server = start_planner("--max-queued-requests", str(args.max_queued_requests), workers=args.workers)
         address, pid = server.address, server.proc.pid

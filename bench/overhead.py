@@ -13,7 +13,7 @@ size, on the same input and interleaved run by run (the arms in a rotating order
   `decode` (`PlanResponse.FromString` and `plan_from_proto`: what the trainer client does with the
   answer);
 - `rpc`: `request_to_proto` -> `Plan` RPC on a real server with the default workers (one per
-  core; tests.planner_process) -> `plan_from_proto`: what a trainer waits for. The request asks
+  core; tests.support.planner_process) -> `plan_from_proto`: what a trainer waits for. The request asks
   for the columns form (PLAN_FORM_COLUMNS), as the trainer client's does; a baseline server that
   predates it answers with micro_batches, which `plan_from_proto` reads as well;
 - `GetCapabilities`: a round trip on the same channel that never reaches the planning pool, right

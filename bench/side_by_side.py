@@ -2,7 +2,7 @@
 this repository, measured side by side in one run.
 
 Each tree's server is its own `python -m planner_server`, started by that checkout's own
-`tests/planner_process.py` (cwd and PYTHONPATH set to the checkout, this interpreter, the same
+`tests/support/planner_process.py` (cwd and PYTHONPATH set to the checkout, this interpreter, the same
 flags). The client side is this tree's for both servers (the wire contract is the same proto), and
 the benchmarks alternate between the servers run by run, or phase by phase where a phase needs one
 server to itself, so that the ratio new / baseline is measured under the same load.
@@ -25,7 +25,7 @@ from typing import Iterator, Sequence, TypeVar
 from bench.common import Spread
 
 ROOT = Path(__file__).resolve().parent.parent  # this tree
-# Flags tests/planner_process.start_planner passes to every server, besides the benchmark's own.
+# Flags tests/support/planner_process.start_planner passes to every server, besides the benchmark's own.
 LAUNCHER_FLAGS = ("--host", "--port", "--metrics-port", "--probe-port", "--workers")
 T = TypeVar("T")
 
@@ -46,25 +46,30 @@ class Tree:
     @classmethod
     def at(cls, label: str, root: Path) -> "Tree":
         root = root.resolve()
-        if not (root / "tests" / "planner_process.py").is_file() or not (root / "planner_server").is_dir():
+        if _planner_process(root) is None or not (root / "planner_server").is_dir():
             raise SystemExit(f"--baseline {root}: not a checkout of this repository (no planner_server/ "
-                             "or tests/planner_process.py)")
+                             "or tests/support/planner_process.py)")
         dirty = bool(_git(root, "status", "--porcelain", "--untracked-files=no"))
         return cls(label, root, _git(root, "rev-parse", "--short", "HEAD"), dirty)
 
     def start_planner(self, *args: str, workers: int):
-        """This checkout's own tests.planner_process.start_planner: its server, from its root."""
+        """This checkout's own planner_process.start_planner: its server, from its root."""
         if self.root == ROOT:
-            from tests.planner_process import start_planner
+            from tests.support.planner_process import start_planner
         else:
             name = f"_planner_process_{self.commit}"  # the module, loaded from the checkout, once
             if name not in sys.modules:
-                spec = importlib.util.spec_from_file_location(name, self.root / "tests" / "planner_process.py")
+                spec = importlib.util.spec_from_file_location(name, _planner_process(self.root))
                 assert spec is not None and spec.loader is not None
                 sys.modules[name] = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(sys.modules[name])
             start_planner = sys.modules[name].start_planner
         return start_planner(*args, workers=workers)
+
+
+def _planner_process(root: Path) -> Path | None:
+    """A checkout's planner_process.py: tests/support/ since the test tree mirrors the packages, tests/ before."""
+    return next((p for p in (root / "tests" / "support" / "planner_process.py", root / "tests" / "planner_process.py") if p.is_file()), None)
 
 
 def _git(root: Path, *args: str) -> str:
@@ -99,7 +104,7 @@ def _env(root: Path) -> dict[str, str]:
 
 @contextlib.contextmanager
 def running(trees: Sequence[Tree], *args: str, workers: int, stop_signal: int = signal.SIGTERM) -> Iterator[list]:
-    """Yields one started server (tests.planner_process.PlannerProcess) per tree, in `trees`' order,
+    """Yields one started server (tests.support.planner_process.PlannerProcess) per tree, in `trees`' order,
     started together, and stops them all on exit (one the benchmark already stopped, e.g. by a timed
     drain, is left as it is). With a baseline checkout among them, the flags are checked first."""
     if any(tree.root != ROOT for tree in trees):

@@ -3,7 +3,7 @@
     python -m bench.startup --out docs/bench
     python -m bench.startup --out docs/bench --beside ../main-checkout   # beside another tree's server
 
-Starts `python -m planner_server --workers N` (tests.planner_process) several times, N = 1 and 2
+Starts `python -m planner_server --workers N` (tests.support.planner_process) several times, N = 1 and 2
 in turn, and times from `Popen` to the `SERVING on port` log line, which the server prints after
 the health service says SERVING (checked here with a gRPC health Check). The server warms every
 worker (imports Megatron-Core, compiles the compiled exact path's kernels in the workers'
@@ -63,7 +63,7 @@ class Startup:
 
 
 def start_once(workers: int, arm: str = "this tree", root: Path | None = None, cache_dir: str | None = None) -> Startup:
-    from tests.planner_process import ROOT, start_planner
+    from tests.support.planner_process import ROOT, start_planner
 
     started = time.perf_counter()
     server = start_planner(workers=workers, root=root or ROOT, extra_env={"NUMBA_CACHE_DIR": cache_dir} if cache_dir else None)

@@ -5,27 +5,19 @@ from trainer_client.client import BatchPlannerClient
 from trainer_client.compatibility import check_dynamic_cp_support
 from trainer_client.config import PlannerClientConfig, WhoAsks
 from trainer_client.errors import (
-    BatchMismatchError,
-    ConfigError,
-    DropInInputError,
-    OutputRestoreError,
-    PlanMismatchError,
-    PlannerClientError,
-    PlannerUnavailableError,
-    PlanRejectedError,
-    RankFailedError,
-    RouterReplayAlignmentError,
-    ServiceFailedError,
-    TlsMismatchError,
-    UnsupportedCombinationError,
+    ArgumentTypeError, BatchMismatchError, ConfigError, DropInInputError, InvalidArgumentError, OutputRestoreError,
+    PlanMismatchError, PlannerClientError, PlannerUnavailableError, PlanRejectedError, ProcessGroupError, RankFailedError,
+    RouterReplayAlignmentError, ServiceFailedError, TlsMismatchError, UnrunnablePlanError, UnsupportedCombinationError,
+    UsageError,
 )
 from trainer_client.side_data import align_router_replay, attach_router_replay
 from trainer_client.token_outputs import TokenPiece, restore_token_outputs, token_pieces
 
 __all__ = [
-    "BatchMismatchError", "BatchPlannerClient", "ConfigError", "DropInInputError", "OutputRestoreError", "PlanMismatchError",
-    "PlanRejectedError", "PlannerClientConfig", "PlannerClientError", "PlannerUnavailableError", "RankFailedError",
-    "RouterReplayAlignmentError", "ServiceFailedError", "TlsMismatchError", "TokenPiece", "UnsupportedCombinationError", "WhoAsks",
-    "align_router_replay", "attach_router_replay", "check_batch_is_planned", "check_dynamic_cp_support", "restore_token_outputs",
-    "token_pieces",
+    "ArgumentTypeError", "BatchMismatchError", "BatchPlannerClient", "ConfigError", "DropInInputError",
+    "InvalidArgumentError", "OutputRestoreError", "PlanMismatchError", "PlanRejectedError", "PlannerClientConfig",
+    "PlannerClientError", "PlannerUnavailableError", "ProcessGroupError", "RankFailedError",
+    "RouterReplayAlignmentError", "ServiceFailedError", "TlsMismatchError", "TokenPiece", "UnrunnablePlanError",
+    "UnsupportedCombinationError", "UsageError", "WhoAsks", "align_router_replay", "attach_router_replay",
+    "check_batch_is_planned", "check_dynamic_cp_support", "restore_token_outputs", "token_pieces",
 ]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from batch_planner.request import PlanRequest
+from trainer_client.errors import InvalidArgumentError
 from trainer_client.plan_source import SourcedPlan
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,9 @@ class PlanAhead:
 
     def __init__(self, plan_fn: Callable[[PlanRequest], SourcedPlan], depth: int = 1, cache_size: int = PLAN_CACHE_SIZE):
         if depth < 1:
-            raise ValueError(f"plan-ahead depth must be >= 1, got {depth}")
+            raise InvalidArgumentError(f"plan-ahead depth must be >= 1, got {depth}")
         if type(cache_size) is not int or cache_size < 1:
-            raise ValueError(f"cache_size: {cache_size!r} is not allowed; expected an integer >= 1")
+            raise InvalidArgumentError(f"cache_size: {cache_size!r} is not allowed; expected an integer >= 1")
         self._plan_fn = plan_fn
         self._executor = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="plan-ahead")
         self._pending: dict[int, _Pending] = {}

@@ -16,6 +16,7 @@ from batch_planner.plan import CpGroup, Plan
 from batch_planner.request import CapacityBound, CpLayout
 from batch_planner.shards import padded_unit_shard
 from trainer_client.batch import BatchMismatchError, GlobalBatch, JaggedField, unbind_batch
+from trainer_client.errors import InvalidArgumentError
 from trainer_client.megatron import CpGroupResolver, packed_seq_params
 from trainer_client.micro_batch import RankMicroBatch
 
@@ -58,7 +59,7 @@ def micro_batches_for_rank(
     if planned != num_samples:
         raise BatchMismatchError(f"the plan covers {planned} samples but the batch holds {num_samples}")
     if not 0 <= rank < plan.dp_cp_size:
-        raise ValueError(f"rank {rank} is outside the plan's DPxCP group of {plan.dp_cp_size} ranks")
+        raise InvalidArgumentError(f"rank {rank} is outside the plan's DPxCP group of {plan.dp_cp_size} ranks")
     if pack_group_samples is None:
         pack_group_samples = plan.capacity_bound is CapacityBound.PER_RANK_SUM
     units: list[_Unit] = []

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from trainer_client.errors import BatchMismatchError
+from trainer_client.errors import ArgumentTypeError, BatchMismatchError
 
 
 BATCH_ACCEPTED = (
@@ -51,15 +51,15 @@ class GlobalBatch:
 
 
 def unbind_batch(batch: Mapping[str, Any]) -> GlobalBatch:
-    """The batch read once; TypeError when it is not a mapping of tensors, BatchMismatchError when
+    """The batch read once; ArgumentTypeError when it is not a mapping of tensors, BatchMismatchError when
     its fields do not describe one batch."""
     if not isinstance(batch, Mapping):
-        raise TypeError(f"batch: got {_kind(batch)}; expected {BATCH_ACCEPTED}")
+        raise ArgumentTypeError(f"batch: got {_kind(batch)}; expected {BATCH_ACCEPTED}")
     if "input_ids" not in batch.keys():
         raise BatchMismatchError(f"batch: it has no 'input_ids' field; fields: {sorted(map(str, batch.keys()))}")
     for name in batch.keys():
         if not isinstance(batch[name], torch.Tensor):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"batch: field {name!r} is {_kind(batch[name])}; expected a tensor (a jagged NestedTensor of [L, ...] "
                 f"per sample, or a dense [B, ...] tensor); the batch must be {BATCH_ACCEPTED}"
             )

@@ -21,7 +21,7 @@ from batch_planner.v1 import planner_pb2 as pb
 from trainer_client.batch import lengths_key
 from trainer_client.config import WhoAsks
 from trainer_client.distributed import is_distributed
-from trainer_client.errors import PlanMismatchError, PlannerUnavailableError, PlanRejectedError
+from trainer_client.errors import PlanMismatchError, PlannerUnavailableError, PlanRejectedError, UsageError
 from trainer_client.together import fail_together, share_from_first
 
 
@@ -120,13 +120,13 @@ def _outgoing(own: Plan | RankError | None, response: bytes) -> bytes | BaseExce
     return own if own is not None else _no_plan()
 
 
-def _no_plan() -> RuntimeError:
-    return RuntimeError("rank 0 of the DPxCP group must plan when who_asks=leader")
+def _no_plan() -> UsageError:
+    return UsageError("rank 0 of the DPxCP group must plan when who_asks=leader")
 
 
 def _unwrap(own: Plan | RankError | None) -> Plan:
     if isinstance(own, BaseException):
         raise own
     if own is None:
-        raise RuntimeError("no plan: this rank did not plan and there is no group to receive one from")
+        raise UsageError("no plan: this rank did not plan and there is no group to receive one from")
     return own

@@ -31,6 +31,7 @@ from batch_planner.cost_spec import COEFFICIENT_NAMES, CostModel, CostModelSpec
 from batch_planner.plan import Plan
 from batch_planner.request import PlanningOptions
 from trainer_client.distributed import is_distributed
+from trainer_client.errors import UsageError
 from trainer_client.together import fail_together
 
 log = logging.getLogger(__name__)
@@ -218,7 +219,7 @@ class Calibrator:
 
     def _step(self) -> int:
         if self._current_step is None:
-            raise RuntimeError("calibration: no step is planned yet; time units after client.plan_step(step, ...)")
+            raise UsageError("calibration: no step is planned yet; time units after client.plan_step(step, ...)")
         return self._current_step
 
     # -- gather and fit

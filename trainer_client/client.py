@@ -35,6 +35,7 @@ from trainer_client.calibration import CalibrationReport, Calibrator
 from trainer_client.compatibility import check_dynamic_cp_support, schedulers_the_trainer_runs
 from trainer_client.config import PlannerClientConfig, WhoAsks
 from trainer_client.distributed import is_distributed
+from trainer_client.errors import ArgumentTypeError, InvalidArgumentError
 from trainer_client.metrics import TrainerMetrics
 from trainer_client.outputs import restore_outputs
 from trainer_client.plan_source import PlannerUnavailableError, PlanSource
@@ -79,7 +80,7 @@ class BatchPlannerClient:
         transformer_config: Any = None,
     ):
         if not isinstance(config, PlannerClientConfig):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"config: got a {type(config).__name__}; expected a PlannerClientConfig "
                 "(PlannerClientConfig.from_dict or .from_yaml)"
             )
@@ -96,12 +97,12 @@ class BatchPlannerClient:
         self.group = group
         self.dp_cp_size, self.rank = _group_layout(group, dp_cp_size, rank)
         if self.dp_cp_size % config.context_parallel_size:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"context_parallel_size={config.context_parallel_size} does not divide the DPxCP group "
                 f"of {self.dp_cp_size} ranks"
             )
         if not (cp_groups in ("auto", "megatron", None) or callable(cp_groups)):
-            raise ValueError(f"cp_groups: {cp_groups!r} is not allowed; expected 'auto', 'megatron', None or a callable size -> group")
+            raise InvalidArgumentError(f"cp_groups: {cp_groups!r} is not allowed; expected 'auto', 'megatron', None or a callable size -> group")
         if cp_groups == "auto":
             cp_groups = "megatron" if megatron_ready else None
         self._cp_groups = cp_groups
@@ -236,12 +237,12 @@ class BatchPlannerClient:
 
         pack_group_samples: pack all samples of a CP group into one unit (default: as the plan's
         scheduler executes). BatchMismatchError unless the batch is the one the plan was made for;
-        TypeError for what is not a batch.
+        ArgumentTypeError for what is not a batch.
         """
         _require_plan(plan)
         _require_int("pad_token_id", pad_token_id, 0, what="a token id")
         if pack_group_samples not in (None, True, False):
-            raise TypeError(f"pack_group_samples: got {pack_group_samples!r}; expected None, True or False")
+            raise ArgumentTypeError(f"pack_group_samples: got {pack_group_samples!r}; expected None, True or False")
         global_batch = batch if isinstance(batch, GlobalBatch) else unbind_batch(batch)
         self.planned_batches.check(plan, global_batch.lengths, global_batch.lengths_bytes)
         given = {} if isinstance(batch, GlobalBatch) else {"batch": batch}
@@ -319,14 +320,14 @@ def checked_lengths(lengths: Any) -> tuple[int, ...]:
 def _tp_sharing(tp_group: Any, leads: bool) -> tuple[Any, bool]:
     """(the TP group to share the planner's answers over, or None; whether this rank receives
     them): the group when every rank of it leads its DPxCP group, None when none does (a
-    collective over `tp_group`). ValueError on every rank of a group where only some lead."""
+    collective over `tp_group`). InvalidArgumentError on every rank of a group where only some lead."""
     if tp_group is None or not is_distributed(tp_group):
         return None, False
     everyone = fail_together(None, tp_group, leads)
     if not any(everyone):
         return None, False
     if not all(everyone):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"tp_group: TP ranks {[r for r, lead in enumerate(everyone) if lead]} lead their DPxCP groups and "
             f"{[r for r, lead in enumerate(everyone) if not lead]} do not, so the TP ranks of one DPxCP rank are not "
             "one TP group; pass Megatron-Core's tensor-parallel group, or leave tp_group unset"
@@ -339,13 +340,13 @@ def _group_layout(group: Any, dp_cp_size: Any, rank: Any) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         size, me = dist.get_world_size(group), dist.get_rank(group)
         if me < 0:
-            raise ValueError("group: this process is not a member of the DPxCP group it was given")
+            raise InvalidArgumentError("group: this process is not a member of the DPxCP group it was given")
         for name, given, actual in (("dp_cp_size", dp_cp_size, size), ("rank", rank, me)):
             if given is not None and given != actual:
-                raise ValueError(f"{name}: {given!r} is not this process's: the process group says {actual}; leave it unset")
+                raise InvalidArgumentError(f"{name}: {given!r} is not this process's: the process group says {actual}; leave it unset")
         return size, me
     if dp_cp_size is None:
-        raise ValueError("dp_cp_size: torch.distributed is not initialised: pass dp_cp_size (and rank) explicitly")
+        raise InvalidArgumentError("dp_cp_size: torch.distributed is not initialised: pass dp_cp_size (and rank) explicitly")
     _require_int("dp_cp_size", dp_cp_size, 1, what="the ranks of the DPxCP group")
     if rank is not None:
         _require_int("rank", rank, 0, dp_cp_size - 1, what=f"a rank of the dp_cp_size={dp_cp_size} group")
@@ -353,12 +354,12 @@ def _group_layout(group: Any, dp_cp_size: Any, rank: Any) -> tuple[int, int]:
 
 
 def _require_int(name: str, value: Any, low: int, high: int | None = None, *, what: str) -> None:
-    """TypeError unless `value` is an int (a bool is not), ValueError unless it is in low..high."""
+    """ArgumentTypeError unless `value` is an int (a bool is not), InvalidArgumentError unless it is in low..high."""
     allowed = f"an int >= {low}" if high is None else f"an int in {low}..{high}"
     if type(value) is not int:
-        raise TypeError(f"{name}: got {value!r:.60} ({type(value).__name__}); expected {allowed} ({what})")
+        raise ArgumentTypeError(f"{name}: got {value!r:.60} ({type(value).__name__}); expected {allowed} ({what})")
     if value < low or (high is not None and value > high):
-        raise ValueError(f"{name}: {value} is not allowed; expected {allowed} ({what})")
+        raise InvalidArgumentError(f"{name}: {value} is not allowed; expected {allowed} ({what})")
 
 
 def _check_step(step: Any) -> None:
@@ -367,7 +368,7 @@ def _check_step(step: Any) -> None:
 
 def _require_plan(plan: Any) -> None:
     if not isinstance(plan, Plan):
-        raise TypeError(f"plan: got a {type(plan).__name__}; expected the Plan plan_step returned")
+        raise ArgumentTypeError(f"plan: got a {type(plan).__name__}; expected the Plan plan_step returned")
 
 
 def _kind_of(value: Any) -> str:
@@ -391,8 +392,8 @@ def _check_record_step(micro_batches: Any, seconds: Any) -> None:
     if isinstance(micro_batches, (str, bytes)) or not isinstance(micro_batches, Sequence) or not all(
         isinstance(mb, RankMicroBatch) for mb in micro_batches
     ):
-        raise TypeError(f"micro_batches: got {_kind_of(micro_batches)}; expected the RankMicroBatches micro_batches() returned")
+        raise ArgumentTypeError(f"micro_batches: got {_kind_of(micro_batches)}; expected the RankMicroBatches micro_batches() returned")
     if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
-        raise TypeError(f"seconds: got {seconds!r:.60} ({type(seconds).__name__}); expected a number of seconds >= 0")
+        raise ArgumentTypeError(f"seconds: got {seconds!r:.60} ({type(seconds).__name__}); expected a number of seconds >= 0")
     if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"seconds: {seconds!r} is not allowed; expected a finite number of seconds >= 0")
+        raise InvalidArgumentError(f"seconds: {seconds!r} is not allowed; expected a finite number of seconds >= 0")

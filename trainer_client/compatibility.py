@@ -16,14 +16,20 @@ from functools import cache, cached_property, partial
 from typing import Any, Callable, Literal, Mapping, NamedTuple
 
 from batch_planner.request import CpLayout, SchedulerKind
-from trainer_client.errors import UnsupportedCombinationError
+from trainer_client.errors import InvalidArgumentError, UnrunnablePlanError, UnsupportedCombinationError
 
-PACKING_SCHEDULERS = (SchedulerKind.DYNAMIC_CP, SchedulerKind.STATIC_PACKING)
+# The schedulers each drop-in's trainer runs (the one home of these allow-lists; the rows below refuse
+# the others). Megatron-Core's `sequence_packing_scheduler` names, and the planner's schedulers they are:
+MEGATRON_SCHEDULER_NAMES = {"default_dynamic_cp": SchedulerKind.DYNAMIC_CP, "dp_balanced": SchedulerKind.STATIC_PACKING}
+# Those that pack a CP group's samples into one THD micro-batch (Megatron-LM's dev drop-in, Bridge's).
+PACKING_SCHEDULERS = tuple(MEGATRON_SCHEDULER_NAMES.values())
+# verl's engine runs the dynamic-CP contract: dynamic CP, or auto choosing among these only.
+VERL_SCHEDULERS = (SchedulerKind.DYNAMIC_CP,)
 MULTIMODAL_BATCH_FIELDS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "multi_modal_inputs")
 
 # What a caller may hand `check`, by name; a drop-in's own source is read by its rows only.
-SOURCES = ("engine", "model", "transformer", "planner config", "plan", "batch", "bridge", "megatron_lm")
-DROP_IN_SOURCES = {"bridge": "Megatron-Bridge's drop-in", "megatron_lm": "Megatron-LM's drop-ins"}
+SOURCES = ("engine", "model", "transformer", "planner config", "plan", "batch", "bridge", "megatron_lm", "verl")
+DROP_IN_SOURCES = {"bridge": "Megatron-Bridge's drop-in", "megatron_lm": "Megatron-LM's drop-ins", "verl": "verl's drop-in"}
 # Position embeddings that rotate queries and keys by position (RoPE and its variants).
 ROTARY_EMBEDDINGS = ("rope", "mrope", "yarn")
 
@@ -87,7 +93,7 @@ class Inputs:
     def __init__(self, sources: Mapping[str, Any], installed: InstalledMegatron | None):
         unknown = sorted(set(sources) - set(SOURCES))
         if unknown:
-            raise ValueError(f"unknown refusal-table sources {unknown}; allowed: {list(SOURCES)}")
+            raise InvalidArgumentError(f"unknown refusal-table sources {unknown}; allowed: {list(SOURCES)}")
         self.sources = {name: sources.get(name) for name in SOURCES}
         self.transformer, self.plan, self.batch = self.sources["transformer"], self.sources["plan"], self.sources["batch"]
         self._installed = installed
@@ -160,13 +166,14 @@ class Rule:
     needs: tuple[str, ...] = ()
     build: Build | None = None
     schedulers: tuple[SchedulerKind, ...] = ()
+    error: type[UnsupportedCombinationError] = UnsupportedCombinationError
 
     def __post_init__(self) -> None:
         if isinstance(self.places, Place):
             object.__setattr__(self, "places", (self.places,))
         unknown = [p.source for p in self.places if p.source not in SOURCES] + [s for s in self.needs if s not in SOURCES]
         if unknown or (self.read is not None and len(self.places) != 1):
-            raise ValueError(f"rule for {self.places}: unknown sources {unknown}, or `read` with several places")
+            raise InvalidArgumentError(f"rule for {self.places}: unknown sources {unknown}, or `read` with several places")
 
     def refusal(self, inputs: Inputs) -> UnsupportedCombinationError | None:
         """The error for the first place whose value this rule refuses; None when none is (`check` has asked `needs`)."""
@@ -179,7 +186,7 @@ class Rule:
             # The build is asked last: detecting it imports Megatron-Core's schedulers.
             if self.refused(value, inputs) and self.build in (None, inputs.installed.build):
                 fix = self.fix.format(value=value, tp=inputs.tp, cp=inputs.cp, group=inputs.group)
-                return UnsupportedCombinationError(place.path, value, fix, self)
+                return self.error(place.path, value, fix, self)
         return None
 
     @property
@@ -263,6 +270,39 @@ def _old_transformer_engine(value: Any, inputs: Inputs) -> bool:
     from trainer_client.megatron import MIN_TE_VERSION_FOR_THD_CP
 
     return value is not None and tuple(int(p) for p in value.split(".")) < MIN_TE_VERSION_FOR_THD_CP
+
+
+def _kind_name(value: Any) -> Any:
+    return getattr(value, "value", value)
+
+
+def packing_scheduler_name(model: Any) -> Any:
+    """The packing scheduler a Megatron-Core model config names (`dynamic_context_parallel=True` says
+    default_dynamic_cp); only for a build that has the field (a release has neither)."""
+    name = model.sequence_packing_scheduler
+    return "default_dynamic_cp" if name is None and getattr(model, "dynamic_context_parallel", False) else name
+
+
+def _bridge_scheduler_name(inputs: Inputs) -> Any:
+    model = inputs.at(Place("bridge", "model"))
+    return packing_scheduler_name(model) if hasattr(model, "sequence_packing_scheduler") else _ABSENT
+
+
+def _other_auto_schedulers(inputs: Inputs) -> list[str] | None:
+    wanted = [_kind_name(k) for k in _get(inputs.sources["planner config"], "auto_schedulers") or ()]
+    return [name for name in wanted if name not in [k.value for k in VERL_SCHEDULERS]] or None
+
+
+def _ranks_without_sample(inputs: Inputs) -> str | None:
+    empty = [(i, [r for g in mb.cp_groups if not g.sample_ids for r in range(g.first_rank, g.first_rank + g.size)])
+             for i, mb in enumerate(inputs.plan.micro_batches)]
+    return next((f"micro-batch {i}: DPxCP ranks {ranks} have no sample" for i, ranks in empty if ranks), None)
+
+
+def _unaligned_group(inputs: Inputs) -> str | None:
+    groups = (g for mb in inputs.plan.micro_batches for g in mb.cp_groups if g.first_rank % g.size)
+    return next((f"CP group of ranks {list(range(g.first_rank, g.first_rank + g.size))} (sample ids {list(g.sample_ids)}), "
+                 f"first rank {g.first_rank}" for g in groups), None)
 
 
 # The places of each source, by path.
@@ -405,6 +445,27 @@ RULES: tuple[Rule, ...] = (
     Rule(_bridge("model.hybrid_context_parallel"), "false",
          _NO_DPXCP_GROUPS + "on 0.19 set cfg.model.hybrid_context_parallel=True (the plans still come from dynamic CP)",
          _is_false, build="release", schedulers=(SchedulerKind.DYNAMIC_CP,)),
+    Rule(_megatron_lm("sequence_packing_scheduler"), "not one of " + ", ".join(map(repr, MEGATRON_SCHEDULER_NAMES)), "wrap_data_iterator's "
+         "drop-in plans with Megatron-Core's packing schedulers: set --sequence-packing-scheduler default_dynamic_cp (dynamic CP) or "
+         "dp_balanced (static packing)", lambda v, _: v is not _ABSENT and v not in MEGATRON_SCHEDULER_NAMES, default=_ABSENT),
+    Rule(_bridge("model.sequence_packing_scheduler"), "not one of " + ", ".join(map(repr, MEGATRON_SCHEDULER_NAMES)),
+         "the drop-in plans with Megatron-Core's packing schedulers: set cfg.model.dynamic_context_parallel=True "
+         "(dynamic CP) or cfg.model.sequence_packing_scheduler='dp_balanced' (static packing)",
+         lambda v, _: v is not _ABSENT and v not in MEGATRON_SCHEDULER_NAMES, read=_bridge_scheduler_name),
+    Rule(_planner("scheduler"), "not dynamic_cp or static_packing", "each planned micro-batch is one packed forward pass of Bridge's loop: "
+         "set scheduler to dynamic_cp or static_packing in the planner settings (a Megatron-Core release has no sequence_packing_scheduler "
+         "to say it)", lambda v, _: v is not None and _kind_name(v) not in [k.value for k in PACKING_SCHEDULERS], needs=("bridge",)),
+    Rule(_planner("scheduler"), "not dynamic_cp or auto", "verl's engine runs the dynamic-CP contract (docs/verl.md): set scheduler to "
+         "dynamic_cp or auto", lambda v, _: _kind_name(v) not in [k.value for k in (*VERL_SCHEDULERS, SchedulerKind.AUTO)], needs=("verl",)),
+    Rule(_planner("auto_schedulers"), "names a scheduler other than dynamic_cp", "auto may choose only plans verl's engine runs: set "
+         "auto_schedulers to [dynamic_cp] or leave it unset", lambda v, _: v is not None, read=_other_auto_schedulers, needs=("verl",)),
+    Rule(Place("plan", "micro_batches"), "a micro-batch in which a DPxCP rank runs no sample",
+         "verl's engine runs every rank of the DPxCP group on a sample in every micro-batch; plan with dynamic_cp "
+         "(its groups cover every rank)", lambda v, _: v is not None, read=_ranks_without_sample, needs=("verl",),
+         error=UnrunnablePlanError),
+    Rule(Place("plan", "cp_groups"), "a CP group whose first rank is not a multiple of its size",
+         "verl's engine runs CP groups of aligned ranks only (its per-size DPxCP groups); plan with dynamic_cp",
+         lambda v, _: v is not None, read=_unaligned_group, needs=("verl",), error=UnrunnablePlanError),
     # One row each for every drop-in that runs plans of CP groups other than the static one on a
     # release (verl's dynamic CP needs the dev build's per-size DPxCP groups, so it has no release route).
     Rule((_megatron_lm("position_embedding_type"), _bridge("model.position_embedding_type")), "rope, mrope or yarn",
@@ -419,6 +480,9 @@ RULES: tuple[Rule, ...] = (
          "another size its ranks exchange boundary tokens with ranks that hold other samples: the step hangs "
          "or trains wrong. Run the trainer on the Megatron-LM dev build (deps/megatron-core.env; it rolls "
          "within the micro-batch's group), or unset mtp_num_layers", _is_set, build="release"),
+    Rule(_bridge("model.max_seqlen_per_dp_cp_rank"), "not set",
+         "dynamic CP plans each rank's tokens against it: set cfg.model.max_seqlen_per_dp_cp_rank "
+         "(e.g. seq_length // context_parallel_size)", lambda v, _: v is None),
 )
 
 

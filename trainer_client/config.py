@@ -21,7 +21,7 @@ from batch_planner.cost_spec import spec_from_mapping
 from batch_planner.errors import InvalidRequestError
 from batch_planner.exact.verified import DEFAULT_IMPLEMENTATION, SchedulerImplementation
 from batch_planner.request import Count, PlanningOptions, SchedulerKind
-from trainer_client.errors import ConfigError
+from trainer_client.errors import ArgumentTypeError, ConfigError
 
 
 class WhoAsks(str, Enum):
@@ -147,9 +147,9 @@ class PlannerClientConfig(PlanningOptions):
         import yaml
 
         if not isinstance(path, (str, Path)):
-            raise TypeError(f"path: got a {type(path).__name__}; expected the path of a YAML file (str or Path)")
+            raise ArgumentTypeError(f"path: got a {type(path).__name__}; expected the path of a YAML file (str or Path)")
         if section is not None and not isinstance(section, str):
-            raise TypeError(f"section: got a {type(section).__name__}; expected None or the name of a top-level section")
+            raise ArgumentTypeError(f"section: got a {type(section).__name__}; expected None or the name of a top-level section")
         try:
             data = yaml.safe_load(Path(path).read_text())
         except (yaml.YAMLError, UnicodeDecodeError) as error:

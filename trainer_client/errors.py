@@ -40,6 +40,14 @@ def _picklable(state: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
+class InvalidArgumentError(PlannerClientError, ValueError):
+    """An argument of a public call has a value that is not allowed; the message names it and what is."""
+
+
+class ArgumentTypeError(PlannerClientError, TypeError):
+    """An argument of a public call is of a type that is not allowed; the message names it and what is."""
+
+
 class ConfigError(PlannerClientError, ValueError):
     """A setting with a bad value or an unknown name; the message names the key and what is allowed."""
 
@@ -54,6 +62,10 @@ class UnsupportedCombinationError(PlannerClientError, ValueError):
     def __init__(self, option: str, value: Any, fix: str, rule: Any = None):
         self.option, self.value, self.fix, self.rule = option, value, fix, rule
         super().__init__(f"dynamic CP does not support {option}={value!r}: {fix}")
+
+
+class UnrunnablePlanError(UnsupportedCombinationError, RuntimeError):
+    """A plan the trainer's engine cannot run (verl's engine raises RuntimeError for these, so this is one too)."""
 
 
 class PlanRejectedError(PlannerClientError, ValueError):
@@ -96,7 +108,15 @@ class PlanMismatchError(PlannerClientError, RuntimeError):
 
 
 class OutputRestoreError(PlannerClientError, RuntimeError):
-    """Some sample's output is missing or came back more than once."""
+    """Some sample's output is missing or came back more than once, or a rank's outputs could not be read."""
+
+
+class ProcessGroupError(PlannerClientError, RuntimeError):
+    """The trainer's process groups (Megatron-Core's parallel_state) cannot run the plan's CP groups."""
+
+
+class UsageError(PlannerClientError, RuntimeError):
+    """A call came before what it needs (a plan, a planned step): the message names the call to make first."""
 
 
 class RankFailedError(PlannerClientError, RuntimeError):

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from batch_planner.plan import Plan
-from batch_planner.request import CpLayout
+from batch_planner.request import CpLayout, PaddingRule, SchedulerKind
+from trainer_client.errors import InvalidArgumentError, ProcessGroupError
 
 # size -> this rank's process group for that CP size (None: the build runs that size without one)
 CpGroupResolver = Callable[[int], "dist.ProcessGroup | None"]
@@ -86,7 +87,7 @@ def _group_lookup() -> tuple[Callable[[int], Any], bool]:
     hybrid = getattr(parallel_state, "get_hybrid_data_context_parallel_groups", None)
     if hybrid is not None:
         return (lambda size: hybrid(group_size=size)), False
-    raise RuntimeError(
+    raise ProcessGroupError(
         "Megatron-Core's parallel_state has no per-size DPxCP groups: initialise it with "
         "initialize_model_parallel(dynamic_context_parallel=True) (Megatron-LM dev) or "
         "hybrid_context_parallel=True (0.19 releases)"
@@ -129,7 +130,7 @@ def megatron_cp_group_resolver(plan: Plan, group: Any = None) -> CpGroupResolver
         try:
             found = lookup(size)
         except KeyError:
-            raise RuntimeError(
+            raise ProcessGroupError(
                 f"this Megatron-Core's parallel_state has no DPxCP group of size {size} (a plan for "
                 f"{plan.dp_cp_size} ranks; 0.19's hybrid groups need a power-of-two DPxCP, the dev "
                 "build's dynamic groups an even one)"
@@ -138,7 +139,7 @@ def megatron_cp_group_resolver(plan: Plan, group: Any = None) -> CpGroupResolver
         expected = dp_cp_ranks[first : first + size]
         actual = dist.get_process_group_ranks(found)
         if list(actual) != list(expected):
-            raise RuntimeError(
+            raise ProcessGroupError(
                 f"Megatron-Core's CP group of size {size} for this rank has ranks {actual}; the plan needs "
                 f"{expected}: the DPxCP group's rank order differs from parallel_state's"
             )
@@ -172,7 +173,7 @@ class DataGroups:
             )
         missing = [name for name in ("dp_cp", "dp", "tp") if getattr(groups, name) is None]
         if missing:
-            raise ValueError(f"process group(s) {missing} are None: initialise Megatron-Core's parallel_state first")
+            raise InvalidArgumentError(f"process group(s) {missing} are None: initialise Megatron-Core's parallel_state first")
         return groups
 
 
@@ -226,6 +227,32 @@ def broadcast_scalars(values: list, tp_group, device) -> list:
     from megatron.core.datasets.data_schedule_utils import broadcast_scalars as broadcast
 
     return broadcast(values, tp_group, device)
+
+
+def planner_settings_of(config: Any, scheduler: SchedulerKind, cp_size: int) -> dict[str, Any]:
+    """The planner settings a Megatron-Core model config fixes (the Megatron-LM and Bridge drop-ins'
+    `derived` settings, trainer_client.dropin.settings.planner_config): its sizes, the scheduler the
+    trainer runs, and Megatron-Core's padding (its dataset, or the drop-in for it), with no top-up."""
+    derived: dict[str, Any] = {
+        "max_seqlen_per_dp_cp_rank": int(config.max_seqlen_per_dp_cp_rank),
+        "context_parallel_size": cp_size,
+        "tensor_parallel_size": int(getattr(config, "tensor_model_parallel_size", 1) or 1),
+        "scheduler": scheduler.value,
+        "padding": PaddingRule.MEGATRON_CORE.value,
+        "min_local_rows": None,
+    }
+    if getattr(config, "cp_partition_mode", None) is not None:
+        # The layout Megatron-Core cuts and reads the shards in (dev build; 0.19 reads zigzag only):
+        # the drop-ins' shards and the plan's padding must be of the same one.
+        derived["cp_layout"] = config.cp_partition_mode
+    if scheduler is SchedulerKind.DYNAMIC_CP:
+        derived["min_cp_size"] = getattr(config, "min_dynamic_context_parallel_size", None)
+    if scheduler is SchedulerKind.STATIC_PACKING:
+        derived["max_seqs_per_micro_batch"] = max_real_seqs_per_micro_batch(config)
+    if getattr(config, "virtual_pipeline_model_parallel_size", None) is not None:
+        # Megatron-Core's packing schedulers group micro-batches per virtual stage (its wrap_data_iterator).
+        derived["micro_batch_group_size"] = getattr(config, "microbatch_group_size_per_vp_stage", None)
+    return derived
 
 
 def max_real_seqs_per_micro_batch(config: Any) -> int | None:

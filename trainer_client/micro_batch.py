@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from trainer_client.batch import GlobalBatch
+from trainer_client.errors import InvalidArgumentError
 
 
 @dataclass
@@ -70,7 +71,7 @@ class RankMicroBatch:
         """Per-sample values `[len(sample_ids), ...]` (e.g. `sample_fields["temperature"]`) repeated
         over this rank's shard tokens of each sample: `[local_tokens, ...]`."""
         if sample_values.shape[0] != len(self.sample_ids):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"per_token: got {sample_values.shape[0]} rows for the {len(self.sample_ids)} samples of this micro-batch"
             )
         return sample_values.repeat_interleave(self.shard_lengths.to(sample_values.device), dim=0)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from trainer_client.distributed import is_distributed
 from trainer_client.together import fail_together, naming_rank
-from trainer_client.errors import OutputRestoreError
+from trainer_client.errors import ArgumentTypeError, OutputRestoreError
 
 
 def restore_outputs(
@@ -29,7 +29,7 @@ def restore_outputs(
         try:
             items = [(int(sample_id), _to_cpu(output)) for sample_id, output in local_outputs.items()]
         except Exception as exc:  # noqa: BLE001 - a rank's own failure travels in the gather, as its other problems do
-            problem = RuntimeError(f"local_outputs: could not be read or copied to the CPU ({type(exc).__name__}: {str(exc):.160})")
+            problem = OutputRestoreError(f"local_outputs: could not be read or copied to the CPU ({type(exc).__name__}: {str(exc):.160})")
     if is_distributed(group):
         payload, problem = (b"", problem) if problem else _pickled(items)
         gathered = fail_together(naming_rank(problem, group), group, payload, context="{message}")
@@ -42,19 +42,19 @@ def restore_outputs(
     return order_outputs(items, num_samples)
 
 
-def _outputs_problem(local_outputs: Any) -> TypeError | None:
+def _outputs_problem(local_outputs: Any) -> ArgumentTypeError | None:
     if not isinstance(local_outputs, Mapping):
-        return TypeError(f"local_outputs: got a {type(local_outputs).__name__}; expected a mapping of sample id (int) -> output")
+        return ArgumentTypeError(f"local_outputs: got a {type(local_outputs).__name__}; expected a mapping of sample id (int) -> output")
     for bad in local_outputs:
         if isinstance(bad, bool) or not isinstance(bad, numbers.Integral):
-            return TypeError(
+            return ArgumentTypeError(
                 f"local_outputs: key {bad!r:.60} is a {type(bad).__name__}; expected int sample ids (RankMicroBatch.sample_ids)"
             )
     return None
 
 
-def _pickled(items: list[tuple[int, Any]]) -> tuple[bytes, TypeError | None]:
-    """`items` pickled for the gather, or b"" and the TypeError that names the first output that
+def _pickled(items: list[tuple[int, Any]]) -> tuple[bytes, ArgumentTypeError | None]:
+    """`items` pickled for the gather, or b"" and the ArgumentTypeError (a TypeError) that names the first output that
     cannot be pickled (a lambda, a lock, an open file, a generator). Pickled here, not inside
     `all_gather_object`, where a pickling error would stop this rank alone, before the collective."""
     try:
@@ -64,12 +64,12 @@ def _pickled(items: list[tuple[int, Any]]) -> tuple[bytes, TypeError | None]:
             try:
                 pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:  # noqa: BLE001 - as above
-                return b"", TypeError(
+                return b"", ArgumentTypeError(
                     f"local_outputs: the output of sample {sample_id}, a {type(output).__name__}, cannot be pickled "
                     f"({type(exc).__name__}: {str(exc):.120}); outputs travel between ranks pickled: return tensors, numbers, "
                     "or lists, tuples and dicts of them"
                 )
-        return b"", TypeError(f"local_outputs: cannot be pickled ({type(whole).__name__}: {str(whole):.120})")
+        return b"", ArgumentTypeError(f"local_outputs: cannot be pickled ({type(whole).__name__}: {str(whole):.120})")
 
 
 def order_outputs(items: list[tuple[int, Any, int]], num_samples: int) -> list[Any]:

@@ -21,13 +21,13 @@ from batch_planner.errors import CLIENT_ACTION, ClientAction, ErrorCode
 from batch_planner.v1 import planner_pb2 as pb
 from trainer_client.config import PlannerClientConfig, endpoint_target
 from trainer_client.metrics import TrainerMetrics
-from trainer_client.errors import PlanRejectedError, ServiceFailedError, TlsMismatchError
+from trainer_client.errors import ConfigError, PlanRejectedError, ServiceFailedError, TlsMismatchError
 
 
 class PlannerRpcClient:
     def __init__(self, config: PlannerClientConfig, metrics: TrainerMetrics):
         if not config.planner_endpoint:
-            raise ValueError("planner_endpoint is empty: there is no service to call")
+            raise ConfigError("planner_endpoint is empty: there is no service to call")
         self.config = config
         self.metrics = metrics
         self._channel = make_channel(config)

@@ -8,7 +8,7 @@ from typing import Any, MutableMapping, Sequence
 
 import torch
 
-from trainer_client.errors import RouterReplayAlignmentError
+from trainer_client.errors import InvalidArgumentError, RouterReplayAlignmentError
 
 
 def _per_sample(value: Any) -> list[torch.Tensor]:
@@ -40,7 +40,7 @@ def align_router_replay(
             f"router replay: {len(per_sample)} samples of recorded routes for {len(lengths)} input samples"
         )
     if len(names) != len(lengths):
-        raise ValueError(f"sample_names has {len(names)} names for {len(lengths)} samples")
+        raise InvalidArgumentError(f"sample_names has {len(names)} names for {len(lengths)} samples")
     aligned: list[torch.Tensor] = []
     masks: list[torch.Tensor] = []
     for name, recorded, length in zip(names, per_sample, lengths):

@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer_client.distributed import is_distributed
-from trainer_client.errors import RankFailedError
+from trainer_client.errors import ArgumentTypeError, RankFailedError
 
 # How a copy of another rank's error names where it came from: {rank}, that rank in the group;
 # {message}, the error's own message.
@@ -28,7 +28,7 @@ def fail_together(
     """Every rank of `group` calls this with its payload, or with the error it failed with
     (`failure`); all of them get every rank's payload in group-rank order, or all of them raise the
     first failed rank's error: the failed rank its own object, the others a copy worded by `context`.
-    A payload that cannot be pickled is this rank's failure (TypeError)."""
+    A payload that cannot be pickled is this rank's failure (ArgumentTypeError, a TypeError)."""
     if not is_distributed(group):
         if failure is not None:
             raise failure
@@ -76,7 +76,7 @@ def _entry(failure: BaseException | None, payload: Any) -> tuple[str, bytes]:
         try:
             return ("ok", pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
         except Exception as exc:  # noqa: BLE001 - pickle raises several types
-            failure = TypeError(f"this rank's result cannot be sent to the other ranks ({type(exc).__name__}: {str(exc):.160})")
+            failure = ArgumentTypeError(f"this rank's result cannot be sent to the other ranks ({type(exc).__name__}: {str(exc):.160})")
     return ("error", _pickled_error(failure))
 
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from batch_planner.errors import InvalidRequestError
 from batch_planner.validation import sequence_lengths_of
 from trainer_client.distributed import is_distributed
+from trainer_client.errors import ArgumentTypeError, InvalidArgumentError
 from trainer_client.micro_batch import RankMicroBatch
 from trainer_client.outputs import OutputRestoreError
 from trainer_client.together import fail_together, naming_rank
@@ -35,11 +36,11 @@ def token_pieces(micro_batch: RankMicroBatch, values: torch.Tensor) -> list[Toke
     Padding tokens are dropped; every rank of a CP group reports its own pieces (not only the leader).
     """
     if not isinstance(micro_batch, RankMicroBatch):
-        raise TypeError(f"micro_batch: got a {type(micro_batch).__name__}; expected a RankMicroBatch of micro_batches()")
+        raise ArgumentTypeError(f"micro_batch: got a {type(micro_batch).__name__}; expected a RankMicroBatch of micro_batches()")
     if not isinstance(values, torch.Tensor) or values.dim() == 0:
-        raise TypeError(f"values: got {type(values).__name__}; expected a tensor [local_tokens, ...] of this rank's shard")
+        raise ArgumentTypeError(f"values: got {type(values).__name__}; expected a tensor [local_tokens, ...] of this rank's shard")
     if values.shape[0] != micro_batch.local_tokens:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"per-token output has {values.shape[0]} rows; the micro-batch shard has {micro_batch.local_tokens} tokens"
         )
     pieces: list[TokenPiece] = []
@@ -64,35 +65,35 @@ def restore_token_outputs(
     """All ranks call this with their pieces; all get `[L_i, ...]` per sample, in sample order."""
     checked = _checked_lengths(lengths)
     local, problem = _listed_pieces(pieces)
-    if isinstance(checked, ValueError):
+    if isinstance(checked, InvalidArgumentError):
         problem, local = checked, []
     if is_distributed(group):
         gathered = fail_together(naming_rank(problem, group), group, local, context="{message}")
         local = [piece for part in gathered for piece in part]
     elif problem is not None:
         raise problem
-    assert not isinstance(checked, ValueError)  # raised above
+    assert not isinstance(checked, InvalidArgumentError)  # raised above
     return _restored(local, checked)
 
 
-def _checked_lengths(lengths: Any) -> tuple[int, ...] | ValueError:
+def _checked_lengths(lengths: Any) -> tuple[int, ...] | InvalidArgumentError:
     """The lengths by the planner's own rule, or what is wrong with them (named `lengths`)."""
     try:
         return sequence_lengths_of(lengths)
     except InvalidRequestError as error:
-        return ValueError("lengths" + str(error).removeprefix("sequence_lengths"))
+        return InvalidArgumentError("lengths" + str(error).removeprefix("sequence_lengths"))
 
 
-def _listed_pieces(pieces: Any) -> tuple[list[TokenPiece], TypeError | None]:
+def _listed_pieces(pieces: Any) -> tuple[list[TokenPiece], ArgumentTypeError | None]:
     """The pieces as a list, or what is wrong with them."""
     if not isinstance(pieces, Iterable) or isinstance(pieces, (str, bytes, torch.Tensor)):
-        return [], TypeError(f"pieces: got a {type(pieces).__name__}; expected the TokenPieces of token_pieces()")
+        return [], ArgumentTypeError(f"pieces: got a {type(pieces).__name__}; expected the TokenPieces of token_pieces()")
     listed = list(pieces)
     for index, piece in enumerate(listed):
         if not isinstance(piece, TokenPiece):
-            return [], TypeError(f"pieces: item {index} is a {type(piece).__name__}; expected the TokenPieces of token_pieces()")
+            return [], ArgumentTypeError(f"pieces: item {index} is a {type(piece).__name__}; expected the TokenPieces of token_pieces()")
         if not _well_formed(piece):
-            return [], TypeError(
+            return [], ArgumentTypeError(
                 f"pieces: item {index} (sample_id {piece.sample_id!r:.40}) is not a piece of token_pieces(): it needs an "
                 "int sample_id, 1-D integer positions and values with one row per position"
             )

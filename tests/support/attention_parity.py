@@ -165,14 +165,13 @@ def _mtp_losses() -> torch.Tensor | None:
     return torch.cat([tracker["loss_sums"], tracker["num_tokens"]]).detach().clone()
 
 
-def _fresh_pass(model, samples: Sequence[Sample]):
-    """Before a forward and backward pass: the model's device, its fp32 gradients reset, MTP's loss
-    tracker cleared, and the number of loss tokens in `samples` (every pass divides by it)."""
-    device = model_device(model)
+def _fresh_pass(model, samples: list[Sample]):
+    """Before a pass: the model's device, its fp32 gradients zeroed, MTP's loss tracker cleared, and
+    the loss tokens of the whole batch (every pass normalises by them)."""
     grads_of = fp32_grads(model)
     grads_of.reset()
     _clear_mtp_tracker()
-    return device, grads_of, float(sum(float(s.loss_mask.sum()) for s in samples))
+    return model_device(model), grads_of, float(sum(float(s.loss_mask.sum()) for s in samples))
 
 
 def packed_loss_and_grads(model, shards: Sequence[RankShard], samples: Sequence[Sample], group=None, expert_group=None) -> LossAndGrads:

@@ -123,8 +123,8 @@ MESSAGES = {
     "agree_on_step": ("DropInInputError", "sample 3 has no tokens"),
     "agree_on_read": ("DropInInputError", "the data iterator raised KeyError"),
     "step_planner_over_tp": ("ValueError", "this TP rank could not route the step"),
-    "restore_outputs": ("TypeError", "local_outputs: got a list"),
-    "restore_token_outputs": ("TypeError", "pieces: got a str"),
+    "restore_outputs": ("ArgumentTypeError", "local_outputs: got a list"),
+    "restore_token_outputs": ("ArgumentTypeError", "pieces: got a str"),
     "share_over_tp": ("PlanRejectedError", "sequence_lengths: sample 0 is too long"),
 }
 

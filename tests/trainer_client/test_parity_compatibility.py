@@ -175,7 +175,7 @@ def test_a_rows_build_schedulers_and_sources_decide_where_it_applies():
     def first_refused(installed, scheduler, bridge=True, **planner_settings):
         sources = {"planner config": planner(scheduler=scheduler, **planner_settings)}
         if bridge:
-            sources["bridge"] = Config(model=Config(hybrid_context_parallel=False, position_embedding_type="rope"))
+            sources["bridge"] = Config(model=Config(hybrid_context_parallel=False, position_embedding_type="rope", max_seqlen_per_dp_cp_rank=4096))
         try:
             check(sources, installed)
         except UnsupportedCombinationError as refused:

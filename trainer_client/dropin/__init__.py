@@ -1,18 +1,15 @@
-"""The drop-in core: what every trainer drop-in (Megatron-LM, Megatron-Bridge, verl) shares, on top
-of `BatchPlannerClient`. A drop-in imports this package and `trainer_client`; no drop-in imports another (the
+"""The seam: what every trainer drop-in (Megatron-LM, Megatron-Bridge, verl, examples/plain_torch_dropin.py)
+is built from, on top of `BatchPlannerClient`. A drop-in imports this package and `trainer_client`; no drop-in imports another (the
 import-linter contract in pyproject.toml). docs/trainer-client.md, "Adding a drop-in", is the recipe.
 """
 
-from trainer_client.dropin.device import data_device
+from trainer_client.dropin.device import data_device, model_device
+from trainer_client.dropin.groups import dpxcp_groups
+from trainer_client.dropin.patches import Patches, VersionGate
+from trainer_client.dropin.registry import Registry
 from trainer_client.dropin.routing import Traffic, route_samples, sample_id_groups
-from trainer_client.dropin.settings import (
-    CONFIG_ENV,
-    PACKING_SCHEDULERS,
-    client_for,
-    given_planner_settings,
-    merged_settings,
-    planner_config_for,
-)
+from trainer_client.dropin.settings import CONFIG_ENV, given_planner_settings, merged_settings, planner_config
+from trainer_client.dropin.stages import StageData
 from trainer_client.dropin.step_input import (
     GlobalLayout,
     LocalBatch,
@@ -22,11 +19,15 @@ from trainer_client.dropin.step_input import (
     raise_on_bad_packed_sample,
 )
 from trainer_client.dropin.step_planner import Agreement, PlannedStep, StepPlanner
+from trainer_client.dropin.units import packed_seq_params_on, rank_units
 from trainer_client.errors import DropInInputError
+from trainer_client.megatron import DataGroups
+from trainer_client.micro_batch import RankMicroBatch
 
 __all__ = [
-    "Agreement", "CONFIG_ENV", "DropInInputError", "GlobalLayout", "LocalBatch", "PACKING_SCHEDULERS", "PlannedStep", "StepPlanner",
-    "Traffic", "agree_on_read", "agree_on_step", "check_packed_sample", "client_for", "data_device",
-    "given_planner_settings", "merged_settings", "planner_config_for", "raise_on_bad_packed_sample", "route_samples",
+    "Agreement", "CONFIG_ENV", "DataGroups", "DropInInputError", "GlobalLayout", "LocalBatch", "Patches", "PlannedStep",
+    "RankMicroBatch", "Registry", "StageData", "StepPlanner", "Traffic", "VersionGate", "agree_on_read", "agree_on_step",
+    "check_packed_sample", "data_device", "dpxcp_groups", "given_planner_settings", "merged_settings", "model_device",
+    "packed_seq_params_on", "planner_config", "raise_on_bad_packed_sample", "rank_units", "route_samples",
     "sample_id_groups",
 ]

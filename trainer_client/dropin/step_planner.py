@@ -16,7 +16,9 @@ import torch
 from batch_planner.plan import Plan
 from trainer_client import megatron as mcore
 from trainer_client.client import BatchPlannerClient
-from trainer_client.compatibility import check_dynamic_cp_support
+from trainer_client.compatibility import check
+from trainer_client.config import PlannerClientConfig
+from trainer_client.distributed import is_distributed
 from trainer_client.dropin.routing import Traffic, route_samples, sample_id_groups
 from trainer_client.dropin.step_input import GlobalLayout, LocalBatch, ReadStep, agree_on_read, agree_on_step
 from trainer_client.errors import DropInInputError, PlanMismatchError, PlanRejectedError
@@ -67,21 +69,35 @@ class StepPlanner:
     _ahead: ReadStep | None = field(default=None, init=False)
     _step: int = field(default=0, init=False)
 
-    def next_step(self) -> PlannedStep:
+    @classmethod
+    def start(cls, read_local: Callable[[], LocalBatch], groups: mcore.DataGroups, config: PlannerClientConfig, *,
+              transformer_config: Any = None, every_tp_rank_reads: bool = False) -> StepPlanner:
+        """A drop-in's read-ahead planner: its client over the DPxCP group, and the agreements its
+        ranks need (the TP ranks', where each reads and plans the step; the pipeline stages').
+        `transformer_config`: the model's, checked with each step's plan where it is Megatron-Core's
+        TransformerConfig. `every_tp_rank_reads`: TP rank 0's DPxCP group then asks the planner for
+        every TP rank (BatchPlannerClient's tp_group)."""
+        client = BatchPlannerClient(config, group=groups.dp_cp, cp_groups=None, tp_group=groups.tp if every_tp_rank_reads else None)
+        tp = (Agreement(groups.tp, "TP rank"),) if every_tp_rank_reads and is_distributed(groups.tp) else ()
+        megatron = type(transformer_config).__name__ == "TransformerConfig" or hasattr(transformer_config, "transformer_impl")
+        return cls(read_local, groups, client, transformer_config if megatron else None, tp + Agreement.pipeline(groups))
+
+    def next_step(self, checks: dict[str, Any] | None = None) -> PlannedStep:
+        """The next step, planned and routed. `checks`: what the drop-in was handed for this step, by
+        refusal-table source (e.g. `{"megatron_lm": {...}}`), checked with the plan in the step's one
+        `check` of the table."""
         if not self.agreements:
-            return self._plan_and_route(self._next_read())
+            return self._plan_and_route(self._next_read(), checks or {})
         try:
             current, failure = self._next_read(), None
-        except StopIteration as end:
-            current, failure = None, end
-        except Exception as error:  # noqa: BLE001 - agreed on over the groups first, then raised
+        except Exception as error:  # noqa: BLE001 - StopIteration too: agreed on over the groups first, then raised
             current, failure = None, error
         for agreement in self.agreements:
             agree_on_read(failure, agreement.group, agreement.who)
         assert current is not None
         planned, failure = None, None
         try:
-            planned = self._plan_and_route(current)
+            planned = self._plan_and_route(current, checks or {})
         except Exception as error:  # noqa: BLE001 - travels to the other ranks, then raised on all
             failure = error
         for agreement in self.agreements:
@@ -123,11 +139,12 @@ class StepPlanner:
                 pass  # lengths the planner refuses: plan_step refuses them again in this step's turn, on every rank
         return read
 
-    def _plan_and_route(self, current: ReadStep) -> PlannedStep:
+    def _plan_and_route(self, current: ReadStep, checks: dict[str, Any]) -> PlannedStep:
         assert current.layout is not None and current.local is not None
         plan = self.client.plan_step(current.step, list(current.layout.padded))
         self.client.check_planned_batch(plan, current.layout.padded)  # the batch routed is the one planned
-        check_dynamic_cp_support(planner_config=self.client.config, transformer_config=self.transformer_config, plan=plan)
+        # The step's one check of the table: the settings, the model, the plan and what the hook was handed.
+        check({"planner config": self.client.config, "transformer": self.transformer_config, "plan": plan, **checks})
         id_groups = sample_id_groups(plan)
         traffic = Traffic()
         samples = route_samples(current.local, current.layout, self.groups, id_groups, traffic)

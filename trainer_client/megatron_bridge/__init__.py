@@ -6,11 +6,10 @@
     pretrain(cfg, forward_step)
 """
 
-from trainer_client.megatron_bridge.checks import BRIDGE_RULES, check_bridge_support
 from trainer_client.megatron_bridge.enable import active, disable, enable, get_batch, get_packed_seq_params
 from trainer_client.megatron_bridge.micro_batches import TOKEN_FIELDS, PlannedMicroBatches, unpack_micro_batch
 from trainer_client.megatron_bridge.schedule import PlannedForwardBackward, PlannedIterator
-from trainer_client.megatron_bridge.settings import BridgeSettings
+from trainer_client.megatron_bridge.settings import BRIDGE_RULES, BridgeSettings, check_bridge_support
 from trainer_client.megatron_bridge.version import CHECKED_BRIDGE_VERSIONS, bridge_version
 
 __all__ = [

@@ -7,17 +7,17 @@ does in Bridge's loop", and the VPP row of "Pipeline, virtual pipeline, MTP, MoE
 
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from trainer_client import megatron as mcore
 from trainer_client.config import PlannerClientConfig
-from trainer_client.megatron_bridge.checks import check_bridge_support
+from trainer_client.dropin.patches import Patches
+from trainer_client.dropin.registry import Registry
 from trainer_client.megatron_bridge.micro_batches import PlannedMicroBatches, PlannedPackedSeq, bridge_batch
 from trainer_client.megatron_bridge.schedule import ChunkIterators, PlannedForwardBackward, PlannedIterator
-from trainer_client.megatron_bridge.settings import BridgeSettings
+from trainer_client.megatron_bridge.settings import BridgeSettings, check_bridge_support
 from trainer_client.megatron_bridge.version import bridge_version, version_checked
 
 log = logging.getLogger(__name__)
@@ -31,23 +31,20 @@ class BridgeDropIn:
     """The drop-in in force: its settings and one read-ahead planner per Bridge data iterator."""
 
     settings: BridgeSettings
-    iterators: list[PlannedIterator] = field(default_factory=list)
+    planned: Registry[PlannedIterator] = field(default_factory=Registry)
 
     def planned_iterator(self, data_iterator: Any, num_microbatches: int, pg_collection: Any) -> PlannedIterator:
-        found = next((p for p in self.iterators if p.data_iterator is data_iterator), None)
-        if found is None:
-            found = PlannedIterator(data_iterator, num_microbatches, mcore.DataGroups.of(pg_collection), self.settings)
-            self.iterators.append(found)
-        return found
+        return self.planned.get(
+            data_iterator,
+            lambda: PlannedIterator(data_iterator, num_microbatches, mcore.DataGroups.of(pg_collection), self.settings),
+        )
 
     def close(self) -> None:
-        for planned in self.iterators:
-            planned.close()
-        self.iterators.clear()
+        self.planned.close()
 
 
 _active: BridgeDropIn | None = None
-_originals: dict[tuple[str, str], Any] = {}
+_patches = Patches()
 
 
 def enable(cfg: Any, planner: PlannerClientConfig | dict | None = None) -> bool:
@@ -62,11 +59,11 @@ def enable(cfg: Any, planner: PlannerClientConfig | dict | None = None) -> bool:
     disable()
     _active = BridgeDropIn(settings)
     for name in SCHEDULE_MODULES:
-        original = _replace(name, "get_forward_backward_func", None)
-        _replace(name, "get_forward_backward_func", _planned_getter(original))
-        _replace(name, "make_data_iterator_list", _chunk_iterators(_replace(name, "make_data_iterator_list", None)))
-    _replace(STEP_MODULE, "get_batch", get_batch)
-    _replace(STEP_MODULE, "get_packed_seq_params", get_packed_seq_params)
+        original = _patches.replace(name, "get_forward_backward_func")
+        _patches.replace(name, "get_forward_backward_func", _planned_getter(original))
+        _patches.replace(name, "make_data_iterator_list", _chunk_iterators(_patches.replace(name, "make_data_iterator_list")))
+    _patches.replace(STEP_MODULE, "get_batch", get_batch)
+    _patches.replace(STEP_MODULE, "get_packed_seq_params", get_packed_seq_params)
     log.info("trainer_client.megatron_bridge: Megatron-Bridge %s plans %s steps through the batch planner",
              bridge_version(), settings.scheduler.value)
     return True
@@ -80,22 +77,10 @@ def active() -> BridgeDropIn | None:
 def disable() -> None:
     """Puts Bridge's own functions back and closes the planner clients."""
     global _active
-    for (name, attribute), original in _originals.items():
-        setattr(importlib.import_module(name), attribute, original)
-    _originals.clear()
+    _patches.restore()
     if _active is not None:
         _active.close()
         _active = None
-
-
-def _replace(module_name: str, attribute: str, value: Any) -> Any:
-    """Sets `module.attribute` (keeping the original once); returns the original."""
-    module = importlib.import_module(module_name)
-    key = (module_name, attribute)
-    _originals.setdefault(key, getattr(module, attribute))
-    if value is not None:
-        setattr(module, attribute, value)
-    return _originals[key]
 
 
 def _planned_getter(original: Any) -> Any:
@@ -118,7 +103,7 @@ def get_batch(data_iterator: Any, cfg: Any, use_mtp: bool = False, *, pg_collect
     """Bridge's `gpt_step.get_batch`, except for the planned iterator: then the next planned unit,
     as Bridge's returns a batch (a forward step of one's own can call this too)."""
     if not isinstance(data_iterator, PlannedMicroBatches):
-        original = _originals[(STEP_MODULE, "get_batch")]
+        original = _patches.original(STEP_MODULE, "get_batch")
         return original(data_iterator, cfg, use_mtp, pg_collection=pg_collection, vp_stage=vp_stage)
     return bridge_batch(next(data_iterator), data_iterator.device)
 
@@ -128,4 +113,4 @@ def get_packed_seq_params(metadata: Any) -> Any:
     `PackedSeqParams`, with the unit's CP group."""
     if isinstance(metadata, PlannedPackedSeq):
         return metadata.params
-    return _originals[(STEP_MODULE, "get_packed_seq_params")](metadata)
+    return _patches.original(STEP_MODULE, "get_packed_seq_params")(metadata)

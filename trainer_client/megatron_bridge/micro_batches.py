@@ -4,14 +4,12 @@ out (trainer_client/apply.py), built from the samples routed to this rank and tu
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Iterator, Mapping
 
 import torch
 
-from trainer_client.apply import micro_batches_for_rank
-from trainer_client.batch import GlobalBatch, JaggedField
-from trainer_client.dropin.step_input import GlobalLayout, LocalBatch, check_packed_sample
+from trainer_client.dropin.step_input import LocalBatch, check_packed_sample
+from trainer_client.dropin.units import packed_seq_params_on
 from trainer_client.errors import DropInInputError
 from trainer_client.micro_batch import RankMicroBatch
 
@@ -24,9 +22,7 @@ def read_local_batch(micro_batches: list[Mapping[str, Any]]) -> LocalBatch:
     subsamples: list[dict[str, torch.Tensor]] = []
     for index, micro_batch in enumerate(micro_batches):
         subsamples += unpack_micro_batch(micro_batch, index)
-    if not subsamples:
-        raise DropInInputError("the local batch is empty (the data iterator yielded no sample of non-zero length)")
-    return LocalBatch.of(subsamples)
+    return LocalBatch.of(subsamples)  # an empty one: LocalBatch.problem says so, on every rank
 
 
 def unpack_micro_batch(micro_batch: Mapping[str, Any], index: int) -> list[dict[str, torch.Tensor]]:
@@ -72,32 +68,6 @@ def _packed_boundaries(micro_batch: Mapping[str, Any], where: str) -> torch.Tens
     return boundaries[: int(negative[0])] if negative.numel() else boundaries
 
 
-def routed_batch(samples: dict[int, dict[str, torch.Tensor]], layout: GlobalLayout) -> GlobalBatch:
-    """The samples routed to this rank as a GlobalBatch of the whole step's lengths (samples this
-    rank does not run hold no tokens in it; the plan never asks this rank for them)."""
-    ids = sorted(samples)
-    starts = [0] * len(layout.rows)
-    cursor = 0
-    for i in ids:
-        starts[i] = cursor
-        cursor += layout.rows[i]
-    token_fields = {
-        name: JaggedField(_cat([samples[i][name] for i in ids], dtype, trailing), tuple(starts))
-        for name, dtype, trailing in layout.fields
-    }
-    return GlobalBatch(layout.rows, token_fields, {})
-
-
-def _cat(pieces: list[torch.Tensor], dtype: torch.dtype, trailing: tuple[int, ...]) -> torch.Tensor:
-    return torch.cat(pieces) if pieces else torch.empty((0, *trailing), dtype=dtype)
-
-
-def rank_micro_batches(plan, samples, layout: GlobalLayout, dp_cp_rank: int, cp_group_for) -> list[RankMicroBatch]:
-    """This rank's planned micro-batches: one packed unit per micro-batch of the plan."""
-    batch = routed_batch(samples, layout)
-    return micro_batches_for_rank(plan, batch, dp_cp_rank, cp_group_for, pad_token_id=0, pack_group_samples=True)
-
-
 class PlannedMicroBatches(Iterator[RankMicroBatch]):
     """The iterator the schedule is given instead of Bridge's: one planned unit per `next()`;
     `device`, where `get_batch` puts the unit's tensors (trainer_client.dropin.device.model_device)."""
@@ -126,13 +96,8 @@ def bridge_batch(unit: RankMicroBatch, device: torch.device) -> tuple[torch.Tens
     (None: THD attention reads cu_seqlens), position_ids, packed-sequence metadata. Padding has
     loss_mask 0, so the loss stays normalised over real tokens."""
     fields = {name: unit.token_fields[name].to(device).unsqueeze(0) for name in TOKEN_FIELDS}
-    params = unit.packed_seq_params
-    copies: dict[int, torch.Tensor] = {}  # q and kv share their tensors: one copy each
-    moved = {
-        name: copies.setdefault(id(getattr(params, name)), getattr(params, name).to(device))
-        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-    }
-    metadata = PlannedPackedSeq(cu_seqlens_q=moved["cu_seqlens_q"], cu_seqlens_q_padded=moved["cu_seqlens_q_padded"],
+    params = packed_seq_params_on(unit, device)
+    metadata = PlannedPackedSeq(cu_seqlens_q=params.cu_seqlens_q, cu_seqlens_q_padded=params.cu_seqlens_q_padded,
                                 max_seqlen_q=unit.max_seqlen)
-    metadata.params = dataclasses.replace(params, **moved)
+    metadata.params = params
     return fields["tokens"], fields["labels"], fields["loss_mask"], None, fields["position_ids"], metadata

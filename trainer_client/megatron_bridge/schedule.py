@@ -10,12 +10,10 @@ from typing import Any, Callable, Iterator
 
 from batch_planner.request import SchedulerKind
 from trainer_client import megatron as mcore
-from trainer_client.config import ConfigError
-from trainer_client.distributed import is_distributed
 from trainer_client.dropin.device import model_device
-from trainer_client.dropin.settings import checked_transformer_config, client_for
-from trainer_client.dropin.step_planner import Agreement, PlannedStep, StepPlanner
-from trainer_client.megatron_bridge.micro_batches import PlannedMicroBatches, rank_micro_batches, read_local_batch
+from trainer_client.dropin.step_planner import PlannedStep, StepPlanner
+from trainer_client.dropin.units import rank_units
+from trainer_client.megatron_bridge.micro_batches import PlannedMicroBatches, read_local_batch
 from trainer_client.megatron_bridge.settings import BridgeSettings
 from trainer_client.micro_batch import RankMicroBatch
 
@@ -37,11 +35,8 @@ class PlannedIterator:
     def __post_init__(self) -> None:
         # Every TP rank and every pipeline stage reads and plans each step (TP rank 0 asks the planner
         # for all TP ranks); each group agrees on the plan before the model runs.
-        client = client_for(self.settings.planner, self.groups, every_tp_rank_plans=True)
-        tp = (Agreement(self.groups.tp, "TP rank"),) if is_distributed(self.groups.tp) else ()
-        agreements = tp + Agreement.pipeline(self.groups)
-        self.planner = StepPlanner(
-            self._read_local, self.groups, client, checked_transformer_config(self.settings.model), agreements
+        self.planner = StepPlanner.start(
+            self._read_local, self.groups, self.settings.planner, transformer_config=self.settings.model, every_tp_rank_reads=True
         )
 
     def _read_local(self):
@@ -53,7 +48,7 @@ class PlannedIterator:
             return self.last_units
         step = self.last_step = self.planner.next_step()
         resolver = self._cp_group_resolver(step)
-        self.last_units = rank_micro_batches(step.plan, step.samples, step.layout, self.groups.dp_cp.rank(), resolver)
+        self.last_units = rank_units(step, self.groups.dp_cp.rank(), resolver)
         self.steps += 1
         return self.last_units
 
@@ -93,16 +88,14 @@ class PlannedForwardBackward:
             if chunks is not None:
                 kwargs["data_iterator"] = chunks.unplanned()
             return self.inner(**kwargs)
-        if isinstance(source, list):
-            raise ConfigError(
-                "a list of data iterators (dataloader_type='external'): the drop-in plans one data iterator per "
-                "step; use dataloader_type='single'"
-            )
         planned = self.dropin.planned_iterator(source, kwargs["num_microbatches"], kwargs.get("pg_collection"))
         rerun = not kwargs.get("forward_only", False) and mcore.in_rerun()
         units = planned.units_for(rerun)
         device = model_device()
-        if chunks is not None:  # one iterator per virtual stage, each over every unit of the step
+        # Virtual stages: each chunk iterates over every unit, and Bridge's get_batch takes what its stage
+        # reads. (Megatron-LM's drop-in hands Megatron-Core's packed micro-batches to upstream's own
+        # create_data_iterator with StageData's vpp_needs_data: another engine format, its own feed.)
+        if chunks is not None:
             iterators: Any = [PlannedMicroBatches(units, device) for _ in chunks]
         else:
             iterators = PlannedMicroBatches(units, device)

@@ -7,12 +7,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from batch_planner.request import SchedulerKind
+from trainer_client import megatron as mcore
+from trainer_client.compatibility import MEGATRON_SCHEDULER_NAMES, RULES, check, packing_scheduler_name
 from trainer_client.config import ConfigError, PlannerClientConfig
-from trainer_client.dropin.settings import PACKING_SCHEDULERS, given_planner_settings, planner_config_for
+from trainer_client.dropin.settings import given_planner_settings, planner_config
 
-# The schedulers whose plans the drop-in runs: both pack a CP group's samples into one THD
-# micro-batch, so each planned micro-batch is one forward pass on every rank.
-BRIDGE_SCHEDULERS = tuple(PACKING_SCHEDULERS.values())
+
+# The rows of the one table that read Bridge's ConfigContainer, or apply to Bridge alone.
+BRIDGE_RULES = tuple(rule for rule in RULES if rule.reads("bridge"))
 
 
 @dataclass(frozen=True)
@@ -25,37 +27,28 @@ class BridgeSettings:
 
     @classmethod
     def of(cls, cfg: Any, planner: PlannerClientConfig | dict | None = None) -> BridgeSettings:
-        model = cfg.model
         given = given_planner_settings(planner)
+        check({"bridge": cfg})  # Bridge's rows (its scheduler and sizes among them), before they are read
+        model = cfg.model
         scheduler = scheduler_of(model, given.get("scheduler"))
-        if getattr(model, "max_seqlen_per_dp_cp_rank", None) is None:
-            raise ConfigError(
-                "model.max_seqlen_per_dp_cp_rank: not set; dynamic CP plans each rank's tokens against it: set "
-                "cfg.model.max_seqlen_per_dp_cp_rank (e.g. seq_length // context_parallel_size)"
-            )
         cp_size = int(getattr(model, "context_parallel_size", 1) or 1)
-        return cls(scheduler, planner_config_for(model, scheduler, cp_size, given), model)
+        return cls(scheduler, planner_config(given, mcore.planner_settings_of(model, scheduler, cp_size), "Megatron"), model)
 
 
 def scheduler_of(model: Any, given: Any = None) -> SchedulerKind:
     """The scheduler Bridge's config asks for: `model.sequence_packing_scheduler` (set by
     `model.dynamic_context_parallel=True` on the Megatron-LM dev build). A Megatron-Core release
-    (0.19) has neither field: there the planner settings' `scheduler` says, dynamic CP by default."""
-    if not hasattr(model, "sequence_packing_scheduler"):
-        kind = SchedulerKind(given) if given is not None else SchedulerKind.DYNAMIC_CP
-        if kind not in BRIDGE_SCHEDULERS:
-            raise ConfigError(
-                f"scheduler: {kind.value!r} is not one the Bridge drop-in runs; allowed: "
-                f"{[k.value for k in BRIDGE_SCHEDULERS]} (each planned micro-batch is one packed forward pass)"
-            )
-        return kind
-    name = model.sequence_packing_scheduler
-    if name is None and getattr(model, "dynamic_context_parallel", False):
-        name = "default_dynamic_cp"
-    if name not in PACKING_SCHEDULERS:
-        raise ConfigError(
-            f"model.sequence_packing_scheduler: {name!r}; the drop-in plans with "
-            f"{sorted(PACKING_SCHEDULERS)}: set cfg.model.dynamic_context_parallel=True (dynamic CP) or "
-            "cfg.model.sequence_packing_scheduler='dp_balanced' (static packing)"
-        )
-    return PACKING_SCHEDULERS[name]
+    (0.19) has neither field: there the planner settings' `scheduler` says, dynamic CP by default.
+    The refusal table has refused the others."""
+    if hasattr(model, "sequence_packing_scheduler"):
+        return MEGATRON_SCHEDULER_NAMES[packing_scheduler_name(model)]
+    try:
+        return SchedulerKind(given) if given is not None else SchedulerKind.DYNAMIC_CP
+    except ValueError:
+        raise ConfigError(f"scheduler: {given!r} is not allowed; allowed: {[k.value for k in SchedulerKind]}") from None
+
+
+def check_bridge_support(cfg: Any, settings: BridgeSettings) -> None:
+    """The one call that refuses every combination the drop-in cannot honour in Bridge's loop, once, in
+    `enable()`, before Bridge initialises anything (docs/megatron-bridge.md, "What is refused, before the first step")."""
+    check({"bridge": cfg, "transformer": cfg.model, "model": cfg.model, "planner config": settings.planner})

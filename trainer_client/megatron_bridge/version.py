@@ -4,16 +4,15 @@ against (the CI leg `./dev test-bridge`); on any other it warns once and changes
 from __future__ import annotations
 
 import importlib.metadata
-import logging
-import warnings
 
-log = logging.getLogger(__name__)
+from trainer_client.dropin.patches import VersionGate
 
 # Bridge releases whose training loop (train_step, evaluate, gpt_step.get_batch and
 # get_packed_seq_params) this drop-in was tested against.
 CHECKED_BRIDGE_VERSIONS = ("0.6.2",)
 DISTRIBUTION = "megatron-bridge"
-_warned = False
+GATE = VersionGate("trainer_client.megatron_bridge", "Megatron-Bridge", CHECKED_BRIDGE_VERSIONS,
+                   "Bridge's own training loop stays as it is")
 
 
 def bridge_version() -> str | None:
@@ -27,17 +26,4 @@ def bridge_version() -> str | None:
 
 def version_checked() -> bool:
     """True on a checked release; otherwise warns once (log and RuntimeWarning) and returns False."""
-    global _warned
-    version = bridge_version()
-    if version in CHECKED_BRIDGE_VERSIONS:
-        return True
-    if not _warned:
-        _warned = True
-        message = (
-            f"trainer_client.megatron_bridge: Megatron-Bridge {version or 'not installed'} is not a version this "
-            f"drop-in was checked against (checked: {list(CHECKED_BRIDGE_VERSIONS)}); Bridge's own training loop "
-            "stays as it is, nothing is changed"
-        )
-        log.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-    return False
+    return GATE.allows(bridge_version())

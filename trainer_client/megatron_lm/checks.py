@@ -1,19 +1,37 @@
-"""What Megatron-LM's drop-ins check once, before the first step: the model they plan for, against
-the refusal table's `megatron_lm` rows (trainer_client/compatibility.py)."""
+"""What Megatron-LM's drop-ins set up once, before the first step: the planner settings from the model's
+config, the model checked against the refusal table's `megatron_lm` rows, and the read-ahead planner."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+from batch_planner.request import SchedulerKind
+from trainer_client import megatron as mcore
 from trainer_client.compatibility import check
 from trainer_client.config import PlannerClientConfig
+from trainer_client.dropin.settings import given_planner_settings, planner_config
+from trainer_client.dropin.step_input import LocalBatch
+from trainer_client.dropin.step_planner import StepPlanner
 
 
-def check_model(config: Any, planner_config: PlannerClientConfig) -> None:
-    """UnsupportedCombinationError for a model the drop-in's plans would train wrong on the installed
-    Megatron-Core (RoPE or MTP on 0.19 with CP groups other than the static one)."""
-    model = {name: model_setting(config, name) for name in MODEL_SETTINGS}
-    check({"megatron_lm": model, "planner config": planner_config})
+def start_planner(
+    read_local: Callable[[], LocalBatch], config: Any, scheduler: SchedulerKind, groups: mcore.DataGroups, planner: Any
+) -> StepPlanner:
+    """The drop-in's read-ahead planner, after refusing a model its plans would train wrong on the
+    installed Megatron-Core (RoPE or MTP on 0.19 with CP groups other than the static one)."""
+    settings = megatron_planner_config(config, scheduler, groups.dp_cp.size() // groups.dp.size(), planner)
+    check_model(config, settings)
+    return StepPlanner.start(read_local, groups, settings, transformer_config=config)
+
+
+def megatron_planner_config(config: Any, scheduler: SchedulerKind, cp_size: int, planner: Any = None) -> PlannerClientConfig:
+    """The planner settings given (`planner=`, else `$BATCH_PLANNER_CONFIG`) with what the model's config fixes."""
+    return planner_config(given_planner_settings(planner), mcore.planner_settings_of(config, scheduler, cp_size), "Megatron")
+
+
+def check_model(config: Any, settings: PlannerClientConfig) -> None:
+    """UnsupportedCombinationError for a model the drop-in's plans would train wrong (the `megatron_lm` rows)."""
+    check({"megatron_lm": {name: model_setting(config, name) for name in MODEL_SETTINGS}, "planner config": settings})
 
 
 # The model's settings the `megatron_lm` rows read.

@@ -6,10 +6,9 @@ from batch_planner.request import SchedulerKind
 from trainer_client import megatron as mcore
 from trainer_client.client import BatchPlannerClient
 from trainer_client.config import PlannerClientConfig
-from trainer_client.dropin.settings import checked_transformer_config, client_for, planner_config_for
 from trainer_client.dropin.step_input import LocalBatch, raise_on_bad_packed_sample
 from trainer_client.dropin.step_planner import PlannedStep, StepPlanner
-from trainer_client.megatron_lm.checks import check_model
+from trainer_client.megatron_lm.checks import start_planner
 
 
 class HybridCPDataLoaderWrapper:
@@ -24,13 +23,8 @@ class HybridCPDataLoaderWrapper:
         self.total_hdp_gpus = self.groups.dp_cp.size()
         self.last_step: PlannedStep | None = None
         self._planner: StepPlanner | None = None
-        if data_iterator is None:
-            return
-        cp_size = self.total_hdp_gpus // self.groups.dp.size()
-        planner_config = planner_config_for(config, SchedulerKind.HYBRID_CP, cp_size, planner)
-        check_model(config, planner_config)
-        client = client_for(planner_config, self.groups)
-        self._planner = StepPlanner(self._read_local, self.groups, client, checked_transformer_config(config))
+        if data_iterator is not None:
+            self._planner = start_planner(self._read_local, config, SchedulerKind.HYBRID_CP, self.groups, planner)
 
     @property
     def client(self) -> BatchPlannerClient | None:

@@ -12,15 +12,13 @@ import torch
 
 from batch_planner.request import SchedulerKind
 from trainer_client import megatron as mcore
-from trainer_client.compatibility import Changed, check
-from trainer_client.config import ConfigError
+from trainer_client.compatibility import MEGATRON_SCHEDULER_NAMES, Changed, check
 from trainer_client.dropin.device import data_device, model_device
-from trainer_client.dropin.settings import PACKING_SCHEDULERS, checked_transformer_config, client_for, planner_config_for
+from trainer_client.dropin.registry import Registry
 from trainer_client.dropin.stages import StageData
-from trainer_client.dropin.step_input import GlobalLayout, LocalBatch, raise_on_bad_packed_sample
-from trainer_client.dropin.step_planner import Agreement, PlannedStep, StepPlanner
-from trainer_client.errors import DropInInputError
-from trainer_client.megatron_lm.checks import check_model
+from trainer_client.dropin.step_input import LocalBatch, raise_on_bad_packed_sample
+from trainer_client.dropin.step_planner import PlannedStep, StepPlanner
+from trainer_client.megatron_lm.checks import start_planner
 
 
 @dataclass
@@ -39,26 +37,21 @@ class PackingDropIn:
     @classmethod
     def start(cls, data_iterator, config, num_microbatches: int, groups: mcore.DataGroups, planner) -> PackingDropIn:
         name = getattr(config, "sequence_packing_scheduler", None)
-        if name not in PACKING_SCHEDULERS:
-            raise ConfigError(f"sequence_packing_scheduler: {name!r} is not allowed; allowed: {sorted(PACKING_SCHEDULERS)}")
-        wrapper = cls(data_iterator, config, num_microbatches, groups, PACKING_SCHEDULERS[name], StageData.of(groups, config))
-        cp_size = groups.dp_cp.size() // groups.dp.size()
-        planner_config = planner_config_for(config, wrapper.scheduler, cp_size, planner)
-        check_model(config, planner_config)
-        client = client_for(planner_config, groups)
-        wrapper.planner = StepPlanner(
-            wrapper.read_local, groups, client, checked_transformer_config(config), Agreement.pipeline(groups)
-        )
+        check({"megatron_lm": {"sequence_packing_scheduler": name}})
+        scheduler = MEGATRON_SCHEDULER_NAMES[name]
+        wrapper = cls(data_iterator, config, num_microbatches, groups, scheduler, StageData.of(groups, config))
+        wrapper.planner = start_planner(wrapper.read_local, config, scheduler, groups, planner)
         return wrapper
 
     def next_step(self, num_microbatches: int) -> tuple[Any, int, float, float]:
         """wrap_data_iterator's answer for the next step."""
-        check({"megatron_lm": {"num_microbatches": Changed.of(self.num_microbatches, num_microbatches)}})
-        step = self.last_step = self.planner.next_step()
+        changed = Changed.of(self.num_microbatches, num_microbatches)
+        step = self.last_step = self.planner.next_step({"megatron_lm": {"num_microbatches": changed}})
         device = model_device()
         dynamic = self.scheduler is SchedulerKind.DYNAMIC_CP
+        lengths = {"original_seq_len": step.layout.original, "padded_seq_len": step.layout.padded}
         samples = {
-            i: {**{k: v.to(device) for k, v in fields.items()}, **_length_tensors(step.layout, i, device)}
+            i: {**{k: v.to(device) for k, v in fields.items()}, **{k: torch.tensor([v[i]], device=device) for k, v in lengths.items()}}
             for i, fields in step.samples.items()
         }
         packed = mcore.build_packed_microbatches(samples, step.sample_id_groups, self.groups.dp_cp.rank(), device, dynamic)
@@ -75,9 +68,7 @@ class PackingDropIn:
         for index, sample in enumerate(batch):
             if "padded_seq_len" not in sample:
                 raise_on_bad_packed_sample(sample, index)
-        if not batch:
-            raise DropInInputError("the local batch is empty (the data iterator yielded no samples)")
-        subsamples = mcore.unpack_packing_batch(batch)
+        subsamples = mcore.unpack_packing_batch(batch) if batch else []  # empty: LocalBatch.problem says so
         padded = [int(s["padded_seq_len"].reshape(-1)[0]) for s in subsamples]
         original = [int(s["original_seq_len"].reshape(-1)[0]) for s in subsamples]
         keys = self.stage.keys
@@ -87,13 +78,8 @@ class PackingDropIn:
         self.planner.close()
 
 
-# The wrappers in use, one per wrapped iterator (found by identity: the iterator is held, so it
-# stays the same object until close_wrapped).
-_wrappers: list[PackingDropIn] = []
-
-
-def _wrapper_of(data_iterator) -> PackingDropIn | None:
-    return next((w for w in _wrappers if w.data_iterator is data_iterator), None)
+# The wrappers in use, one per wrapped iterator, until close_wrapped.
+_wrappers: Registry[PackingDropIn] = Registry()
 
 
 def wrap_data_iterator(data_iterator, config, num_microbatches, pg_collection=None, *, planner=None):
@@ -102,27 +88,21 @@ def wrap_data_iterator(data_iterator, config, num_microbatches, pg_collection=No
     groups = mcore.DataGroups.of(pg_collection)
     if _first_iterator(data_iterator) is None:  # TP ranks > 0: the TP broadcasts only, as upstream's
         values = mcore.broadcast_scalars([0, 0.0, 0.0], groups.tp, data_device(groups.tp))
-        dynamic = PACKING_SCHEDULERS.get(getattr(config, "sequence_packing_scheduler", None)) is SchedulerKind.DYNAMIC_CP
+        dynamic = MEGATRON_SCHEDULER_NAMES.get(getattr(config, "sequence_packing_scheduler", None)) is SchedulerKind.DYNAMIC_CP
         return mcore.create_packed_data_iterator(None, groups.tp, config, dynamic), int(values[0]), values[1], values[2]
-    wrapper = _wrapper_of(data_iterator)
-    if wrapper is None:
-        wrapper = PackingDropIn.start(data_iterator, config, num_microbatches, groups, planner)
-        _wrappers.append(wrapper)
+    wrapper = _wrappers.get(data_iterator, lambda: PackingDropIn.start(data_iterator, config, num_microbatches, groups, planner))
     return wrapper.next_step(num_microbatches)
 
 
 def last_planned_step(data_iterator) -> PlannedStep | None:
     """The step wrap_data_iterator last handed out for `data_iterator` (plan, traffic, source)."""
-    wrapper = _wrapper_of(data_iterator)
+    wrapper = _wrappers.find(data_iterator)
     return wrapper.last_step if wrapper is not None else None
 
 
 def close_wrapped(data_iterator) -> None:
     """Stops the planner client wrap_data_iterator made for `data_iterator`."""
-    wrapper = _wrapper_of(data_iterator)
-    if wrapper is not None:
-        _wrappers.remove(wrapper)
-        wrapper.close()
+    _wrappers.close(data_iterator)
 
 
 def _first_iterator(data_iterator):
@@ -131,10 +111,3 @@ def _first_iterator(data_iterator):
     if isinstance(data_iterator, (list, tuple)):
         return next((it for it in data_iterator if it is not None), None)
     return data_iterator
-
-
-def _length_tensors(layout: GlobalLayout, sample_id: int, device) -> dict[str, torch.Tensor]:
-    return {
-        "original_seq_len": torch.tensor([layout.original[sample_id]], device=device),
-        "padded_seq_len": torch.tensor([layout.padded[sample_id]], device=device),
-    }

@@ -4,6 +4,7 @@ Importing this package changes nothing in verl; importing `trainer_client.verl.e
 
 from trainer_client.verl.planning import close_planners, planners
 from trainer_client.verl.scheduler import DynamicCPScheduler
-from trainer_client.verl.settings import ENDPOINT_ENV, VERL_SCHEDULERS
+from trainer_client.compatibility import VERL_SCHEDULERS
+from trainer_client.verl.settings import ENDPOINT_ENV
 
 __all__ = ["DynamicCPScheduler", "ENDPOINT_ENV", "VERL_SCHEDULERS", "close_planners", "planners"]

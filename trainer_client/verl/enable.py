@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 import logging
-import sys
-import warnings
+
+from trainer_client.dropin.patches import Patches, VersionGate
 
 log = logging.getLogger(__name__)
 
@@ -15,49 +15,28 @@ log = logging.getLogger(__name__)
 CHECKED_VERL_VERSIONS = ("0.9.1",)
 VERL_MODULE = "verl.utils.dynamic_cp_scheduler"
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
-# verl's own class, kept before it is replaced (comparisons, turning the drop-in off).
-verl_scheduler_class = None
+GATE = VersionGate("trainer_client.verl", "verl", CHECKED_VERL_VERSIONS, "verl's own DynamicCPScheduler stays in place")
+_patches = Patches()
 
 
 def enable() -> bool:
     """Puts the drop-in in place; True when it did, False (after saying why) when it did not."""
-    global verl_scheduler_class
     import verl
 
     version = getattr(verl, "__version__", "unknown")
-    if version not in CHECKED_VERL_VERSIONS:
-        message = (
-            f"trainer_client.verl: verl {version} is not a version this drop-in was checked against "
-            f"(checked: {list(CHECKED_VERL_VERSIONS)}); verl's own DynamicCPScheduler stays in place, nothing is changed"
-        )
-        log.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    if not GATE.allows(version):
         return False
-    import importlib
-
     from trainer_client.verl.scheduler import DynamicCPScheduler
 
-    module = importlib.import_module(VERL_MODULE)
-    if module.DynamicCPScheduler is not DynamicCPScheduler:
-        verl_scheduler_class = module.DynamicCPScheduler
-    module.DynamicCPScheduler = DynamicCPScheduler
-    engine = sys.modules.get(ENGINE_MODULE)
-    if engine is not None and hasattr(engine, "DynamicCPScheduler"):
-        engine.DynamicCPScheduler = DynamicCPScheduler
+    _patches.replace(VERL_MODULE, "DynamicCPScheduler", DynamicCPScheduler)
+    _patches.replace(ENGINE_MODULE, "DynamicCPScheduler", DynamicCPScheduler, if_loaded=True)
     log.info("trainer_client.verl: verl %s's DynamicCPScheduler plans through the batch planner", version)
     return True
 
 
 def disable() -> None:
     """Puts verl's own class back (tests)."""
-    if verl_scheduler_class is None:
-        return
-    import importlib
-
-    importlib.import_module(VERL_MODULE).DynamicCPScheduler = verl_scheduler_class
-    engine = sys.modules.get(ENGINE_MODULE)
-    if engine is not None and hasattr(engine, "DynamicCPScheduler"):
-        engine.DynamicCPScheduler = verl_scheduler_class
+    _patches.restore()
 
 
 enabled = enable()

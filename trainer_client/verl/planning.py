@@ -1,73 +1,26 @@
 """Plans for verl's mini-batches: one rank of the DPxCP group asks, all ranks agree, and each distinct
-mini-batch is planned once (docs/verl.md, "What changes"). Every `plan` call is the same collectives on
-every rank, hit or miss, so ranks can never disagree on whether a collective runs.
+mini-batch is planned once (docs/verl.md, "What changes"), through the client's cached plan call
+(`BatchPlannerClient.plan(lengths, cache=True)`). Every such call is the same collectives on every
+rank, hit or miss, so ranks can never disagree on whether a collective runs.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
-from batch_planner.plan import Plan
-from batch_planner.request import PlanRequest
-from trainer_client.ahead import PLAN_CACHE_SIZE
 from trainer_client.client import BatchPlannerClient
 from trainer_client.config import PlannerClientConfig
+from trainer_client.dropin.registry import Registry
+
+# One client per DPxCP group and config: verl builds a new DynamicCPScheduler for every
+# forward/backward call, so the client and its plan cache must outlive it.
+_planners: Registry[BatchPlannerClient] = Registry(by_identity=False)
 
 
-class CachedPlanner:
-    """Plans one DPxCP group's batches with a `BatchPlannerClient` (service, fallback, metrics),
-    through its cached plan call (`BatchPlannerClient.plan(lengths, cache=True)`)."""
-
-    def __init__(self, config: PlannerClientConfig, group: Any, cache_size: int = PLAN_CACHE_SIZE):
-        self.client = BatchPlannerClient(config, group=group, cp_groups=None, plan_cache_size=cache_size)
-        self.group = group
-
-    @property
-    def metrics(self):
-        return self.client.metrics
-
-    @property
-    def hits(self) -> int:
-        return self.client.ahead.hits
-
-    @property
-    def misses(self) -> int:
-        return self.client.ahead.misses
-
-    def request(self, lengths: Sequence[int]) -> PlanRequest:
-        return self.client.request_for(lengths)
-
-    def prefetch(self, batches_lengths: Sequence[Sequence[int]]) -> None:
-        """Start planning each batch not planned yet (asking rank only; no collective)."""
-        self.client.prefetch_batches(batches_lengths)
-
-    def plan(self, lengths: Sequence[int]) -> Plan:
-        """The group's plan for a batch: a collective, every rank of the group calls it."""
-        return self.client.plan(lengths, cache=True)
-
-    def cached(self) -> int:
-        return self.client.ahead.cached()
-
-    def close(self) -> None:
-        self.client.close()
-
-
-# One planner per DPxCP group and config: verl builds a new DynamicCPScheduler for every
-# forward/backward call, so the cache must outlive it.
-_planners: dict[tuple, CachedPlanner] = {}
-_planners_lock = threading.Lock()
-
-
-def planner_for(config: PlannerClientConfig, group: Any) -> CachedPlanner:
-    key = (_group_key(group), repr(config))
-    with _planners_lock:
-        found = _planners.get(key)
-        if found is None:
-            found = _planners[key] = CachedPlanner(config, group)
-        return found
+def planner_for(config: PlannerClientConfig, group: Any) -> BatchPlannerClient:
+    return _planners.get((_group_key(group), repr(config)), lambda: BatchPlannerClient(config, group=group, cp_groups=None))
 
 
 def _group_key(group: Any) -> tuple:
@@ -79,16 +32,11 @@ def _group_key(group: Any) -> tuple:
     return (id(group),)
 
 
-def planners() -> list[CachedPlanner]:
-    """Every planner this process made (metrics, tests)."""
-    with _planners_lock:
-        return list(_planners.values())
+def planners() -> list[BatchPlannerClient]:
+    """Every planner client this process made (metrics, tests)."""
+    return _planners.values()
 
 
 def close_planners() -> None:
-    """Stops every planner this process made (their clients, threads and caches)."""
-    with _planners_lock:
-        held = list(_planners.values())
-        _planners.clear()
-    for planner in held:
-        planner.close()
+    """Stops every planner client this process made (their threads and caches)."""
+    _planners.close()

@@ -1,29 +1,34 @@
 """The planner settings of a verl job, from `$BATCH_PLANNER_CONFIG` and `$BATCH_PLANNER_ENDPOINT` (which
-wins over the file's endpoint), and the engine's sizes (docs/verl.md, "Planner settings").
+wins over the file's endpoint), read once, and the engine's sizes (docs/verl.md, "Planner settings").
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from typing import Any
 
 from batch_planner.request import CpLayout, PaddingRule, SchedulerKind
-from trainer_client.config import ConfigError, PlannerClientConfig
+from trainer_client.compatibility import VERL_SCHEDULERS, check
+from trainer_client.config import PlannerClientConfig
 from trainer_client.dropin.settings import CONFIG_ENV, given_planner_settings, merged_settings
 
 ENDPOINT_ENV = "BATCH_PLANNER_ENDPOINT"
-# Of the service's schedulers only dynamic CP plans for verl's engine (docs/verl.md, "Which schedulers").
-VERL_SCHEDULERS = (SchedulerKind.DYNAMIC_CP,)
-_ALLOWED = (SchedulerKind.DYNAMIC_CP, SchedulerKind.AUTO)
 
 
 def planner_settings() -> dict[str, Any]:
-    """The settings the environment names (`$BATCH_PLANNER_ENDPOINT` wins over the file's endpoint)."""
-    given = given_planner_settings(None) if os.environ.get(CONFIG_ENV) else {}
-    endpoint = os.environ.get(ENDPOINT_ENV, "").strip()
+    """The settings the environment names (`$BATCH_PLANNER_ENDPOINT` wins over the file's endpoint);
+    the file is read once per path (verl builds a scheduler for every forward/backward call)."""
+    return dict(_settings(os.environ.get(CONFIG_ENV) or None, os.environ.get(ENDPOINT_ENV, "").strip()))
+
+
+@functools.lru_cache(maxsize=8)
+def _settings(path: str | None, endpoint: str) -> tuple[tuple[str, Any], ...]:
+    given = given_planner_settings(None) if path else {}
     if endpoint:
         given["planner_endpoint"] = endpoint
-    return given
+    return tuple(given.items())
 
 
 def verl_planner_config(
@@ -35,9 +40,9 @@ def verl_planner_config(
     cp_layout: CpLayout,
     min_local_rows: int | None = None,
 ) -> PlannerClientConfig:
-    """The client config for one of verl's schedule calls: the settings plus the engine's sizes;
-    scheduler dynamic_cp (verl's own) unless the settings say auto, whose candidates are then
-    restricted to dynamic CP through `auto_schedulers`."""
+    """The client config for one of verl's schedule calls: the settings plus the engine's sizes,
+    checked against the refusal table's verl rows; scheduler dynamic_cp (verl's own) unless the
+    settings say auto, whose candidates are then restricted to dynamic CP through `auto_schedulers`."""
     derived = {
         "max_seqlen_per_dp_cp_rank": max_seqlen_per_dp_cp_rank,
         "context_parallel_size": cp_size,
@@ -48,18 +53,8 @@ def verl_planner_config(
         "min_local_rows": min_local_rows,
     }
     values = merged_settings(settings, derived, "verl's engine")
-    scheduler = values.setdefault("scheduler", SchedulerKind.DYNAMIC_CP.value)
-    if getattr(scheduler, "value", scheduler) not in [k.value for k in _ALLOWED]:
-        raise ConfigError(
-            f"scheduler: {scheduler!r} is not allowed for verl's engine; allowed: {[k.value for k in _ALLOWED]} "
-            "(verl's engine runs the dynamic-CP contract, docs/verl.md)"
-        )
-    wanted = values.get("auto_schedulers") or ()
-    other = [name for name in (getattr(k, "value", k) for k in wanted) if name not in [k.value for k in VERL_SCHEDULERS]]
-    if other:
-        raise ConfigError(
-            f"auto_schedulers: {other} is not allowed for verl's engine; allowed: {[k.value for k in VERL_SCHEDULERS]}"
-        )
-    auto = getattr(scheduler, "value", scheduler) == SchedulerKind.AUTO.value
-    values["auto_schedulers"] = [k.value for k in VERL_SCHEDULERS] if auto else []
-    return PlannerClientConfig.from_dict(values)
+    values.setdefault("scheduler", SchedulerKind.DYNAMIC_CP.value)
+    config = PlannerClientConfig.from_dict(values)
+    check({"verl": derived, "planner config": config})
+    auto = config.scheduler is SchedulerKind.AUTO
+    return dataclasses.replace(config, auto_schedulers=tuple(VERL_SCHEDULERS) if auto else ())

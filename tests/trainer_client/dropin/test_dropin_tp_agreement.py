@@ -1,5 +1,5 @@
 """The TP ranks of one step agree before any of them runs it (2 real gloo ranks as one TP group,
-the drop-in core's StepPlanner with a TP `Agreement`, as the Bridge drop-in builds it): when one TP
+the seam's StepPlanner with a TP `Agreement`, as the Bridge drop-in builds it): when one TP
 rank cannot plan the step, every TP rank raises the same error; when they hold different plans,
 every TP rank refuses. Reading and planning are stood in for (`StepPlannerWithStandInPlanning`,
 named as such): its step has a given plan or raises, so the test controls what each TP rank's

@@ -32,6 +32,8 @@ REFUSED = {
     "dist.use_decentralized_pg": True,
     "model.dynamic_context_parallel": False,
     "model.hybrid_context_parallel": False,
+    "model.sequence_packing_scheduler": "round_robin",
+    "model.max_seqlen_per_dp_cp_rank": None,
 }
 
 
@@ -132,7 +134,7 @@ def test_an_unchecked_bridge_version_warns_once_and_changes_nothing(monkeypatch)
 
     before = (train.get_forward_backward_func, gpt_step.get_batch, gpt_step.get_packed_seq_params)
     monkeypatch.setattr(version, "bridge_version", lambda: "0.7.0")
-    monkeypatch.setattr(version, "_warned", False)
+    monkeypatch.setattr(version.GATE, "warned", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert enable(_config()) is False

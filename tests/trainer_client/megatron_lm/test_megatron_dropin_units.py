@@ -3,6 +3,8 @@ the plan in Megatron-Core's shape."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -10,7 +12,8 @@ from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest, SchedulerKind
 from tests.support.dropin_support import megatron_config
 from trainer_client.config import ConfigError, PlannerClientConfig
-from trainer_client.dropin import check_packed_sample, planner_config_for, sample_id_groups
+from trainer_client.dropin import check_packed_sample, sample_id_groups
+from trainer_client.megatron_lm.checks import megatron_planner_config as planner_config_for
 
 
 def test_sizes_and_scheduler_come_from_megatron_and_the_planner_keeps_its_own_settings():
@@ -83,7 +86,12 @@ def test_batch_size_ramp_up_is_refused_by_the_refusal_table_and_virtual_stages_a
     from trainer_client.dropin.stages import StageData
     from trainer_client.megatron_lm.packing import PackingDropIn
 
+    from trainer_client.compatibility import check
+
     wrapper = PackingDropIn(None, megatron_config(), 2, None, SchedulerKind.DYNAMIC_CP, StageData(frozenset(), None))
+    # The step's one check of the table happens in StepPlanner.next_step, with the plan; this planner
+    # stand-in checks what the hook hands it and plans nothing.
+    wrapper.planner = SimpleNamespace(next_step=lambda checks: check(checks))
     with pytest.raises(UnsupportedCombinationError, match="num_microbatches=changed from 2 to 4.*ramp-up") as ramp_up:
         wrapper.next_step(4)
     assert ramp_up.value.option == "num_microbatches"
@@ -109,7 +117,7 @@ def test_a_rope_model_is_refused_before_the_first_step_where_megatron_core_rotat
     groups = SimpleNamespace(dp_cp=GroupOfSize(2), dp=GroupOfSize(1), tp=GroupOfSize(1), pp=None)
     rope = dict(position_embedding_type="rope")
     if InstalledMegatron.detect().build == "dev":
-        from trainer_client.dropin.settings import planner_config_for
+        from trainer_client.megatron_lm.checks import megatron_planner_config as planner_config_for
 
         for kind in (SchedulerKind.HYBRID_CP, SchedulerKind.DYNAMIC_CP):
             check_model(megatron_config(**rope), planner_config_for(megatron_config(), kind, 2, {}))
@@ -140,7 +148,7 @@ def test_an_mtp_model_is_refused_before_the_first_step_where_megatron_core_rolls
     groups = SimpleNamespace(dp_cp=GroupOfSize(2), dp=GroupOfSize(1), tp=GroupOfSize(1), pp=None)
     mtp = dict(mtp_num_layers=1, position_embedding_type="learned_absolute")
     if InstalledMegatron.detect().build == "dev":
-        from trainer_client.dropin.settings import planner_config_for
+        from trainer_client.megatron_lm.checks import megatron_planner_config as planner_config_for
 
         for kind in (SchedulerKind.HYBRID_CP, SchedulerKind.DYNAMIC_CP):
             check_model(megatron_config(**mtp), planner_config_for(megatron_config(), kind, 2, {}))

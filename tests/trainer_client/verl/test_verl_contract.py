@@ -18,6 +18,7 @@ from batch_planner.request import CpLayout, SchedulerKind
 from tests.support.planner_process import ROOT, planner_env
 from tests.trainer_client.verl.support import mini_batch
 from trainer_client.config import ConfigError
+from trainer_client.errors import UnrunnablePlanError, UnsupportedCombinationError
 from trainer_client.verl import DynamicCPScheduler
 from trainer_client.verl.micro_batches import rank_micro_batches
 from trainer_client.apply import shard_padding_mask
@@ -113,20 +114,26 @@ def test_scheduler_rejects_invalid_topology(kwargs, field):
 
 
 # verl: test_scheduler_rejects_unaligned_mcore_group.
+# verl raises RuntimeError for both; the drop-in refuses them by verl's rows of the one table, before
+# it builds a micro-batch, with UnrunnablePlanError (a RuntimeError too).
+def _verl_step_check(micro_batches):
+    from types import SimpleNamespace
+
+    from trainer_client.compatibility import check
+
+    check({"verl": {"tp_size": 1, "cp_layout": "zigzag"}, "plan": SimpleNamespace(micro_batches=micro_batches)})
+
+
 def test_an_unaligned_cp_group_is_refused():
-    with pytest.raises(RuntimeError, match="not aligned"):
-        rank_micro_batches(
-            mini_batch([3, 5, 7], seed=2), _planned([[[0], [1], [1], [2]]], [3, 5, 7]), [3, 5, 7], 1,
-            tp_size=1, cp_layout=CpLayout.ZIGZAG, min_local_rows=None,
-        )
+    with pytest.raises(UnrunnablePlanError, match=r"CP group of ranks \[1, 2\].*first rank 1") as refused:
+        _verl_step_check(_planned([[[0], [1], [1], [2]]], [3, 5, 7]))
+    assert isinstance(refused.value, RuntimeError) and refused.value.option == "cp_groups"
 
 
 def test_a_rank_without_a_sample_is_refused():
-    with pytest.raises(RuntimeError, match=r"ranks \[1\] have no sample"):
-        rank_micro_batches(
-            mini_batch([3, 5], seed=2), _planned([[[0], [], [1], [1]]], [3, 5]), [3, 5], 0,
-            tp_size=1, cp_layout=CpLayout.ZIGZAG, min_local_rows=None,
-        )
+    with pytest.raises(UnrunnablePlanError, match=r"ranks \[1\] have no sample") as refused:
+        _verl_step_check(_planned([[[0], [], [1], [1]]], [3, 5]))
+    assert isinstance(refused.value, RuntimeError) and refused.value.option == "micro_batches"
 
 
 # verl's schedule() checks before planning, each named by its field.
@@ -166,15 +173,17 @@ def test_settings_come_from_the_endpoint_variable_and_the_config_file(tmp_path, 
 
 
 @pytest.mark.parametrize(
-    "settings,message",
+    "settings,error,message",
     [
-        ({"scheduler": "hybrid_cp"}, "scheduler: 'hybrid_cp' is not allowed for verl's engine; allowed: \\['dynamic_cp', 'auto'\\]"),
-        ({"scheduler": "auto", "auto_schedulers": ["static_packing"]}, "auto_schedulers: \\['static_packing'\\] is not allowed"),
-        ({"context_parallel_size": 4}, "context_parallel_size: the planner settings say 4 but verl's engine runs 2"),
+        ({"scheduler": "hybrid_cp"}, UnsupportedCombinationError,
+         "scheduler=<SchedulerKind.HYBRID_CP: 'hybrid_cp'>: verl's engine runs the dynamic-CP contract.*set scheduler to dynamic_cp or auto"),
+        ({"scheduler": "auto", "auto_schedulers": ["static_packing"]}, UnsupportedCombinationError,
+         "auto_schedulers=\\['static_packing'\\]: auto may choose only"),
+        ({"context_parallel_size": 4}, ConfigError, "context_parallel_size: the planner settings say 4 but verl's engine runs 2"),
     ],
 )
-def test_settings_verl_cannot_run_are_refused(settings, message):
-    with pytest.raises(ConfigError, match=message):
+def test_settings_verl_cannot_run_are_refused(settings, error, message):
+    with pytest.raises(error, match=message):
         verl_planner_config(settings, max_seqlen_per_dp_cp_rank=4, cp_size=2, tp_size=1, cp_layout=CpLayout.ZIGZAG)
 
 

@@ -170,8 +170,8 @@ def test_every_pipeline_stage_gets_verls_own_micro_batches(tmp_path, planner, mo
 def _rl_rank(rank: int, world: int, store_path: str, auto_config: str) -> None:
     from batch_planner.request import SchedulerKind
     from tests.trainer_client.verl.support import long_tail, mini_batch
+    from trainer_client import BatchPlannerClient
     from trainer_client.verl import DynamicCPScheduler, close_planners
-    from trainer_client.verl.planning import CachedPlanner
 
     group, dp, cp = _init(rank, world, store_path, 1, 2)
     minis = [mini_batch(long_tail(12, 3 * MAX_SEQLEN, seed=50 + i), seed=50 + i) for i in range(4)]
@@ -189,27 +189,27 @@ def _rl_rank(rank: int, world: int, store_path: str, auto_config: str) -> None:
     assert waits == 16, f"rank {rank}: {waits} schedule calls"
     if group.rank() == 0:
         assert service == 4, f"the service was asked for {service} plans, not 4"
-        assert (planner.hits, planner.misses) == (16, 0), (planner.hits, planner.misses)
+        assert (planner.ahead.hits, planner.ahead.misses) == (16, 0), (planner.ahead.hits, planner.ahead.misses)
     else:
         assert service == 0, f"rank {rank} asked the service"
 
     # Bounded: 2 plans kept; a third mini-batch pushes the first out, which is then asked again.
-    small = CachedPlanner(planner.client.config, group, cache_size=2)
+    small = BatchPlannerClient(planner.config, group=group, cp_groups=None, plan_cache_size=2)
     for batch in [*minis[:3], minis[0]]:
-        small.plan(batch["input_ids"].offsets().diff().tolist())
+        small.plan(batch["input_ids"].offsets().diff().tolist(), cache=True)
     if group.rank() == 0:
         asked = small.metrics.registry.get_sample_value(
             "batch_planner_client_plans_total", {"training_job": small.metrics.job, "source": "service"}
         )
-        assert (small.cached(), asked) == (2, 4), (small.cached(), asked)
+        assert (small.ahead.cached(), asked) == (2, 4), (small.ahead.cached(), asked)
     small.close()
 
     # auto: restricted to dynamic CP through auto_schedulers; its plans run through verl's contract.
     os.environ["BATCH_PLANNER_CONFIG"] = auto_config
     scheduler = DynamicCPScheduler(MAX_SEQLEN, dp, cp)
     auto = scheduler.planner(group, tp_size=1)
-    assert auto.client.config.scheduler is SchedulerKind.AUTO
-    assert auto.client._options.auto_schedulers == (SchedulerKind.DYNAMIC_CP,)
+    assert auto.config.scheduler is SchedulerKind.AUTO
+    assert auto._options.auto_schedulers == (SchedulerKind.DYNAMIC_CP,)
     for batch in minis:
         _assert_outputs_restored(scheduler.schedule(batch, group, tp_size=1), batch, group, f"rank {rank}, auto")
     close_planners()
@@ -266,7 +266,7 @@ def _dp3_cp2_rank(rank: int, world: int, store_path: str) -> None:
             where += f" (verl raised {type(failed).__name__})"
         runs = _all_ranks(runs, group)
         ours = DynamicCPScheduler(MAX_SEQLEN, dp, cp).schedule(batch, group, tp_size=1)
-        plan = DynamicCPScheduler(MAX_SEQLEN, dp, cp).planner(group, tp_size=1).plan(lengths)  # the cached plan
+        plan = DynamicCPScheduler(MAX_SEQLEN, dp, cp).planner(group, tp_size=1).plan(lengths, cache=True)  # the cached plan
         if runs:
             assert plan.substitution is None, f"{where}: {plan.substitution}"
             assert_same_micro_batches(ours, theirs, where)
