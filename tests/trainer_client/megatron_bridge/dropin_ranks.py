@@ -121,7 +121,7 @@ def stand_in_for_cuda_calls_on_cpu() -> None:
     """The CUDA calls of the module docstring, stood in where CUDA is not available."""
     if torch.cuda.is_available():
         return
-    from tests import megatron_init
+    from tests.support import megatron_init
 
     megatron_init._stand_in_for_cuda_calls_on_cpu()
     stand_in_for_pipeline_calls_on_cpu()
