@@ -10,9 +10,7 @@ same single-device reference (docs/gpu-benchmark.md).
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import socket
 import tempfile
 
 import pytest
@@ -20,6 +18,7 @@ import torch
 
 from bench.gpu.make_plans import batch_entry
 from bench.gpu.plans import BenchPlan, plan_from_json
+from tests.support.launch import init_gloo, run_ranks
 
 pytestmark = pytest.mark.slow  # spawns two torch processes (about 10 s of imports each)
 
@@ -27,13 +26,7 @@ LENGTHS = [240, 40, 70, 24, 130, 10, 90, 60]  # 240 and 130 need CP2 at 128 toke
 MAX_SEQLEN_PER_RANK = 128
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, plans: list[BenchPlan], out_dir: str) -> None:
+def _worker(rank: int, plans: list[BenchPlan], out_dir: str) -> None:
     import torch.distributed as dist
 
     from bench.gpu.correctness import check_cp_attention
@@ -42,7 +35,7 @@ def _worker(rank: int, port: int, plans: list[BenchPlan], out_dir: str) -> None:
     from bench.gpu.model import DecoderConfig, DecoderStack
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    init_gloo(rank, 2, os.path.join(out_dir, "store"))
     device = torch.device("cpu")
     groups, _ = build_cp_groups(2, {2}, prefer_megatron=False)
     check = check_cp_attention(groups[(0, 2)], 64, 2, 16, torch.float32, device, seed=3, tolerance=1e-5)
@@ -67,16 +60,8 @@ def smoke_run():
     batch = batch_entry("smoke", "fixed", 0, LENGTHS, 2, MAX_SEQLEN_PER_RANK)
     plans = [plan_from_json(p) for p in batch["plans"]]
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = multiprocessing.get_context("spawn")
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, port, plans, out_dir)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=120)
-            if p.is_alive():
-                p.kill()
-        assert [p.exitcode for p in procs] == [0, 0], "a benchmark rank failed (see its stderr)"
+        # Spawned, as the benchmark starts its ranks; a rank that fails fails the test with its traceback.
+        run_ranks(_worker, (plans, out_dir), 2, deadline_seconds=240, start_method="spawn")
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
     return plans, ranks
 

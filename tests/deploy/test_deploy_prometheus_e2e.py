@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 import urllib.parse
@@ -24,16 +23,11 @@ from batch_planner.v1 import planner_pb2_grpc
 from tests.support.deploy_tools import ALERTS, DASHBOARD, ROOT, find_tool
 from tests.support.planner_process import PlannerProcess, planner_env
 from tests.support.reliability_support import wait_until
+from tests.support.launch import free_port
 
 JOB = "deploy-e2e"
 SCRAPE_JOB = "batch-planner"  # what the alerts select; the chart's ServiceMonitor names it so
 TRAIN_LOOP = ROOT / "examples" / "train_loop.py"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prometheus:

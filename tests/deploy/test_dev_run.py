@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import threading
 
@@ -13,19 +12,14 @@ import pytest
 
 from tests.support.planner_process import ROOT
 from tests.support.reliability_support import wait_until
+from tests.support.launch import free_port
 
 WAIT_S = 300.0  # the longest any event below may take; never reached when the code is right
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_dev_run_exits_0_after_ctrl_c():
-    env = dict(os.environ, PLANNER_PORT=str(_free_port()), PLANNER_METRICS_PORT="0", PLANNER_PROBE_PORT="0")
+    env = dict(os.environ, PLANNER_PORT=str(free_port()), PLANNER_METRICS_PORT="0", PLANNER_PROBE_PORT="0")
     proc = subprocess.Popen(["./dev", "run"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     lines: list[str] = []

@@ -39,9 +39,11 @@ import torch.distributed as dist
 
 from batch_planner.request import SchedulerKind
 from tests.support.megatron_builds import require_scheduler
-from tests.support.megatron_init import initialize_dpxcp_groups, run_ranks
+from tests.support.megatron_init import initialize_dpxcp_groups
+from tests.support.launch import init_gloo, run_ranks
 from tests.support.planner_process import PlannerProcess, start_planner
 from tests.support.reliability_support import LoopbackDns, forkserver_pid, metric, wait_until
+from tests.support.batches import token_batch
 
 WORLD = 4
 DEPTH = 2
@@ -61,16 +63,6 @@ def lengths_of(step: int) -> tuple[int, ...]:
 
     rng = random.Random(step)
     return tuple(min(4 * MAX_PER_RANK, int(rng.paretovariate(1.2) * 120)) for _ in range(24))
-
-
-def _batch(lengths):
-    """Token value = sample id * 100,000 + position, so a shard tells where its tokens came from."""
-    from tensordict import TensorDict
-
-    return TensorDict(
-        {"input_ids": torch.nested.nested_tensor([i * 100_000 + torch.arange(n) for i, n in enumerate(lengths)], layout=torch.jagged)},
-        batch_size=[len(lengths)],
-    )
 
 
 def _client_figures(registry) -> dict:
@@ -97,7 +89,7 @@ def _train(rank: int, world: int, store_path: str, endpoint: str, out_dir: str) 
     from batch_planner.planner import plan_batch
     from trainer_client import BatchPlannerClient, PlannerClientConfig
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    init_gloo(rank, world, store_path)
     initialize_dpxcp_groups(context_parallel_size=2)
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     out = Path(out_dir)
@@ -121,7 +113,7 @@ def _train(rank: int, world: int, store_path: str, endpoint: str, out_dir: str) 
             for ahead in range(step + 1, step + 1 + DEPTH):
                 client.prefetch(ahead, lengths_of(ahead))
             held = []
-            for unit in client.micro_batches(plan, _batch(lengths)):
+            for unit in client.micro_batches(plan, token_batch(lengths, traceable=True)):
                 ids = unit.input_ids[unit.padding_mask]
                 held += list(zip((ids // 100_000).tolist(), (ids % 100_000).tolist()))
             if client.asks:

@@ -1,5 +1,5 @@
 """How the attention model's multi-rank tests run: `run_attention_ranks(body, world, tmp_path)`
-runs `body(rank)` on `world` gloo ranks (tests/megatron_init.run_ranks: forked on CPU, with a
+runs `body(rank)` on `world` gloo ranks (tests/support/launch.py's run_ranks: forked on CPU, with a
 deadline) and returns each rank's record (the dict `body` returned, or {"raised": ...}) in rank
 order. `body` initialises parallel_state as its test needs; it is destroyed afterwards.
 
@@ -10,7 +10,6 @@ one GPU (spawned), inside the stand-in for NCCL's point-to-point
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from typing import Callable
@@ -18,7 +17,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from tests.support.megatron_init import run_ranks
+from tests.support.launch import init_gloo, read_rank_results, run_ranks, write_rank_result
 
 DEADLINE_SECONDS = 240
 
@@ -37,7 +36,7 @@ def require_dynamic_build() -> None:
 def run_attention_ranks(body: Callable[[int], dict], world: int, tmp_path, deadline_seconds: float = DEADLINE_SECONDS,
                         on_gpu: bool = False) -> list[dict]:
     run_ranks(_rank, (body, str(tmp_path), world, on_gpu), world, deadline_seconds)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    return read_rank_results(tmp_path, world)
 
 
 def _rank(rank: int, body: Callable[[int], dict], out_dir: str, world: int, on_gpu: bool = False) -> None:
@@ -56,7 +55,7 @@ def _rank(rank: int, body: Callable[[int], dict], out_dir: str, world: int, on_g
 
         _stand_in_for_cuda_calls_on_cpu()
         context = CudaDeviceRequestsOnCpu()
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(out_dir, "store"), world), rank=rank, world_size=world)
+    init_gloo(rank, world, os.path.join(out_dir, "store"))
     record: dict = {}
     try:
         with context:
@@ -65,8 +64,7 @@ def _rank(rank: int, body: Callable[[int], dict], out_dir: str, world: int, on_g
         record = {"raised": f"{type(error).__name__}: {error}"}
         raise
     finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(record, f)
+        write_rank_result(out_dir, rank, record)
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

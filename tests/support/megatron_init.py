@@ -5,36 +5,8 @@ parallel; and looks up the group parallel_state built for a CP size."""
 from __future__ import annotations
 
 import inspect
-import time
 
 import torch
-
-
-# How multi-rank tests start their ranks. Forked on CPU: the ranks inherit the imported
-# Megatron-Core (concurrent imports take minutes on a small machine). Spawned where CUDA is: a
-# forked child cannot use CUDA once the parent has touched it, and the dev build's group creation
-# calls torch.cuda.current_device() in every rank.
-FORK_OR_SPAWN = "spawn" if torch.cuda.is_available() else "fork"
-
-
-def run_ranks(fn, args: tuple, nprocs: int, deadline_seconds: float) -> None:
-    """Runs `fn(rank, *args)` in `nprocs` processes (FORK_OR_SPAWN) and waits for all of them;
-    fails the test, killing the ranks, if they have not finished within `deadline_seconds` (a stuck
-    collective must not hang the suite)."""
-    import pytest
-    import torch.multiprocessing as mp
-
-    # Imported here so that forked ranks inherit them instead of importing them again.
-    from megatron.core import parallel_state  # noqa: F401
-    import trainer_client  # noqa: F401
-
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method=FORK_OR_SPAWN)
-    deadline = time.monotonic() + deadline_seconds
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {nprocs} ranks did not finish within {deadline_seconds} s")
 
 
 def _flag() -> str:

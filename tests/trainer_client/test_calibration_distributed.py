@@ -14,9 +14,7 @@ tests/trainer_client/test_calibration.py's."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 import warnings
 
@@ -24,7 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.megatron_init import run_ranks
+from tests.support.launch import init_gloo, read_rank_results, run_ranks, write_rank_result
+from tests.support.batches import token_batch
 from batch_planner.cost_spec import COEFFICIENT_NAMES, CostModel
 
 JOIN_DEADLINE_SECONDS = 150
@@ -63,13 +62,6 @@ def stand_in_kernel(hidden: CostModel, unit, rng: random.Random) -> float:
     return seconds
 
 
-def _batch(lengths):
-    from tensordict import TensorDict
-
-    return TensorDict({"input_ids": torch.nested.nested_tensor([torch.arange(n) for n in lengths], layout=torch.jagged)},
-                      batch_size=[len(lengths)])
-
-
 def _run_job(name: str, hidden: CostModel, endpoint: str, rank: int) -> dict:
     from trainer_client import BatchPlannerClient, PlannerClientConfig
     from trainer_client.calibration import model_digest
@@ -95,7 +87,7 @@ def _run_job(name: str, hidden: CostModel, endpoint: str, rank: int) -> dict:
             in_force = client.calibration.model_for(step)
             out["probe_model"] = {n: getattr(in_force, n) for n in COEFFICIENT_NAMES}
             break
-        for unit in client.micro_batches(plan, _batch(lengths)):
+        for unit in client.micro_batches(plan, token_batch(lengths)):
             client.record_unit(unit, stand_in_kernel(hidden, unit, rng))
         report = client.end_step()
         if report is not None:
@@ -113,18 +105,17 @@ def _run_job(name: str, hidden: CostModel, endpoint: str, rank: int) -> dict:
 def _run_rank(rank: int, world: int, store_path: str, endpoint: str, out_dir: str) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    init_gloo(rank, world, store_path)
     try:
         report = {name: _run_job(name, hidden, endpoint, rank) for name, hidden in HIDDEN.items()}
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
+        write_rank_result(out_dir, rank, report)
     finally:
         dist.destroy_process_group()
 
 
 def _spawn(tmp_path, endpoint: str, world: int = 4) -> list[dict]:
     run_ranks(_run_rank, (world, str(tmp_path / "store"), endpoint, str(tmp_path)), world, JOIN_DEADLINE_SECONDS)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    return read_rank_results(tmp_path, world)
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")

@@ -5,8 +5,6 @@ is raised on both ranks, naming it, rather than on the asking rank while the oth
 
 from __future__ import annotations
 
-import json
-import os
 
 import pytest
 import torch.distributed as dist
@@ -14,7 +12,7 @@ import torch.distributed as dist
 from batch_planner.identity import canonical_request
 from batch_planner.planner import plan_batch
 from batch_planner.request import PaddingRule, PlanningOptions, PlanRequest, SchedulerKind
-from tests.support.megatron_init import run_ranks
+from tests.support.launch import init_gloo, read_rank_results, run_ranks, write_rank_result
 from trainer_client.broadcast import canonical_digest
 
 LENGTHS = (4096, 2048, 1024, 512, 512, 256, 128, 64)
@@ -37,15 +35,14 @@ def test_the_digest_covers_every_option_of_the_canonical_request():
 def _on_two_ranks(tmp_path, outcome_of) -> list[str]:
     """What `outcome_of(rank)` (a module-level function) says on each of two real gloo ranks."""
     run_ranks(_rank_main, (str(tmp_path / "store"), str(tmp_path), outcome_of), 2, 120)
-    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return read_rank_results(tmp_path, 2)
 
 
 def _rank_main(rank: int, store_path: str, out_dir: str, outcome_of) -> None:
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    init_gloo(rank, 2, store_path)
     try:
         outcome = outcome_of(rank)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(outcome, f)
+        write_rank_result(out_dir, rank, outcome)
     finally:
         dist.destroy_process_group()
 

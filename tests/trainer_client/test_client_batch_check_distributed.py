@@ -6,27 +6,20 @@ every rank by plan_step (no rank waits in a collective the others left)."""
 
 from __future__ import annotations
 
-import json
-import os
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.megatron_init import initialize_dpxcp_groups, run_ranks
+from tests.support.megatron_init import initialize_dpxcp_groups
+from tests.support.launch import init_gloo, read_rank_results, run_ranks, write_rank_result
+from tests.support.batches import token_batch
 
 WORLD = 4
 JOIN_DEADLINE_SECONDS = 240
 STEP0 = (3000, 1500, 1800, 700, 500, 301, 900, 97, 1000, 64, 333, 1)
 STEP1 = (2000, 1024, 1800, 700, 60, 301, 900, 97, 1000, 64, 333, 9)
-
-
-def _batch(lengths):
-    from tensordict import TensorDict
-
-    nested = torch.nested.nested_tensor([torch.arange(n) for n in lengths], layout=torch.jagged)
-    return TensorDict({"input_ids": nested}, batch_size=[len(lengths)])
 
 
 def _run_rank(rank: int, store_path: str, endpoint: str, out_dir: str) -> None:
@@ -37,7 +30,7 @@ def _run_rank(rank: int, store_path: str, endpoint: str, out_dir: str) -> None:
     from trainer_client import BatchMismatchError, BatchPlannerClient, PlannerClientConfig
     from trainer_client.rpc_client import PlanRejectedError
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    init_gloo(rank, WORLD, store_path)
     initialize_dpxcp_groups(context_parallel_size=2)
     report: dict = {}
     try:
@@ -50,11 +43,11 @@ def _run_rank(rank: int, store_path: str, endpoint: str, out_dir: str) -> None:
         client.prefetch(1, STEP1)  # the next step is planned ahead meanwhile
         for name, lengths in (("rotated", STEP0[1:] + STEP0[:1]), ("next_step", STEP1)):
             try:
-                client.micro_batches(plan, _batch(lengths))
+                client.micro_batches(plan, token_batch(lengths))
                 report[name] = "applied"
             except BatchMismatchError as error:
                 report[name] = str(error)
-        report["planned"] = len(client.micro_batches(plan, _batch(STEP0)))
+        report["planned"] = len(client.micro_batches(plan, token_batch(STEP0)))
         report["source"] = client.last_source
         client.plan_step(1, STEP1)
         # One rank's lengths break the rule (floats): it raises, and so does every other rank.
@@ -65,8 +58,7 @@ def _run_rank(rank: int, store_path: str, endpoint: str, out_dir: str) -> None:
         except PlanRejectedError as error:
             report["one_bad"] = str(error)
         client.close()
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
+        write_rank_result(out_dir, rank, report)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -75,7 +67,7 @@ def _run_rank(rank: int, store_path: str, endpoint: str, out_dir: str) -> None:
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_batch_the_plan_was_not_made_for_is_refused_on_every_rank(planner, tmp_path):
     run_ranks(_run_rank, (str(tmp_path / "store"), planner.address, str(tmp_path)), WORLD, JOIN_DEADLINE_SECONDS)
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    reports = read_rank_results(tmp_path, WORLD)
     errors = [(r["rotated"], r["next_step"]) for r in reports]
     assert all(e == errors[0] for e in errors), errors  # the same error on every rank
     report = reports[0]

@@ -6,8 +6,6 @@ the batch for zigzag and contiguous, and outputs come back in sample order."""
 
 from __future__ import annotations
 
-import json
-import os
 import warnings
 
 import pytest
@@ -16,7 +14,9 @@ import torch.distributed as dist
 
 from batch_planner.request import SchedulerKind
 from tests.support.megatron_builds import require_scheduler
-from tests.support.megatron_init import initialize_dpxcp_groups, parallel_state_cp_group, run_ranks
+from tests.support.megatron_init import initialize_dpxcp_groups, parallel_state_cp_group
+from tests.support.launch import init_gloo, read_rank_results, run_ranks, write_rank_result
+from tests.support.batches import token_batch
 
 MAX_PER_RANK = 1024
 JOIN_DEADLINE_SECONDS = 240
@@ -25,16 +25,6 @@ LENGTHS = {
     4: (3000, 1500, 1800, 700, 500, 301, 900, 97, 1000, 64, 333, 1),
     8: (7000, 3000, 1500, 1800, 700, 500, 301, 900, 97, 1000, 64, 333, 1, 2047, 1025, 5, 640, 4000),
 }
-
-
-def _batch(lengths):
-    """Token value = sample id * 100,000 + position, so a shard tells where its tokens came from."""
-    from tensordict import TensorDict
-
-    return TensorDict(
-        {"input_ids": torch.nested.nested_tensor([i * 100_000 + torch.arange(n) for i, n in enumerate(lengths)], layout=torch.jagged)},
-        batch_size=[len(lengths)],
-    )
 
 
 def _steps(schedulers: list[str]):
@@ -75,7 +65,7 @@ def _run_rank(rank: int, world: int, tp: int, store_path: str, endpoint: str, ou
     from trainer_client.broadcast import PlanMismatchError
     from trainer_client.outputs import OutputRestoreError
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    init_gloo(rank, world, store_path)
     initialize_dpxcp_groups(context_parallel_size=2, tensor_model_parallel_size=tp)
     dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
     _DP_CP_RANKS[:] = dist.get_process_group_ranks(dp_cp)
@@ -93,7 +83,7 @@ def _run_rank(rank: int, world: int, tp: int, store_path: str, endpoint: str, ou
             me = client.rank
             plan = client.plan_step(step, lengths)
             assert plan.scheduler.value == scheduler and client.last_source in (None, "service")
-            units = client.micro_batches(plan, _batch(lengths))
+            units = client.micro_batches(plan, token_batch(lengths, traceable=True))
             # Exactly this rank's samples, in plan order.
             expected = [i for mb in plan.micro_batches for i in mb.group_of_rank(me).sample_ids]
             assert [i for mb in units for i in mb.sample_ids] == expected
@@ -147,8 +137,7 @@ def _run_rank(rank: int, world: int, tp: int, store_path: str, endpoint: str, ou
         with pytest.raises(PlanMismatchError, match="ranks of the DPxCP group hold different batches"):
             client.plan_step(99, mine)
         client.close()
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
+        write_rank_result(out_dir, rank, report)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -156,7 +145,7 @@ def _run_rank(rank: int, world: int, tp: int, store_path: str, endpoint: str, ou
 
 def _spawn(world: int, tp: int, tmp_path, endpoint: str, schedulers: list[str]) -> list[dict]:
     run_ranks(_run_rank, (world, tp, str(tmp_path / "store"), endpoint, str(tmp_path), schedulers), world, JOIN_DEADLINE_SECONDS)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    return read_rank_results(tmp_path, world)
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ are identical, rejected requests are not retried, and a step planned ahead finds
 from __future__ import annotations
 
 import logging
-import socket
 
 import pytest
 
@@ -15,6 +14,7 @@ from trainer_client import BatchPlannerClient, PlannerClientConfig
 from trainer_client.plan_source import FALLBACK, SERVICE
 from trainer_client.rpc_client import PlanRejectedError
 from tests.support.reliability_support import wait_until
+from tests.support.launch import free_port
 
 LENGTHS = sample_lengths("long_tail_16k", 64, seed=3)
 
@@ -30,12 +30,6 @@ def metric(client: BatchPlannerClient, name: str, **labels) -> float:
     return client.metrics.registry.get_sample_value(name, {"training_job": "test", **labels}) or 0.0
 
 
-def unused_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_service_plan_equals_the_in_process_plan_and_the_fallback_plan(planner, caplog):
     client = client_for(planner.address)
     try:
@@ -46,7 +40,7 @@ def test_service_plan_equals_the_in_process_plan_and_the_fallback_plan(planner, 
     local_plan = plan_batch(client.request_for(LENGTHS))
     assert service_plan == local_plan  # same plan id, same micro-batches and CP groups
 
-    down = client_for(f"127.0.0.1:{unused_port()}", fallback_cooldown_seconds=0.0)
+    down = client_for(f"127.0.0.1:{free_port()}", fallback_cooldown_seconds=0.0)
     caplog.set_level(logging.WARNING, logger="trainer_client")
     try:
         plans = [down.plan_step(step, LENGTHS) for step in range(3)]

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.megatron_init import initialize_dpxcp_groups, run_ranks
+from tests.support.megatron_init import initialize_dpxcp_groups
+from tests.support.launch import free_port, init_gloo, read_rank_results, run_ranks, write_rank_result
 from tests.support.planner_process import PlannerProcess
 from tests.support.reliability_support import sample_value
-from tests.trainer_client.test_client_service import unused_port
 from tests.planner_server.test_planner_metrics import scrape
 
 WORLD, TP, CP = 4, 2, 2
@@ -72,7 +72,7 @@ def _run_rank(rank: int, store_path: str, endpoint: str, unreachable: str, out_d
     from trainer_client import BatchPlannerClient
     from trainer_client.rpc_client import PlanRejectedError
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    init_gloo(rank, WORLD, store_path)
     initialize_dpxcp_groups(context_parallel_size=CP, tensor_model_parallel_size=TP)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     report: dict = {"tp_rank": dist.get_rank(tp_group)}
@@ -101,8 +101,7 @@ def _run_rank(rank: int, store_path: str, endpoint: str, unreachable: str, out_d
         with pytest.raises(ValueError, match=r"tp_group: TP ranks \[0\] lead their DPxCP groups and \[1\] do not"):
             BatchPlannerClient(_config(endpoint, JOBS["leader"]), tp_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         report["mixed_group_refused"] = True
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
+        write_rank_result(out_dir, rank, report)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -115,10 +114,10 @@ def _requests(text: str, job: str, code: str = "OK") -> float:
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_tp_rank_0_asks_once_per_step_for_every_tp_rank(planner: PlannerProcess, tmp_path):
     before = scrape(planner.metrics_url)
-    unreachable = f"127.0.0.1:{unused_port()}"
+    unreachable = f"127.0.0.1:{free_port()}"
     run_ranks(_run_rank, (str(tmp_path / "store"), planner.address, unreachable, str(tmp_path)), WORLD, JOIN_DEADLINE_SECONDS)
     after = scrape(planner.metrics_url)
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    reports = read_rank_results(tmp_path, WORLD)
 
     # parallel_state's TP2 x CP2: global rank = TP rank + 2 x CP rank. Ranks 0 and 1 lead the DPxCP
     # groups of TP ranks 0 and 1; only rank 0 asks, rank 1 gets its answer over TP.
@@ -166,7 +165,7 @@ READS = {
 def _read_agreement_rank(rank: int, store_path: str, out_dir: str) -> None:
     from trainer_client.dropin import DropInInputError, agree_on_read
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    init_gloo(rank, 2, store_path)
     outcomes = {}
     try:
         for case, reads in READS.items():

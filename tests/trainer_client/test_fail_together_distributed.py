@@ -6,8 +6,6 @@ way on what it returns; `agree_on_step`'s agreed error is what the step planner 
 
 from __future__ import annotations
 
-import json
-import os
 import types
 import warnings
 
@@ -15,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.megatron_init import run_ranks
+from tests.support.launch import init_gloo, read_rank_results, run_ranks, write_rank_result
 
 WORLD = 4
 FAILING = 2  # the rank that fails in every case (rank 0 where only the asking rank can fail)
@@ -103,7 +101,7 @@ def _cases(rank: int):
 def _run_rank(rank: int, store_path: str, out_dir: str) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    init_gloo(rank, WORLD, store_path)
     outcomes = {}
     try:
         for name, call in _cases(rank).items():
@@ -112,8 +110,7 @@ def _run_rank(rank: int, store_path: str, out_dir: str) -> None:
                 outcomes[name] = ["returned", ""]
             except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
                 outcomes[name] = [type(error).__name__, str(error)]
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(outcomes, f)
+        write_rank_result(out_dir, rank, outcomes)
     finally:
         dist.destroy_process_group()
 
@@ -135,7 +132,7 @@ MESSAGES = {
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_every_fail_together_call_site_raises_the_same_error_on_every_rank(tmp_path):
     run_ranks(_run_rank, (str(tmp_path / "store"), str(tmp_path)), WORLD, DEADLINE_SECONDS)
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    reports = read_rank_results(tmp_path, WORLD)
     for case, (kind, message) in MESSAGES.items():
         outcomes = [r[case] for r in reports]
         assert all(o[0] == kind for o in outcomes), (case, outcomes)

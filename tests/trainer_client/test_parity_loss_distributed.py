@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 from batch_planner.request import SchedulerKind
 from tests.support.megatron_builds import require_scheduler
-from tests.support.megatron_init import initialize_dpxcp_groups, run_ranks
+from tests.support.megatron_init import initialize_dpxcp_groups
+from tests.support.launch import init_gloo, run_ranks
+from tests.support.batches import token_batch
 
 WORLD = 4
 JOIN_DEADLINE_SECONDS = 120
@@ -30,16 +32,11 @@ PLANS = [
 
 
 def _batch(lengths, seed):
-    from tensordict import TensorDict
-
     g = torch.Generator().manual_seed(seed)
-    return TensorDict(
-        {
-            "input_ids": torch.nested.nested_tensor([torch.arange(n) + 1 for n in lengths], layout=torch.jagged),
-            "x": torch.nested.nested_tensor([torch.randn(n, generator=g, dtype=torch.float64) for n in lengths], layout=torch.jagged),
-            "temperature": 0.5 + torch.rand(len(lengths), generator=g, dtype=torch.float64),
-        },
-        batch_size=[len(lengths)],
+    return token_batch(
+        lengths, first=1,
+        x=torch.nested.nested_tensor([torch.randn(n, generator=g, dtype=torch.float64) for n in lengths], layout=torch.jagged),
+        temperature=0.5 + torch.rand(len(lengths), generator=g, dtype=torch.float64),
     )
 
 
@@ -57,7 +54,7 @@ def _run_rank(rank: int, store_path: str, out_dir: str, schedulers: list[str]) -
 
     from trainer_client import BatchPlannerClient, PlannerClientConfig, token_pieces
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    init_gloo(rank, WORLD, store_path)
     initialize_dpxcp_groups(context_parallel_size=2)
     results = []
     try:
@@ -123,7 +120,7 @@ def _run_rank(rank: int, store_path: str, out_dir: str, schedulers: list[str]) -
 def test_per_token_loss_over_dynamic_cp_plans_equals_the_single_process_reference(tmp_path, scheduler):
     require_scheduler(scheduler)
     # Forked on CPU (the ranks inherit the imported Megatron-Core; 4 concurrent imports take ~50 s
-    # of a small CI machine), with a deadline against a stuck child: tests/megatron_init.run_ranks.
+    # of a small CI machine), with a deadline against a stuck child: tests/support/launch.py's run_ranks.
     run_ranks(_run_rank, (str(tmp_path / "store"), str(tmp_path), [scheduler.value]), WORLD, JOIN_DEADLINE_SECONDS)
     results = json.loads((tmp_path / "result.json").read_text())
     assert len(results) == len(PLANS)

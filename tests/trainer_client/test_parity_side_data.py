@@ -17,6 +17,7 @@ from trainer_client.batch import unbind_batch
 from trainer_client.outputs import OutputRestoreError, order_outputs
 from trainer_client.side_data import RouterReplayAlignmentError, align_router_replay, attach_router_replay
 from trainer_client.token_outputs import restore_token_outputs, token_pieces
+from tests.support.batches import token_batch
 
 LAYERS, TOPK = 3, 2
 
@@ -30,13 +31,10 @@ def _routes(i: int, n: int) -> torch.Tensor:
 
 
 def _batch(lengths) -> TensorDict:
-    return TensorDict(
-        {
-            "input_ids": torch.nested.nested_tensor([torch.arange(n) + 1 for n in lengths], layout=torch.jagged),
-            "routes": torch.nested.nested_tensor([_routes(i, n) for i, n in enumerate(lengths)], layout=torch.jagged),
-            "temperature": 0.5 + torch.arange(len(lengths), dtype=torch.float64) / 100,
-        },
-        batch_size=[len(lengths)],
+    return token_batch(
+        lengths, first=1,
+        routes=torch.nested.nested_tensor([_routes(i, n) for i, n in enumerate(lengths)], layout=torch.jagged),
+        temperature=0.5 + torch.arange(len(lengths), dtype=torch.float64) / 100,
     )
 
 

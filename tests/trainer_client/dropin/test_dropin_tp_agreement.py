@@ -7,12 +7,11 @@ own planning gave; the agreement itself is the real one."""
 
 from __future__ import annotations
 
-import json
 import types
 
 import torch.distributed as dist
 
-from tests.support.megatron_init import run_ranks
+from tests.support.launch import init_gloo, read_rank_results, run_ranks, write_rank_result
 
 WORLD = 2
 
@@ -35,7 +34,7 @@ def _planner(plan_id: str | None, error: Exception | None, group):
 
 
 def _rank(rank: int, store_path: str, out: str, case: str) -> None:
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    init_gloo(rank, WORLD, store_path)
     world = dist.group.WORLD
     if case == "one_fails":
         planner = _planner("a", ValueError("no plan here") if rank == 1 else None, world)
@@ -46,14 +45,13 @@ def _rank(rank: int, store_path: str, out: str, case: str) -> None:
         outcome = "ran"
     except Exception as error:  # noqa: BLE001 - the test records what each rank raised
         outcome = f"{type(error).__name__}: {error}"
-    with open(f"{out}/rank{rank}.json", "w") as handle:
-        json.dump(outcome, handle)
+    write_rank_result(out, rank, outcome)
     dist.destroy_process_group()
 
 
 def _outcomes(tmp_path, case: str) -> list[str]:
     run_ranks(_rank, (str(tmp_path / "store"), str(tmp_path), case), WORLD, 120)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return read_rank_results(tmp_path, WORLD)
 
 
 def test_one_tp_rank_that_cannot_plan_stops_every_tp_rank(tmp_path):

@@ -36,7 +36,6 @@ CPU stand-ins, each named as such, for what needs CUDA here:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import warnings
@@ -47,6 +46,7 @@ import torch.distributed as dist
 
 from tests.support.attention_pipeline import stand_in_for_pipeline_calls_on_cpu
 from tests.support.cuda_requests_on_cpu import CpuStandInStream, CudaDeviceRequestsOnCpu  # noqa: F401 (the tests enter it as ranks.CudaDeviceRequestsOnCpu)
+from tests.support.launch import init_gloo
 
 VOCAB = 64
 HIDDEN = 16
@@ -289,7 +289,7 @@ def start_rank(rank: int, world: int, store_path: str, tp: int, cp: int, pp: int
     torch.set_num_threads(1)
     stand_in_for_cuda_calls_on_cpu()
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+        init_gloo(rank, world, store_path)
     from megatron.bridge.training.initialize import _initialize_distributed, init_rerun_state
     from megatron.bridge.training.optim import setup_optimizer
     from megatron.bridge.training.state import GlobalState
@@ -347,11 +347,6 @@ def params_record(params) -> dict | None:
         "local_cp_size": params.local_cp_size, "cu_seqlens_q": params.cu_seqlens_q.tolist(),
         "cu_seqlens_q_padded": params.cu_seqlens_q_padded.tolist(),
     }
-
-
-def write(out_dir: str, rank: int, record: dict) -> None:
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
-        json.dump(record, handle)
 
 
 def stop_planner(pid: int, port: int) -> None:

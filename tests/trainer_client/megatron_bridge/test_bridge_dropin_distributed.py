@@ -13,7 +13,6 @@ have sent, and every sample is trained exactly once."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import Counter
@@ -21,7 +20,7 @@ from collections import Counter
 import pytest
 
 from tests.trainer_client.megatron_bridge import dropin_ranks as ranks
-from tests.support.megatron_init import run_ranks
+from tests.support.launch import read_rank_results, run_ranks, write_rank_result
 from tests.support.planner_process import start_planner
 
 pytestmark = pytest.mark.attention  # CI prints these tests' time (tests/conftest.py)
@@ -110,7 +109,7 @@ def _train_and_evaluate(rank: int, world: int, store_path: str, out_dir: str, tp
                                         p2p_communicator=p2p, pg_collection=pgs)
     evaluated = active().planned_iterator(eval_data, ranks.MICRO_BATCHES, pgs)
     checksum = float(sum(p.double().sum() for p in module.parameters()))
-    ranks.write(out_dir, rank, {
+    write_rank_result(out_dir, rank, {
         "steps": records, "reads": source.reads, "reruns": planned.reruns, "handed_out": planned.steps,
         "eval": {"loss": float(totals["lm loss"]), "reference": eval_reference, "steps": evaluated.steps,
                  "units": len(evaluated.last_units), "reads": eval_source.reads,
@@ -137,7 +136,7 @@ def test_dynamic_cp_through_bridge_train_step(layout, tmp_path):
     finally:
         planner.stop()
     assert planner.output_closed.wait(60), "the planner's output did not end"  # every request's log line read
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    results = read_rank_results(tmp_path, world)
     for rank, result in enumerate(results):
         for step, record in enumerate(result["steps"]):
             where = f"{layout} rank {rank} step {step}"
@@ -261,7 +260,7 @@ def _train_pipeline(rank: int, world: int, store_path: str, out_dir: str, endpoi
             "units": [ranks.unit_record(u) for u in planned.last_units],
             "expected": [dict(ranks.unit_record(u), cp_group=None) for u in expected],
         })
-    ranks.write(out_dir, rank, {"steps": records, "stage": pgs.pp.rank(), "dp_cp_ranks": dist.get_process_group_ranks(pgs.dp_cp)})
+    write_rank_result(out_dir, rank, {"steps": records, "stage": pgs.pp.rank(), "dp_cp_ranks": dist.get_process_group_ranks(pgs.dp_cp)})
     disable()
 
 
@@ -289,7 +288,7 @@ def test_pipeline_stages_through_bridge_train_step(tmp_path, vpp, mtp):
     finally:
         planner.stop()
     assert planner.output_closed.wait(60), "the planner's output did not end"
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    results = read_rank_results(tmp_path, world)
     assert sorted(r["stage"] for r in results) == [0] * 4 + [1] * 4
     for rank, result in enumerate(results):
         for step, record in enumerate(result["steps"]):

@@ -7,8 +7,6 @@ same step with one clear error."""
 
 from __future__ import annotations
 
-import json
-import os
 import warnings
 
 import pytest
@@ -17,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.support.dropin_support import MAX_SEQLEN_PER_RANK, global_subsamples, local_packed_batch, megatron_config
+from tests.support.launch import init_gloo, read_rank_results, run_ranks, write_rank_result
 
 STEPS = 3
 # Static packing splits every sample over the static CP group only (max_seqlen x CP = 2,048 tokens
@@ -29,7 +28,7 @@ def _init(rank: int, world: int, store_path: str, tp: int, cp: int) -> None:
     warnings.simplefilter("ignore")
     from megatron.core import parallel_state
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    init_gloo(rank, world, store_path)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
 
 
@@ -215,8 +214,7 @@ def _rank(rank, world, store_path, endpoint, out_dir, tp, cp, stop_requested, st
         stopped.wait(120)
         if groups.tp.rank() == 0:
             result["hybrid_fallback"] = _run_hybrid(endpoint, groups, dp_rank)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
-        json.dump(result, handle)
+    write_rank_result(out_dir, rank, result)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -235,21 +233,21 @@ def _non_first_tp_rank() -> dict:
 def _run(world: int, tp: int, cp: int, tmp_path, planner, full: bool) -> list[dict]:
     ctx = mp.get_context("spawn")
     stop_requested, stopped = ctx.Event(), ctx.Event()
-    args = (world, str(tmp_path / "store"), planner.address, str(tmp_path), tp, cp, stop_requested, stopped, full)
-    procs = mp.start_processes(_rank, args=args, nprocs=world, join=False, start_method="spawn")
-    if full:
-        while not stop_requested.wait(1.0):
-            if any(p.exitcode not in (None, 0) for p in procs.processes):
-                procs.join()  # raises the dead rank's traceback
+
+    def stop_the_planner() -> None:  # every rank has planned with it: the rest is planned in process
         planner.stop()
         stopped.set()
-    while not procs.join(timeout=600):
-        pass
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+    args = (world, str(tmp_path / "store"), planner.address, str(tmp_path), tp, cp, stop_requested, stopped, full)
+    # Spawned, not forked: each rank imports Megatron-Core afresh (what this test has always done).
+    run_ranks(_rank, args, world, deadline_seconds=1200, start_method="spawn", on_event=(stop_requested, stop_the_planner))
+    return read_rank_results(tmp_path, world)
 
 
 @pytest.fixture()
-def planner():
+def stoppable_planner():
+    """A planner of this test's own (1 worker), not the session's `planner`: the four-rank test
+    stops it mid-run to check the in-process fallback."""
     from tests.support.planner_process import start_planner
 
     server = start_planner(workers=1)
@@ -267,8 +265,8 @@ def _check_common(results: list[dict]) -> None:
             assert s["traffic"]["received_bytes"] < s["traffic"]["global_batch_bytes"]
 
 
-def test_four_ranks_dp2_cp2_hybrid_and_packing_with_fallback_and_bad_input(tmp_path, planner):
-    results = _run(4, 1, 2, tmp_path, planner, full=True)
+def test_four_ranks_dp2_cp2_hybrid_and_packing_with_fallback_and_bad_input(tmp_path, stoppable_planner):
+    results = _run(4, 1, 2, tmp_path, stoppable_planner, full=True)
     _check_common(results)
     first = results[0]
     assert [s["source"] for s in first["hybrid_fallback"]] == ["fallback"] * STEPS

@@ -14,12 +14,9 @@ test fails there, naming it.)
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import warnings
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -27,7 +24,8 @@ from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest, SchedulerKind
 from tests.support.dropin_support import MAX_SEQLEN_PER_RANK, megatron_config, packed_sample
 from tests.support.megatron_builds import require_scheduler
-from tests.support.megatron_init import initialize_dpxcp_groups, is_dynamic_build, run_ranks
+from tests.support.megatron_init import initialize_dpxcp_groups, is_dynamic_build
+from tests.support.launch import init_gloo, read_rank_results, run_ranks, write_rank_result
 
 DP, CP = 3, 2
 ITEMS = 2  # num_microbatches: packed samples each DP rank reads per step
@@ -81,7 +79,7 @@ def _rank(rank: int, store_path: str, endpoint: str, out_dir: str, seeds: list[i
     from trainer_client.megatron import DataGroups
     from trainer_client.megatron_lm import close_wrapped, last_planned_step, wrap_data_iterator
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, DP * CP), rank=rank, world_size=DP * CP)
+    init_gloo(rank, DP * CP, store_path)
     initialize_dpxcp_groups(CP)
     groups = DataGroups.of()
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -126,19 +124,9 @@ def _rank(rank: int, store_path: str, endpoint: str, out_dir: str, seeds: list[i
             })
     finally:
         close_wrapped(data)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
-        json.dump({"dp_cp_rank": me, "steps": steps}, handle)
+    write_rank_result(out_dir, rank, {"dp_cp_rank": me, "steps": steps})
     dist.barrier()
     dist.destroy_process_group()
-
-
-@pytest.fixture()
-def planner():
-    from tests.support.planner_process import start_planner
-
-    server = start_planner(workers=1)
-    yield server
-    server.stop()
 
 
 def test_six_ranks_dp3_cp2_dynamic_cp_plans_and_one_substitute_every_sample_once_every_group_built(tmp_path, planner):
@@ -146,7 +134,7 @@ def test_six_ranks_dp3_cp2_dynamic_cp_plans_and_one_substitute_every_sample_once
     assert is_dynamic_build()
     seeds, reason = _choose_seeds()
     run_ranks(_rank, (str(tmp_path / "store"), planner.address, str(tmp_path), seeds), DP * CP, deadline_seconds=300)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(DP * CP)]
+    results = read_rank_results(tmp_path, DP * CP)
 
     for step in range(len(seeds)):
         views = [r["steps"][step] for r in results]

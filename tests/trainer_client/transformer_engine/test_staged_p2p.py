@@ -11,7 +11,6 @@ ranks, on any machine: it stages CPU tensors too when asked, so its staging path
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 
@@ -19,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.megatron_init import run_ranks
+from tests.support.launch import init_gloo, read_rank_results, run_ranks, write_rank_result
 
 WORLD = 2
 BIG = 4 * 2**20  # elements: 8 MiB of bf16, past any socket buffer
@@ -30,7 +29,7 @@ def _rank(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     from tests.trainer_client.transformer_engine.staged_p2p import CpuStagedPointToPointStandIn
 
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(out_dir, "store"), WORLD), rank=rank, world_size=WORLD)
+    init_gloo(rank, WORLD, os.path.join(out_dir, "store"))
     peer = 1 - rank
     record: dict = {}
     try:
@@ -61,14 +60,13 @@ def _rank(rank: int, out_dir: str) -> None:
 
         record["restored"] = param_and_grad_buffer._coalescing_manager is torch.distributed._coalescing_manager
     finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle_out:
-            json.dump(record, handle_out)
+        write_rank_result(out_dir, rank, record)
         dist.destroy_process_group()
 
 
 def test_staged_point_to_point_moves_what_nccl_would(tmp_path):
     run_ranks(_rank, (str(tmp_path),), WORLD, deadline_seconds=120)
-    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    records = read_rank_results(tmp_path, WORLD)
     for rank, record in enumerate(records):
         peer = 1 - rank
         assert record["batch"] == [float(peer + 1), float(peer + 1), "torch.bfloat16"], record
@@ -80,7 +78,7 @@ def _wrong_size_rank(rank: int, out_dir: str) -> None:
     warnings.simplefilter("ignore")
     from tests.trainer_client.transformer_engine.staged_p2p import CpuStagedPointToPointStandIn
 
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(out_dir, "store"), WORLD), rank=rank, world_size=WORLD)
+    init_gloo(rank, WORLD, os.path.join(out_dir, "store"))
     # gloo aborts this process on purpose: its message and Python's fault report would read as a
     # crash in the test log, so this rank reports neither.
     import faulthandler

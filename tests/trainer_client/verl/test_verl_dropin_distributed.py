@@ -21,7 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.megatron_init import initialize_dpxcp_groups, run_ranks
+from tests.support.megatron_init import initialize_dpxcp_groups
+from tests.support.launch import init_gloo, run_ranks
 
 MAX_SEQLEN = 64  # tokens per DPxCP rank: small, so long samples span several CP ranks
 MIN_LOCAL_ROWS = 96  # larger than most short groups' buffers: the padding past it is exercised
@@ -30,7 +31,7 @@ DEADLINE = 240.0
 
 def _init(rank: int, world: int, store_path: str, tp: int, cp: int, pp: int = 1):
     warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    init_gloo(rank, world, store_path)
     initialize_dpxcp_groups(cp, tp, pp)
     from megatron.core import parallel_state as mpu
 
