@@ -316,7 +316,7 @@ class MalformedPlanError(ValueError):
     """A PlanResponse whose plan cannot be read: its columns do not fit together."""
 
 
-# What micro_batches_to_proto relies on (tests/test_convert.py checks it): a CpGroup holds its
+# What micro_batches_to_proto relies on (tests/batch_planner/test_convert.py checks it): a CpGroup holds its
 # fields, and only them, in its __dict__ (a plain frozen dataclass: no __slots__, no __post_init__),
 # named as batch_planner.v1.CpGroup's fields.
 

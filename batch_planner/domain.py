@@ -19,7 +19,7 @@ So a layout is one of three things for a scheduler:
   named substitute (batch_planner/substitute.py: Megatron-Core's static-packing plan of the batch).
 - refused (INVALID_ARGUMENT on `layout`, before any scheduler runs).
 
-tests/test_scheduler_domain.py checks this module against the sweep's output and the table in
+tests/batch_planner/test_scheduler_domain.py checks this module against the sweep's output and the table in
 docs/design.md against `domain_table()`; the sweep is kept, since it finds where substitutes happen.
 """
 

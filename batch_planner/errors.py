@@ -45,7 +45,7 @@ class ClientAction(str, Enum):
 
 
 # What the trainer client does with each status of a Plan call. Codes missing here (OK aside)
-# are treated as FALLBACK; tests/test_client_config.py checks every code is listed.
+# are treated as FALLBACK; tests/trainer_client/test_client_config.py checks every code is listed.
 CLIENT_ACTION: dict[ErrorCode, ClientAction] = {
     ErrorCode.UNAVAILABLE: ClientAction.RETRY,
     ErrorCode.DEADLINE_EXCEEDED: ClientAction.RETRY,

@@ -39,7 +39,7 @@ def new_cp_group(first_rank: int, size: int, sample_ids: tuple[int, ...], real_t
     fields in its instance dict, in order), built without the frozen dataclass's __init__: that
     sets each field through object.__setattr__, and was most of the time of building a plan's
     thousands of groups. CpGroup has no __post_init__ or defaults for it to skip
-    (tests/test_plan_columns.py holds both to this)."""
+    (tests/batch_planner/test_plan_columns.py holds both to this)."""
     group = _new_object(CpGroup)
     fields = group.__dict__
     fields["first_rank"] = first_rank

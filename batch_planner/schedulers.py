@@ -178,7 +178,7 @@ def align_cp_groups(rank_ids: list[list[int]]) -> list[list[int]]:
     """Moves the CP groups of one micro-batch so that each starts at a multiple of its size.
 
     BalancedCPScheduler (0.19.2) sometimes places a group at an unaligned rank, e.g. a CP2 group on
-    ranks 0-1 followed by a CP4 group on ranks 2-5 (tests/test_reliability_properties.py has the
+    ranks 0-1 followed by a CP4 group on ranks 2-5 (tests/planner_server/test_reliability_properties.py has the
     exact batch). Megatron-Core's hybrid CP process groups are aligned rank ranges, so such a plan
     cannot run. Within one micro-batch the ranks are interchangeable (the scheduler balances each
     micro-batch on its own), so placing the same groups largest first - power-of-two sizes that

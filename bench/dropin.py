@@ -20,7 +20,7 @@
    Computed from the plan of each batch with the four per-token fields of Megatron-LM's SFT samples
    (tokens, labels, position_ids int64; loss_mask float32: 28 bytes per token); the formula is the
    one `route_samples` uses for its split sizes (its counters are checked in
-   tests/test_megatron_dropin_distributed.py on 4 and 8 gloo ranks).
+   tests/trainer_client/megatron_lm/test_megatron_dropin_distributed.py on 4 and 8 gloo ranks).
 """
 
 from __future__ import annotations

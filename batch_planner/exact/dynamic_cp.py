@@ -4,7 +4,7 @@ Same decisions, same tie-breaking, same floating-point operations in the same or
 `next_hdp_group_packing_aware` (megatron/core/datasets/data_schedule_utils.py at the verified
 builds, batch_planner/exact/verified.py), so the returned `sample_id_groups` are equal to
 upstream's, list for list. docs/design.md ("The exact scheduler path") states why each change
-below is exact; the differential tests (tests/test_exact_differential.py) check it on a corpus.
+below is exact; the differential tests (tests/batch_planner/test_exact_differential.py) check it on a corpus.
 
 Where upstream spends its time, and what this module does instead:
 

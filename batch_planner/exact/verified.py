@@ -21,7 +21,7 @@ otherwise; `EXACT` always the pure-Python exact path. Both are gated by the same
 differential corpus runs on each implementation.
 
 When upstream's own code changes, run the differential tests against the new build
-(tests/test_exact_differential.py), then add the fingerprint that `fingerprint()` prints here.
+(tests/batch_planner/test_exact_differential.py), then add the fingerprint that `fingerprint()` prints here.
 """
 
 from __future__ import annotations

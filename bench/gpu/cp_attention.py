@@ -112,7 +112,7 @@ class AllGatherAttention:
 def all_gather_with_grad(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
     """The group's `x` concatenated along `dim` in group-rank order, differentiably: the backward
     sums every member's gradient of this rank's slice and hands it back to this rank (the
-    tests' CPU attention stand-in, tests/cp_attention_standin.py, gathers K and V with it too)."""
+    tests' CPU attention stand-in, tests/support/cp_attention_standin.py, gathers K and V with it too)."""
     return _GatherAlongDim.apply(x, group, dim)
 
 
