@@ -20,14 +20,17 @@ class Registry(Generic[T]):
         self._entries: list[tuple[Any, T]] = []
         self._lock = threading.Lock()
 
+    def _find(self, key: Any) -> T | None:
+        return next((v for k, v in self._entries if self._same(k, key)), None)
+
     def find(self, key: Any) -> T | None:
         with self._lock:
-            return next((v for k, v in self._entries if self._same(k, key)), None)
+            return self._find(key)
 
     def get(self, key: Any, start: Callable[[], T]) -> T:
         """The entry of `key`, started (`start()`) the first time."""
         with self._lock:
-            found = next((v for k, v in self._entries if self._same(k, key)), None)
+            found = self._find(key)
             if found is None:
                 found = start()
                 self._entries.append((key, found))
@@ -40,7 +43,7 @@ class Registry(Generic[T]):
     def close(self, key: Any = _ALL) -> None:
         """Removes the entry of `key` (default: every entry) and closes it (its client, threads and caches)."""
         with self._lock:
-            closing = [(k, v) for k, v in self._entries if key is _ALL or self._same(k, key)]
-            self._entries = [entry for entry in self._entries if entry not in closing]
-        for _, value in closing:
+            closing = [v for k, v in self._entries if key is _ALL or self._same(k, key)]
+            self._entries = [(k, v) for k, v in self._entries if not (key is _ALL or self._same(k, key))]
+        for value in closing:
             value.close()  # type: ignore[attr-defined]

@@ -4,7 +4,6 @@ planner, with the same constructor, `schedule()` arguments and return value (doc
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Sequence
 
@@ -13,11 +12,16 @@ from tensordict import TensorDict
 
 from batch_planner.request import CpLayout
 from trainer_client.compatibility import check
+from trainer_client.config import PlannerClientConfig
 from trainer_client.errors import DropInInputError, ConfigError, InvalidArgumentError
 from trainer_client.verl.micro_batches import rank_micro_batches
 from trainer_client.client import BatchPlannerClient
 from trainer_client.verl.planning import planner_for
 from trainer_client.verl.settings import planner_settings, verl_planner_config
+
+
+# The configs built so far (a handful per job: one per distinct settings and sizes).
+_configs: dict[str, PlannerClientConfig] = {}
 
 
 class DynamicCPScheduler:
@@ -68,8 +72,18 @@ class DynamicCPScheduler:
         return planner_for(self._config(tp_size, cp_layout, min_local_rows), dcp_group)
 
     def _config(self, tp_size: int, cp_layout: str, min_local_rows: int | None = None):
-        settings = tuple(planner_settings().items())
-        return _config_for(settings, self.max_seqlen_per_dp_cp_rank, self.cp_size, tp_size, cp_layout, min_local_rows)
+        """The client config of these settings and sizes: built and checked once, not on every call
+        (keyed by its arguments' repr: settings from YAML may hold lists, and bad arguments must reach
+        the checks that name them)."""
+        if min_local_rows is not None and (type(min_local_rows) is not int or min_local_rows <= 0):
+            raise InvalidArgumentError(f"min_local_rows: {min_local_rows!r} is not allowed; expected None or a positive integer")
+        settings = planner_settings()
+        key = repr((settings, self.max_seqlen_per_dp_cp_rank, self.cp_size, tp_size, cp_layout, min_local_rows))
+        if key not in _configs:
+            _configs[key] = verl_planner_config(settings, max_seqlen_per_dp_cp_rank=self.max_seqlen_per_dp_cp_rank,
+                                                cp_size=self.cp_size, tp_size=tp_size, cp_layout=_layout(cp_layout),
+                                                min_local_rows=min_local_rows)
+        return _configs[key]
 
     def _lengths(self, batch: TensorDict, dcp_group: Any) -> list[int]:
         input_ids = batch.get("input_ids", None)
@@ -99,15 +113,6 @@ class DynamicCPScheduler:
                 f"{self.total_ranks * self.max_seqlen_per_dp_cp_rank} tokens"
             )
         return lengths
-
-
-@functools.lru_cache(maxsize=64)
-def _config_for(settings: tuple, max_seqlen: int, cp_size: int, tp_size: int, cp_layout: str, min_local_rows: int | None):
-    """One config per distinct settings and sizes: built and checked once, not on every call."""
-    if min_local_rows is not None and (type(min_local_rows) is not int or min_local_rows <= 0):
-        raise InvalidArgumentError(f"min_local_rows: {min_local_rows!r} is not allowed; expected None or a positive integer")
-    return verl_planner_config(dict(settings), max_seqlen_per_dp_cp_rank=max_seqlen, cp_size=cp_size, tp_size=tp_size,
-                               cp_layout=_layout(cp_layout), min_local_rows=min_local_rows)
 
 
 def _layout(cp_layout: str) -> CpLayout:

@@ -18,7 +18,7 @@ from batch_planner.request import CpLayout, SchedulerKind
 from tests.support.planner_process import ROOT, planner_env
 from tests.trainer_client.verl.support import mini_batch
 from trainer_client.config import ConfigError
-from trainer_client.errors import UnrunnablePlanError, UnsupportedCombinationError
+from trainer_client.errors import InvalidArgumentError, UnrunnablePlanError, UnsupportedCombinationError
 from trainer_client.verl import DynamicCPScheduler
 from trainer_client.verl.micro_batches import rank_micro_batches
 from trainer_client.apply import shard_padding_mask
@@ -170,6 +170,21 @@ def test_settings_come_from_the_endpoint_variable_and_the_config_file(tmp_path, 
     monkeypatch.delenv("BATCH_PLANNER_CONFIG")
     monkeypatch.delenv("BATCH_PLANNER_ENDPOINT")
     assert planner_settings() == {}
+
+
+def test_one_config_per_distinct_settings_and_sizes_even_from_a_yaml_with_lists(tmp_path, monkeypatch):
+    """verl builds a scheduler for every call: the config of the same settings and sizes is built (and
+    checked) once, also when the YAML holds a list; an unhashable bad argument is still named."""
+    path = tmp_path / "planner.yaml"
+    path.write_text("batch_planner:\n  scheduler: auto\n  auto_schedulers: [dynamic_cp]\n")
+    monkeypatch.setenv("BATCH_PLANNER_CONFIG", str(path))
+    monkeypatch.delenv("BATCH_PLANNER_ENDPOINT", raising=False)
+    first = DynamicCPScheduler(4, 1, 2)._config(1, "zigzag")
+    assert DynamicCPScheduler(4, 1, 2)._config(1, "zigzag") is first
+    assert first.auto_schedulers == (SchedulerKind.DYNAMIC_CP,)
+    assert DynamicCPScheduler(4, 1, 2)._config(1, "contiguous") is not first
+    with pytest.raises(InvalidArgumentError, match=r"min_local_rows: \[1\] is not allowed"):
+        DynamicCPScheduler(4, 1, 2)._config(1, "zigzag", [1])
 
 
 @pytest.mark.parametrize(
