@@ -15,7 +15,7 @@ import torch
 from batch_planner.distributions import sample_lengths
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest, SchedulerKind
-from bench.gpu.replay.clock import FakeKernelClock, FittedKernelClock, Timing, attention_features, ring_steps
+from bench.gpu.replay.clock import FakeKernelClock, FittedKernelClock, attention_features, ring_steps
 from bench.gpu.replay.in_process_peers import CpGroupStandIn, InProcessCpPeersStandIn
 from bench.gpu.replay.links import LinkSpec
 from bench.gpu.replay.passes import GroupPass, plan_passes

@@ -140,7 +140,7 @@ def fit_model(model: str, clock, shape, links, toy: CostModel, ranks_list, log) 
     for distribution in DISTRIBUTIONS:
         for ranks in ranks_list:
             lengths = batch_lengths(distribution, ranks, FIT_SEED)
-            for name, (concrete, plan) in plan_candidates(base_request(lengths, ranks, shape), toy).items():
+            for concrete, plan in plan_candidates(base_request(lengths, ranks, shape), toy).values():
                 if isinstance(plan, str):
                     continue
                 f, s = group_rows(plan, concrete, lengths, clock, shape, links)
@@ -203,7 +203,7 @@ def tables(rows: list[dict], checks: dict, fits: dict, links: LinkSpec) -> str:
                 statics = {k: v for k, v in here.items() if k.startswith("static_cp")}
                 best = min(statics, key=lambda k: statics[k]["replayed_ms"])
 
-                def cell(name: str) -> str:
+                def cell(name: str, here: dict = here) -> str:
                     r = here.get(name)
                     return "-" if r is None else f"{r['replayed_ms']:.0f} ms ({r['speedup_over_best_static']:.2f}x)"
 

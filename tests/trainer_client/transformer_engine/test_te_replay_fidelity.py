@@ -16,7 +16,6 @@ attends to half of a peer's keys and values are dropped)."""
 
 from __future__ import annotations
 
-from functools import partial
 
 import pytest
 import torch
