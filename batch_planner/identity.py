@@ -15,8 +15,9 @@ from typing import Any
 
 from batch_planner.request import PlanRequest
 
-# Bumped when the mapping from scheduler output to a plan changes, so plan ids change with it.
-PLAN_FORMAT_VERSION = 3  # 3: contiguous plans pad to 2 x CP x TP (issue 52)
+# The version of the mapping from scheduler output to a plan, part of every plan id: bumped when
+# the mapping changes, so plan ids change with it. In this format a contiguous plan pads to 2 x CP x TP.
+PLAN_FORMAT_VERSION = 3
 
 
 def canonical_request(request: PlanRequest) -> dict[str, Any]:

@@ -9,9 +9,9 @@ one worker, whose replacement needs the new forkserver; the next kill waits unti
 batch_planner_worker_restarts_total{reason="died"} and batch_planner_live_workers say that
 replacement, forked from the new forkserver once it has imported Megatron-Core, is planning (an
 event, not a guessed pause). The latency of every plan sent from a kill until then is "after a
-kill"; the others are "steady". Before issue 44 the workers were treated as dead with their
-forkserver and plans waited 6-13 s for a new one; now the workers plan on, a new forkserver is
-started at once beside them, and while one worker is being replaced the other plans.
+kill"; the others are "steady". The workers outlive their forkserver: they plan on, a new
+forkserver is started at once beside them, and while one worker is being replaced the other plans,
+so no plan waits for the new forkserver.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def measure(kills: int) -> tuple[list[Sample], list[tuple[float, float]]]:
             killed = time.monotonic()
             os.kill(forkserver_pid(server.proc.pid), signal.SIGKILL)
             # A worker dies too while the new forkserver imports Megatron-Core: its replacement
-            # needs that forkserver (before issue 44, every plan then waited for it).
+            # needs that forkserver, and the other worker's plans must not wait for it.
             os.kill(worker, signal.SIGKILL)
             wait_until(lambda died=died: metric(server, "batch_planner_worker_restarts_total", reason="died") > died
                        and live() == WORKERS, 120, f"a worker forked from the new forkserver after kill {kill + 1}")

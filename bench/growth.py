@@ -52,10 +52,10 @@ RANKS = (8, 32, 128, 256, 1024)
 SMOKE_SAMPLES, SMOKE_RANKS = (64, 128), (8, 16)
 CAP_S, MIN_S, MAX_RUNS = 120.0, 3.0, 5
 IMPLEMENTATIONS = ("upstream", "exact", "compiled")  # the order of the runs on each batch
-# Past the grid: the size issue 45 adds (the exact path measured, upstream extrapolated).
+# Past the grid: one larger size (the exact path measured, upstream extrapolated).
 EXTRA_SIZES = (BatchSize(65536, 4096),)
 # The bars, on dynamic CP in the same run: upstream / exact at 4,096 on 256, the exact path's
-# time at 16,384 on 1,024 on one core, and the compiled path's there (issue 45).
+# time at 16,384 on 1,024 on one core, and the compiled path's there.
 RATIO_BAR, RATIO_SIZE = 30.0, BatchSize(4096, 256)
 TIME_BAR_S, TIME_SIZE = 10.0, BatchSize(16384, 1024)
 COMPILED_BAR_S = 0.05
@@ -314,7 +314,7 @@ def fit_text(scheduler: str, implementation: str, f: Fit | None) -> list[object]
 
 
 def bars(results: dict[str, dict[str, list[Cell]]]) -> list[Bar]:
-    """Issue 23's two bars on dynamic CP, where this run has its cells."""
+    """The bars on dynamic CP (RATIO_BAR, TIME_BAR_S, COMPILED_BAR_S), where this run has their cells."""
     if "dynamic_cp" not in results:
         return []
     by = {(i, c.size): c for i, cells in results["dynamic_cp"].items() for c in cells}

@@ -18,7 +18,7 @@ only one plan is in flight at a time), after one unreported plan per case on ano
 first plan of a size warms the workers). After the runs each server's GetCapabilities plan rates
 (median seconds per plan over its latest plans, and plans per second over its workers) are read
 back. Bars: `auto` served in at most 3 s at 4,096 on 256 and at most 60 s at 16,384 on 1,024, on
-every run (the max), and (issue 45) `auto` on the compiled server at 16,384 on 1,024 in at most
+every run (the max), and `auto` on the compiled server at 16,384 on 1,024 in at most
 0.5 s p50.
 """
 

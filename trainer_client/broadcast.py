@@ -26,7 +26,7 @@ from trainer_client.together import fail_together, share_from_first
 
 
 # What a rank may hold instead of a plan; every rank of the group raises it.
-RankError = PlanRejectedError | PlannerUnavailableError | PlanMismatchError
+RankError = PlanRejectedError | PlannerUnavailableError | PlanMismatchError | UsageError
 
 
 def canonical_digest(request: PlanRequest) -> str:
@@ -91,8 +91,9 @@ def share_over_tp(
         share_from_first(sent if isinstance(sent, BaseException) else (sent, source, _batch_digest(request)), group)
         return own, b"" if isinstance(sent, BaseException) else sent, source  # type: ignore[return-value]
     received = share_from_first(None, group)
-    if request is None:
-        assert own is not None, "a rank without a request holds its refusal"
+    if request is None:  # this rank's batch was refused before planning: `own` is that refusal
+        if own is None:
+            own = UsageError("share_over_tp: a rank without a request must pass the refusal of its batch as `own`, got None")
         return own, b"", None
     if isinstance(received, BaseException):
         return received, b"", None  # type: ignore[return-value]

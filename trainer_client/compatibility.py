@@ -16,13 +16,15 @@ from functools import cache, cached_property, partial
 from typing import Any, Callable, Literal, Mapping, NamedTuple
 
 from batch_planner.request import CpLayout, SchedulerKind
-from trainer_client.errors import InvalidArgumentError, UnrunnablePlanError, UnsupportedCombinationError
+from trainer_client.errors import ConfigError, InvalidArgumentError, UnrunnablePlanError, UnsupportedCombinationError
 
 # The schedulers each drop-in's trainer runs (the one home of these allow-lists; the rows below refuse
 # the others). Megatron-Core's `sequence_packing_scheduler` names, and the planner's schedulers they are:
 MEGATRON_SCHEDULER_NAMES = {"default_dynamic_cp": SchedulerKind.DYNAMIC_CP, "dp_balanced": SchedulerKind.STATIC_PACKING}
 # Those that pack a CP group's samples into one THD micro-batch (Megatron-LM's dev drop-in, Bridge's).
 PACKING_SCHEDULERS = tuple(MEGATRON_SCHEDULER_NAMES.values())
+# Bridge's loop runs one packed forward pass per planned micro-batch: the packing schedulers only.
+BRIDGE_SCHEDULERS = PACKING_SCHEDULERS
 # verl's engine runs the dynamic-CP contract: dynamic CP, or auto choosing among these only.
 VERL_SCHEDULERS = (SchedulerKind.DYNAMIC_CP,)
 MULTIMODAL_BATCH_FIELDS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "multi_modal_inputs")
@@ -99,10 +101,8 @@ class Inputs:
         self._installed = installed
         # Read at once, so a bad scheduler or layout name fails whatever else is present.
         planner = self.sources["planner config"]
-        scheduler = _get(self.plan, "scheduler") or _get(planner, "scheduler")
-        self.scheduler = SchedulerKind(scheduler) if scheduler is not None else None
-        layout = _get(self.plan, "cp_layout") or _get(planner, "cp_layout")
-        self.layout = CpLayout(layout) if layout is not None else None
+        self.scheduler = _named(SchedulerKind, "scheduler", self.plan, planner)
+        self.layout = _named(CpLayout, "cp_layout", self.plan, planner)
         # The model's sizes the rows read (1 where the transformer config is not given).
         self.tp, self.cp = self.tc("tensor_model_parallel_size", 1) or 1, self.tc("context_parallel_size", 1) or 1
         self.vpp, self.group = self.tc("virtual_pipeline_model_parallel_size") or 1, self.tc("microbatch_group_size_per_vp_stage")
@@ -127,6 +127,19 @@ class Inputs:
     def installed(self) -> InstalledMegatron:
         # Detected only when a rule asks: it imports Megatron-Core's schedulers.
         return self._installed or InstalledMegatron.detect()
+
+
+def _named(kind: type[SchedulerKind] | type[CpLayout], field: str, plan: Any, planner: Any) -> Any:
+    """The plan's `field` (else the planner config's) as a `kind`, None where neither sets it; a name
+    that is not one of `kind` is refused, naming where it was read, the value and what is allowed
+    (the planner config's as a setting: ConfigError; the plan's as an argument: InvalidArgumentError)."""
+    for source, value, error in (("plan", _get(plan, field), InvalidArgumentError), ("planner config", _get(planner, field), ConfigError)):
+        if value:
+            try:
+                return kind(value)
+            except ValueError:
+                raise error(f"{source} {field}: {value!r} is not allowed; allowed: {[k.value for k in kind]}") from None
+    return None
 
 
 class Place(NamedTuple):
@@ -440,9 +453,10 @@ RULES: tuple[Rule, ...] = (
          "the drop-in plans with Megatron-Core's packing schedulers: set cfg.model.dynamic_context_parallel=True "
          "(dynamic CP) or cfg.model.sequence_packing_scheduler='dp_balanced' (static packing)",
          lambda v, _: v is not _ABSENT and v not in MEGATRON_SCHEDULER_NAMES, read=_bridge_scheduler_name),
-    Rule(_planner("scheduler"), "not dynamic_cp or static_packing", "each planned micro-batch is one packed forward pass of Bridge's loop: "
-         "set scheduler to dynamic_cp or static_packing in the planner settings (a Megatron-Core release has no sequence_packing_scheduler "
-         "to say it)", lambda v, _: v is not None and _kind_name(v) not in [k.value for k in PACKING_SCHEDULERS], needs=("bridge",)),
+    Rule(_planner("scheduler"), "not " + " or ".join(k.value for k in BRIDGE_SCHEDULERS), "each planned micro-batch is one packed "
+         "forward pass of Bridge's loop: set scheduler to " + " or ".join(k.value for k in BRIDGE_SCHEDULERS) + " in the planner settings "
+         "(a Megatron-Core release has no sequence_packing_scheduler to say it)",
+         lambda v, _: v is not None and _kind_name(v) not in [k.value for k in BRIDGE_SCHEDULERS], needs=("bridge",)),
     Rule(_planner("scheduler"), "not dynamic_cp or auto", "verl's engine runs the dynamic-CP contract (docs/verl.md): set scheduler to "
          "dynamic_cp or auto", lambda v, _: _kind_name(v) not in [k.value for k in (*VERL_SCHEDULERS, SchedulerKind.AUTO)], needs=("verl",)),
     Rule(_planner("auto_schedulers"), "names a scheduler other than dynamic_cp", "auto may choose only plans verl's engine runs: set "
@@ -515,14 +529,13 @@ def schedulers_the_trainer_runs(planner_config: Any, **configs: Any) -> tuple[Sc
     (empty: every one), so that auto never serves a plan the trainer refuses. Raises the first
     refusal when none is left."""
     runs: list[SchedulerKind] = []
-    first: UnsupportedCombinationError | None = None
+    refusals: list[UnsupportedCombinationError] = []
     for kind in CONCRETE_SCHEDULERS:
         try:
             check_dynamic_cp_support(planner_config=dataclasses.replace(planner_config, scheduler=kind), **configs)
             runs.append(kind)
         except UnsupportedCombinationError as refused:
-            first = first or refused
+            refusals.append(refused)
     if not runs:
-        assert first is not None
-        raise first
+        raise refusals[0]
     return () if len(runs) == len(CONCRETE_SCHEDULERS) else tuple(runs)

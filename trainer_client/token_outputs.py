@@ -72,7 +72,8 @@ def restore_token_outputs(
         local = [piece for part in gathered for piece in part]
     elif problem is not None:
         raise problem
-    assert not isinstance(checked, InvalidArgumentError)  # raised above
+    if isinstance(checked, InvalidArgumentError):  # raised above already, on every rank
+        raise checked
     return _restored(local, checked)
 
 

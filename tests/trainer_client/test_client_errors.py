@@ -137,6 +137,15 @@ def test_every_error_the_module_raises_is_a_planner_client_error(path: Path):
     assert offenders == [], "raised on purpose but not a PlannerClientError (trainer_client/errors.py):\n" + "\n".join(offenders)
 
 
+@pytest.mark.parametrize("path", SOURCES, ids=[path.relative_to(ROOT).as_posix() for path in SOURCES])
+def test_no_assert_guards_the_client_at_run_time(path: Path):
+    """`python -O` drops every `assert`: a guard of the client's is an explicit check that raises a
+    PlannerClientError (or code shaped so that the case cannot arise)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    lines = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+    assert lines == [], f"{path.relative_to(ROOT).as_posix()}: assert at lines {lines}"
+
+
 def test_the_allowed_raises_are_still_there():
     """An entry of the allow-lists that matches no raise any more is dropped, not kept."""
     raised = {(path.relative_to(ROOT).as_posix(), cls.__name__) for path in SOURCES for _, cls in _raised_classes(path)}

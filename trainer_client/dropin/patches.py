@@ -10,6 +10,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from trainer_client.errors import UsageError
+
 log = logging.getLogger(__name__)
 
 
@@ -52,7 +54,15 @@ class Patches:
         return original
 
     def original(self, module_name: str, attribute: str) -> Any:
-        return self._originals[(module_name, attribute)]
+        """The value `module.attribute` held before the first `replace`; UsageError where it was never replaced."""
+        try:
+            return self._originals[(module_name, attribute)]
+        except KeyError:
+            patched = [f"{name}.{attr}" for name, attr in self._originals]
+            raise UsageError(
+                f"{module_name}.{attribute} was never replaced, so it has no original here; call replace() first "
+                f"(replaced: {patched or 'nothing'})"
+            ) from None
 
     def restore(self) -> None:
         """Puts every original back."""

@@ -50,6 +50,9 @@ def given_planner_settings(planner: PlannerClientConfig | dict | None) -> dict[s
 
     with open(path) as handle:
         data = yaml.safe_load(handle) or {}
-    if "batch_planner" not in data:
-        raise ConfigError(f"${CONFIG_ENV}={path}: no top-level section 'batch_planner'")
-    return dict(data["batch_planner"] or {})
+    if not isinstance(data, dict) or "batch_planner" not in data:
+        raise ConfigError(f"${CONFIG_ENV}={path}: no top-level section 'batch_planner' (the file holds {type(data).__name__} {data!r:.80})")
+    section = data["batch_planner"] or {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"${CONFIG_ENV}={path}: section 'batch_planner' must be a mapping of settings, got {type(section).__name__} {section!r:.80}")
+    return dict(section)

@@ -38,9 +38,13 @@ class LocalBatch:
         )
 
     def problem(self) -> str | None:
-        """Why this batch cannot be planned (empty, or sub-samples that disagree), or None."""
+        """Why this batch cannot be planned (empty, a sub-sample of length < 1, or sub-samples that disagree), or None."""
         if not self.subsamples:
             return "the local batch is empty (no sub-sample of non-zero length)"
+        short = next(((i, length) for i, length in enumerate(self.padded) if length < 1), None)
+        if short is not None:
+            return (f"sub-sample {short[0]} has length {short[1]}; every sample needs at least one token "
+                    "(drop empty samples from the data)")
         spec = self.field_spec()
         for i, (sample, rows) in enumerate(zip(self.subsamples, self.rows)):
             names = sorted(k for k in sample if k not in LENGTH_KEYS)

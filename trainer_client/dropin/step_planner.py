@@ -21,7 +21,7 @@ from trainer_client.config import PlannerClientConfig
 from trainer_client.distributed import is_distributed
 from trainer_client.dropin.routing import Traffic, route_samples, sample_id_groups
 from trainer_client.dropin.step_input import GlobalLayout, LocalBatch, ReadStep, agree_on_read, agree_on_step
-from trainer_client.errors import DropInInputError, PlanMismatchError, PlanRejectedError
+from trainer_client.errors import DropInInputError, PlanMismatchError, PlanRejectedError, UsageError
 from trainer_client.together import fail_together
 
 log = logging.getLogger(__name__)
@@ -91,20 +91,21 @@ class StepPlanner:
         if not self.agreements:
             return self._plan_and_route(self._next_read())
         try:
-            current, failure = self._next_read(), None
+            current = self._next_read()
         except Exception as error:  # noqa: BLE001 - StopIteration too: agreed on over the groups first, then raised
-            current, failure = None, error
+            for agreement in self.agreements:
+                agree_on_read(error, agreement.group, agreement.who)  # raises it (or the end of the data) on every rank
+            raise
         for agreement in self.agreements:
-            agree_on_read(failure, agreement.group, agreement.who)
-        assert current is not None
-        planned, failure = None, None
+            agree_on_read(None, agreement.group, agreement.who)
         try:
             planned = self._plan_and_route(current)
         except Exception as error:  # noqa: BLE001 - travels to the other ranks, then raised on all
-            failure = error
+            for agreement in self.agreements:
+                _fail_on_plan(error, agreement)  # raises it on every rank
+            raise
         for agreement in self.agreements:
-            _agree_on_plan(planned, failure, agreement)
-        assert planned is not None
+            _agree_on_plan(planned, agreement)
         return planned
 
     def _next_read(self) -> ReadStep:
@@ -142,30 +143,38 @@ class StepPlanner:
         return read
 
     def _plan_and_route(self, current: ReadStep) -> PlannedStep:
-        assert current.layout is not None and current.local is not None
-        plan = self.client.plan_step(current.step, list(current.layout.padded))
-        self.client.check_planned_batch(plan, current.layout.padded)  # the batch routed is the one planned
+        local, layout = current.local, current.layout
+        if local is None or layout is None:
+            raise UsageError(f"step {current.step} has no batch to plan (its read: error {current.error!r}, "
+                             f"end of the data {current.exhausted}); plan only a step next_step read")
+        plan = self.client.plan_step(current.step, list(layout.padded))
+        self.client.check_planned_batch(plan, layout.padded)  # the batch routed is the one planned
         # The step's one check of the table: the settings, the model, the plan and what the hook was handed.
         check({"planner config": self.client.config, "transformer": self.transformer_config, "plan": plan, **self._checks})
         id_groups = sample_id_groups(plan)
         traffic = Traffic()
-        samples = route_samples(current.local, current.layout, self.groups, id_groups, traffic)
-        return PlannedStep(current.step, plan, id_groups, samples, current.layout, traffic, self.client.last_source)
+        samples = route_samples(local, layout, self.groups, id_groups, traffic)
+        return PlannedStep(current.step, plan, id_groups, samples, layout, traffic, self.client.last_source)
 
     def close(self) -> None:
         self.client.close()
 
 
-def _agree_on_plan(planned: PlannedStep | None, failure: BaseException | None, agreement: Agreement) -> None:
+_COULD_NOT_PLAN = " {rank} could not plan this step: {message}"
+
+
+def _fail_on_plan(failure: BaseException, agreement: Agreement) -> None:
+    """This rank's side of `_agree_on_plan` when it could not plan the step: every rank of the
+    agreement raises the first failed rank's error."""
+    fail_together(failure, agreement.group, None, context=agreement.who + _COULD_NOT_PLAN)
+
+
+def _agree_on_plan(planned: PlannedStep, agreement: Agreement) -> None:
     """Every rank of the agreement holds the same plan for the step (its micro-batches' samples and
-    CP groups), or every one raises: the first failed rank's error, or a PlanMismatchError naming
-    the step and what each rank holds."""
-    digests = fail_together(
-        failure, agreement.group, plan_digest(planned) if planned is not None else None,
-        context=agreement.who + " {rank} could not plan this step: {message}",
-    )
+    CP groups), or every one raises: the first failed rank's error (`_fail_on_plan`), or a
+    PlanMismatchError naming the step and what each rank holds."""
+    digests = fail_together(None, agreement.group, plan_digest(planned), context=agreement.who + _COULD_NOT_PLAN)
     if len(set(digests)) > 1:
-        assert planned is not None
         held = "; ".join(f"{agreement.who} {rank}: {digest}" for rank, digest in enumerate(digests))
         raise PlanMismatchError(
             f"the {agreement.who}s hold different plans for this step (step {planned.step}): {held}; every one "

@@ -8,7 +8,7 @@ from typing import Any
 
 from batch_planner.request import SchedulerKind
 from trainer_client import megatron as mcore
-from trainer_client.compatibility import MEGATRON_SCHEDULER_NAMES, RULES, check, packing_scheduler_name
+from trainer_client.compatibility import BRIDGE_SCHEDULERS, MEGATRON_SCHEDULER_NAMES, RULES, check, packing_scheduler_name
 from trainer_client.config import ConfigError, PlannerClientConfig
 from trainer_client.dropin.settings import given_planner_settings, planner_config
 
@@ -39,13 +39,18 @@ def scheduler_of(model: Any, given: Any = None) -> SchedulerKind:
     """The scheduler Bridge's config asks for: `model.sequence_packing_scheduler` (set by
     `model.dynamic_context_parallel=True` on the Megatron-LM dev build). A Megatron-Core release
     (0.19) has neither field: there the planner settings' `scheduler` says, dynamic CP by default.
-    The refusal table has refused the others."""
+    The refusal table refuses the others: the model field's other names before this is called, a
+    scheduler Bridge's loop does not run (`compatibility.BRIDGE_SCHEDULERS`) in `check_bridge_support`.
+    A name that is no scheduler at all is refused here, with what the table allows."""
     if hasattr(model, "sequence_packing_scheduler"):
         return MEGATRON_SCHEDULER_NAMES[packing_scheduler_name(model)]
+    if given is None:
+        return SchedulerKind.DYNAMIC_CP
     try:
-        return SchedulerKind(given) if given is not None else SchedulerKind.DYNAMIC_CP
+        return SchedulerKind(given)
     except ValueError:
-        raise ConfigError(f"scheduler: {given!r} is not allowed; allowed: {[k.value for k in SchedulerKind]}") from None
+        allowed = [kind.value for kind in BRIDGE_SCHEDULERS]
+        raise ConfigError(f"scheduler: {given!r} is not allowed in Megatron-Bridge's drop-in; allowed: {allowed}") from None
 
 
 def check_bridge_support(cfg: Any, settings: BridgeSettings) -> None:
