@@ -20,7 +20,7 @@ from bench.gpu.replay.in_process_peers import CpGroupStandIn, InProcessCpPeersSt
 from bench.gpu.replay.links import LinkSpec
 from bench.gpu.replay.passes import GroupPass, plan_passes
 from bench.gpu.replay.shapes import RankShape
-from bench.gpu.replay.simulate import pass_seconds, replay_step, ring_seconds, ring_step_bytes, simulate_step
+from bench.gpu.replay.simulate import kv_bytes, pass_seconds, replay_step, ring_seconds, ring_transfers, simulate_step
 
 FREE_LINKS = LinkSpec(intra_node_bytes_per_second=1e30, intra_node_latency_seconds=0.0, inter_node_bytes_per_second=1e30,
                       inter_node_latency_seconds=0.0, tp_bytes_per_second=1e30)
@@ -70,9 +70,18 @@ def test_cp1_is_one_causal_call_over_whole_sequences():
 
 
 def test_ring_seconds_overlaps_each_transfer_with_its_step():
-    assert ring_seconds(8.0, 1, 5.0) == 8.0  # no ring
-    assert ring_seconds(8.0, 4, 0.5) == pytest.approx(8.0)  # compute-bound: the transfers hide
-    assert ring_seconds(8.0, 4, 5.0) == pytest.approx(3 * 5.0 + 2.0)  # link-bound; the last step receives nothing
+    assert ring_seconds(8.0, [0.0]) == 8.0  # no ring
+    assert ring_seconds(8.0, [0.5, 0.5, 0.5, 0.0]) == pytest.approx(8.0)  # compute-bound: the transfers hide
+    assert ring_seconds(8.0, [5.0, 5.0, 5.0, 0.0]) == pytest.approx(3 * 5.0 + 2.0)  # link-bound; the last forward step sends nothing
+
+
+def test_the_ring_sends_kv_forward_and_kv_with_its_gradients_backward():
+    assert ring_transfers(1) == ([0], [0])
+    assert ring_transfers(2) == ([1, 0], [1, 1])
+    assert ring_transfers(4) == ([1, 1, 1, 0], [1, 2, 2, 1])
+    for cp in (2, 4, 8, 64):
+        forward, backward = ring_transfers(cp)
+        assert len(forward) == len(backward) == cp and sum(forward) == cp - 1 and sum(backward) == 2 * (cp - 1)
 
 
 # ---------------------------------------------------------------- links
@@ -106,11 +115,11 @@ def test_a_pass_is_its_layers_rings_and_collectives_on_the_slowest_member():
     tokens = group_pass.local_tokens
     got = pass_seconds(clock, shape, links, group_pass)
     attention = [clock.attention(4, r, group_pass.real, group_pass.padded) for r in range(4)]
-    forward_bytes, backward_bytes = ring_step_bytes(shape, tokens)
-    assert forward_bytes == tokens * 2 * 1 * 128 * 2 and backward_bytes == 2 * forward_bytes
-    step = links.transfer_seconds(forward_bytes, crosses_node=True)
-    ring_forward = ring_seconds(max(a.forward for a in attention), 4, step)
-    ring_backward = ring_seconds(max(a.backward for a in attention), 4, links.transfer_seconds(backward_bytes, crosses_node=True))
+    unit = kv_bytes(shape, tokens)
+    assert unit == tokens * 2 * 1 * 128 * 2  # K and V of one KV head of 128, bf16
+    one, two = links.transfer_seconds(unit, crosses_node=True), links.transfer_seconds(2 * unit, crosses_node=True)
+    ring_forward = ring_seconds(max(a.forward for a in attention), [one, one, one, 0.0])
+    ring_backward = ring_seconds(max(a.backward for a in attention), [one, two, two, one])
     tp = 8 * links.tp_collective_seconds(tokens * 8192 * 2, 8)
     want = 80 * (clock.rest(tokens).total + ring_forward + ring_backward + tp) + clock.head(tokens).total
     assert got.seconds == pytest.approx(want)

@@ -5,15 +5,14 @@ A pass (`pass_seconds`), over the model's L layers, on a group of c ranks that e
     L x ( rest(T) + ring forward + ring backward + TP collectives ) + head(T)
 
 - rest(T), head(T): the clock's (`clock.py`), the slowest member's.
-- The ring (c > 1): c steps. Transformer Engine posts step i + 1's transfer before it computes
-  step i, so a step lasts max(compute, transfer) and the last step has nothing left to receive:
-
-      ring = (c - 1) x max(compute / c, transfer) + compute / c
-
-  with `compute` the slowest member's attention (forward, then backward) and `transfer` the
-  step's bytes on the group's slowest hop (`links.LinkSpec.ring_step_seconds`). Bytes per step
-  (`ring_step_bytes`): forward, the keys and values of the sender's T rows; backward, those again
-  and their gradients.
+- The ring (c > 1): c steps. Transformer Engine posts each step's transfer before it computes the
+  step, so a step lasts max(compute / c, its transfer) (`ring_seconds`), with `compute` the
+  slowest member's attention and each transfer priced on the group's slowest hop
+  (`links.LinkSpec.ring_step_seconds`). What a step sends (`ring_transfers`, in units of the
+  sender's keys and values of its T rows, kv): forward, kv at steps 0..c-2 and nothing at the last;
+  backward, kv at step 0, kv and their gradients (2 kv) at steps 1..c-2, the gradients alone (kv)
+  at the last (`AttnFuncWithCPAndKVP2P.backward`: `p2p_comm_buffers[i % 2]`, its first half at
+  step 0 and its second at step c-1).
 - TP collectives (t > 1, sequence parallelism): forward an all-gather before the QKV and the MLP's
   first GEMM and a reduce-scatter after the attention's and the MLP's last; backward the same four
   again; each of T x hidden activations; not overlapped.
@@ -35,10 +34,6 @@ from bench.gpu.replay.links import LinkSpec
 from bench.gpu.replay.passes import GroupPass, GroupWork
 from bench.gpu.replay.shapes import RankShape
 
-# Bytes a ring step sends per rank, in units of the sender's keys and values (forward: K and V;
-# backward: K and V, and dK and dV), as the in-process stand-in recorded Transformer Engine's sends.
-FORWARD_KV_UNITS = 1
-BACKWARD_KV_UNITS = 2
 TP_COLLECTIVES_PER_DIRECTION = 4
 
 
@@ -50,18 +45,24 @@ class PassTime:
     tp_collectives: float
 
 
-def ring_step_bytes(shape: RankShape, local_tokens: int) -> tuple[float, float]:
-    """(forward, backward) bytes one rank sends at one ring step of one layer."""
-    kv = local_tokens * shape.kv_bytes_per_token
-    return FORWARD_KV_UNITS * kv, BACKWARD_KV_UNITS * kv
+def ring_transfers(cp_size: int) -> tuple[list[int], list[int]]:
+    """(forward, backward): what each of the c ring steps sends, in units of the sender's keys and
+    values (module docstring)."""
+    if cp_size <= 1:
+        return [0], [0]
+    return [1] * (cp_size - 1) + [0], [1] + [2] * (cp_size - 2) + [1]
 
 
-def ring_seconds(compute: float, steps: int, transfer: float) -> float:
-    """A ring of `steps` steps whose compute totals `compute`, each step's transfer `transfer`."""
-    if steps <= 1:
-        return compute
-    per_step = compute / steps
-    return (steps - 1) * max(per_step, transfer) + per_step
+def kv_bytes(shape: RankShape, local_tokens: int) -> float:
+    """One unit of `ring_transfers`: the keys and values of a rank's T rows in one layer."""
+    return float(local_tokens * shape.kv_bytes_per_token)
+
+
+def ring_seconds(compute: float, transfers: Sequence[float]) -> float:
+    """A ring of len(transfers) steps whose compute totals `compute`: each step lasts the longer of
+    its share of the compute and the transfer posted before it."""
+    per_step = compute / len(transfers)
+    return sum(max(per_step, transfer) for transfer in transfers)
 
 
 def pass_seconds(clock: KernelClock, shape: RankShape, links: LinkSpec, group_pass: GroupPass) -> PassTime:
@@ -71,10 +72,10 @@ def pass_seconds(clock: KernelClock, shape: RankShape, links: LinkSpec, group_pa
     attention = [clock.attention(c, r, group_pass.real, group_pass.padded) for r in range(c)]
     forward = max(a.forward for a in attention)
     backward = max(a.backward for a in attention)
-    forward_bytes, backward_bytes = ring_step_bytes(shape, tokens)
-    ranks = group_pass.ranks
-    ring_forward = ring_seconds(forward, c, links.ring_step_seconds(forward_bytes, ranks, t))
-    ring_backward = ring_seconds(backward, c, links.ring_step_seconds(backward_bytes, ranks, t))
+    unit, ranks = kv_bytes(shape, tokens), group_pass.ranks
+    forward_units, backward_units = ring_transfers(c)
+    ring_forward = ring_seconds(forward, [links.ring_step_seconds(n * unit, ranks, t) for n in forward_units])
+    ring_backward = ring_seconds(backward, [links.ring_step_seconds(n * unit, ranks, t) for n in backward_units])
     tp = 2 * TP_COLLECTIVES_PER_DIRECTION * links.tp_collective_seconds(tokens * shape.activation_bytes_per_token, t)
     layers = shape.num_layers
     compute = layers * (rest.total + forward + backward) + head.total
@@ -123,5 +124,5 @@ def replay_step(clock: KernelClock, shape: RankShape, links: LinkSpec, passes: S
     return simulate_step(timed, ranks)
 
 
-__all__ = ["PassTime", "StepTime", "Timing", "pass_seconds", "group_seconds", "ring_seconds", "ring_step_bytes", "simulate_step",
-           "replay_step"]
+__all__ = ["PassTime", "StepTime", "Timing", "pass_seconds", "group_seconds", "ring_seconds", "ring_transfers", "kv_bytes",
+           "simulate_step", "replay_step"]
