@@ -223,9 +223,10 @@ def make_channel(config: PlannerClientConfig) -> grpc.Channel:
         # gRPC retries a call only while its request fits the retry buffer (256 KiB by default).
         ("grpc.per_rpc_retry_buffer_size", 64 * 1024 * 1024),
         # A planner that restarts is used again within about a second, not after gRPC's default
-        # reconnect backoff of up to two minutes.
+        # reconnect backoff of up to two minutes. Not grpc.min_reconnect_backoff_ms: despite its name
+        # it is the least time gRPC gives one connection attempt (20 s by default); at 100 ms a server
+        # that sends its first HTTP/2 frame later, as one on a busy machine does, is never reached.
         ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_ms)),
-        ("grpc.min_reconnect_backoff_ms", min(100, reconnect_ms)),
         ("grpc.max_reconnect_backoff_ms", reconnect_ms),
         # When the server closes a connection at its maximum age, the name is resolved again at
         # once (gRPC's default waits up to 30 s between resolutions), so new replicas show up.

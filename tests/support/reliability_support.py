@@ -302,3 +302,26 @@ def wait_for_metric(server, name: str, check, what: str, timeout: float = 30.0, 
     return wait_until(ready, timeout, what)[0]
 
 
+# --- what a trainer client counts -------------------------------------------------------------------
+
+
+def client_counts(metrics) -> dict[str, int]:
+    """A trainer client's (its TrainerMetrics) plans from the service, and its Plan calls sent again
+    within a plan: hedged after a stall (a busy machine's slow answer) or failed over, at most one a
+    plan (trainer_client/rpc_client.py). The server may answer both calls of such a plan before the
+    client cancels the other, so it can count up to `sent_again` requests more than plans."""
+    from prometheus_client import generate_latest
+
+    text = generate_latest(metrics.registry).decode()
+    return {
+        "service_plans": int(sample_value(text, "batch_planner_client_plans_total", source="service")),
+        "sent_again": int(sample_value(text, "batch_planner_client_failovers_total")),
+    }
+
+
+def assert_requests_of_plans(requests: float, plans: int, sent_again: int) -> None:
+    """The server answered `requests` Plan requests for the clients' `plans` plans: one each, plus at
+    most one for each call a client sent again (client_counts). Exactly one each where none was."""
+    assert plans <= requests <= plans + sent_again, f"{requests} requests answered for {plans} plans, {sent_again} calls sent again"
+
+

@@ -20,6 +20,9 @@ from tests.support.batches import token_batch
 
 MAX_PER_RANK = 1024
 JOIN_DEADLINE_SECONDS = 240
+# Each plan's deadline: every plan must come from the service (the test checks last_source), and on a
+# busy machine the client's default of 2 s ran out (the plan then falls back in process).
+PLAN_DEADLINE_SECONDS = 30.0
 # Per DPxCP size: samples that need every CP size up to the whole group at 1,024 tokens per rank.
 LENGTHS = {
     4: (3000, 1500, 1800, 700, 500, 301, 900, 97, 1000, 64, 333, 1),
@@ -77,6 +80,7 @@ def _run_rank(rank: int, world: int, tp: int, store_path: str, endpoint: str, ou
             config = PlannerClientConfig(
                 planner_endpoint=endpoint, tls=False, max_seqlen_per_dp_cp_rank=MAX_PER_RANK, cp_layout=layout,
                 tensor_parallel_size=tp, who_asks=who_asks, context_parallel_size=2, scheduler=scheduler,
+                deadline_seconds=PLAN_DEADLINE_SECONDS,
             )
             client = BatchPlannerClient(config)  # DPxCP group and CP groups from parallel_state
             assert client.dp_cp_size == dp_cp_size

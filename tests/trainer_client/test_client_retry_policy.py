@@ -1,11 +1,14 @@
 """The client's retries are gRPC's own (the channel's retryPolicy, built from the client config and
 batch_planner.errors.CLIENT_ACTION), inside the call's deadline, plus one more call when a call
 stalls past hedge_after_seconds or fails; every Plan call carries the job name as metadata. A
-scripted planner of the test's own counts the attempts the server sees."""
+scripted planner of the test's own counts the attempts the server sees. The channel waits for a
+server slow to answer a new connection."""
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -209,3 +212,63 @@ def test_an_answer_that_arrives_before_the_first_failure_is_handled_wins(scripte
     client._plan = type("Calls", (), {"future": lambda self, *args, **kwargs: next(answers)})()
     assert pb.PlanResponse.FromString(client.plan_bytes(REQUEST)) == pb.PlanResponse()
     assert counter(client, "failovers", reason="unavailable") == 1
+
+
+class SlowToAnswer:
+    """A TCP relay to 127.0.0.1:`port` that holds the server's first bytes on each connection (its
+    HTTP/2 SETTINGS frame, which ends gRPC's connection attempt) for `hold` seconds, as a server on a
+    busy machine is slow to answer a new connection. Counts the connections."""
+
+    def __init__(self, port: int, hold: float):
+        self.port, self.hold = port, hold
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sockets = [self.listener]
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            self.connections += 1
+            far = socket.create_connection(("127.0.0.1", self.port))
+            self.sockets += [near, far]
+            threading.Thread(target=self._relay, args=(near, far, 0.0), daemon=True).start()
+            threading.Thread(target=self._relay, args=(far, near, self.hold), daemon=True).start()
+
+    @staticmethod
+    def _relay(source: socket.socket, sink: socket.socket, hold: float) -> None:
+        try:
+            while data := source.recv(65536):
+                time.sleep(hold)  # the slowness itself, on the first bytes only
+                hold = 0.0
+                sink.sendall(data)
+        except OSError:  # the other side closed
+            pass
+
+    def close(self) -> None:
+        for s in self.sockets:
+            s.close()
+
+
+def test_a_planner_slow_to_answer_a_new_connection_is_reached(scripted):
+    """gRPC gives a connection attempt at least grpc.min_reconnect_backoff_ms, and the attempt ends
+    only with the server's first frame. The client leaves that at gRPC's 20 s: a server whose first
+    frame comes 2 s after the connection, later than the reconnect backoff ever grows
+    (max_reconnect_backoff_seconds = 1, plus jitter), is reached on the first connection, within the
+    plan's deadline, with no call sent again."""
+    planner, direct = scripted([])
+    relay = SlowToAnswer(int(direct.config.planner_endpoint.rsplit(":", 1)[1]), hold=2.0)
+    config = PlannerClientConfig(planner_endpoint=relay.address, max_seqlen_per_dp_cp_rank=4096, job="retry-test",
+                                 deadline_seconds=10.0, hedge_after_seconds=0, max_reconnect_backoff_seconds=1.0)
+    client = PlannerRpcClient(config, TrainerMetrics(job="retry-test"))
+    try:
+        assert pb.PlanResponse.FromString(client.plan_bytes(REQUEST)) == pb.PlanResponse()
+        assert len(planner.attempts) == 1 and counter(client, "failovers", reason="unavailable") == 0
+        assert relay.connections == 1
+    finally:
+        client.close()
+        relay.close()

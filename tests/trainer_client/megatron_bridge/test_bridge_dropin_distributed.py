@@ -22,6 +22,7 @@ import pytest
 from tests.trainer_client.megatron_bridge import dropin_ranks as ranks
 from tests.support.launch import read_rank_results, run_ranks, write_rank_result
 from tests.support.planner_process import start_planner
+from tests.support.reliability_support import assert_requests_of_plans, client_counts
 
 pytestmark = pytest.mark.attention  # CI prints these tests' time (tests/conftest.py)
 
@@ -116,6 +117,7 @@ def _train_and_evaluate(rank: int, world: int, store_path: str, out_dir: str, tp
                  "handed": [ranks.params_record(p) for p in handed],
                  "expected": [ranks.params_record(u.packed_seq_params) for u in evaluated.last_units]},
         "checksum": checksum, "dp_cp_ranks": dist.get_process_group_ranks(pgs.dp_cp), "dp_rank": dp_rank,
+        "sent_again": sum(client_counts(p.planner.client.metrics)["sent_again"] for p in (planned, evaluated)),
     })
     from trainer_client.megatron_bridge import disable
 
@@ -161,9 +163,11 @@ def test_dynamic_cp_through_bridge_train_step(layout, tmp_path):
     # One rank asks the planner for the whole job: rank 0 of TP rank 0's DPxCP group. With TP2 the
     # other TP rank's DPxCP group (led by rank 1) gets its answer over TP, where it came from too.
     # The planner's request log: each plan asked for once (without the sharing, once per TP rank),
-    # every step served by the service among them.
+    # plus one answer for each call sent again (a busy machine's hedge), every step served by the
+    # service among them.
     asked = Counter(re.findall(r"\bplan plan_id=(\S+) .*status=OK", planner.log))
-    assert asked and set(asked.values()) == {1}, asked
+    assert asked, planner.log
+    assert_requests_of_plans(sum(asked.values()), len(asked), sum(r["sent_again"] for r in results))
     assert {r["plan_id"] for r in results[0]["steps"] if r["source"] == "service"} <= set(asked), (asked, results[0]["steps"])
     assert [r["asks"] for result in results for r in result["steps"]] == [rank == 0 for rank in range(world) for _ in range(STEPS)]
     for rank, result in enumerate(results):
@@ -260,7 +264,8 @@ def _train_pipeline(rank: int, world: int, store_path: str, out_dir: str, endpoi
             "units": [ranks.unit_record(u) for u in planned.last_units],
             "expected": [dict(ranks.unit_record(u), cp_group=None) for u in expected],
         })
-    write_rank_result(out_dir, rank, {"steps": records, "stage": pgs.pp.rank(), "dp_cp_ranks": dist.get_process_group_ranks(pgs.dp_cp)})
+    write_rank_result(out_dir, rank, {"steps": records, "stage": pgs.pp.rank(), "dp_cp_ranks": dist.get_process_group_ranks(pgs.dp_cp),
+                                      "sent_again": client_counts(planned.planner.client.metrics)["sent_again"]})
     disable()
 
 
@@ -304,6 +309,13 @@ def test_pipeline_stages_through_bridge_train_step(tmp_path, vpp, mtp):
                 assert record["mtp"] is None, (where, record["mtp"])
     for step in range(PIPELINE_STEPS):  # one plan a step on every rank of both stages
         assert len({r["steps"][step]["plan_id"] for r in results}) == 1, step
+        # Each stage's DPxCP group got it from the service (the client's 20 s deadline: a busy
+        # machine's slow answer is waited for, never planned in process), on the rank that leads it.
+        for rank, result in enumerate(results):
+            leads = result["dp_cp_ranks"][0] == rank
+            assert result["steps"][step]["source"] == ("service" if leads else None), (rank, result["stage"], step, result["steps"][step]["source"])
     asked = Counter(re.findall(r"\bplan plan_id=(\S+) .*status=OK", planner.log))
-    # Each stage's DPxCP group asked once a step, the step read ahead after the last one included.
-    assert sorted(asked.values()) == [2] * (PIPELINE_STEPS + 1), asked
+    # Each stage's DPxCP group asked once a step, the step read ahead after the last one included,
+    # plus one answer for each call sent again (a busy machine's hedge).
+    assert len(asked) == PIPELINE_STEPS + 1 and min(asked.values()) >= 2, asked
+    assert_requests_of_plans(sum(asked.values()), 2 * (PIPELINE_STEPS + 1), sum(r["sent_again"] for r in results))
