@@ -31,8 +31,12 @@ the sustained fractions, which are calibrated from timed layers (bench/gpu/layer
 
 from __future__ import annotations
 
+import dataclasses
+
 from batch_planner.cost_spec import (
     CALIBRATED_PRESET,
+    REPLAY_PRESETS,
+    TOY_ENGINE_COEFFICIENTS,
     COEFFICIENTS_FIELD,
     CostModel,
     CostModelSpec,
@@ -79,9 +83,7 @@ def cp_bytes_per_token_per_layer(model: ModelProfile) -> float:
 
 def derive_cost_model(model: ModelProfile, hardware: HardwareProfile, tensor_parallel_size: int = 1) -> CostModel:
     """The five coefficients by the formulas of this module's docstring."""
-    t = tensor_parallel_size
-    if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= 1024:
-        raise InvalidRequestError(f"{TP_FIELD}: got {t!r}; allowed an integer in [1, 1024]", field=TP_FIELD)
+    t = _checked_tp(tensor_parallel_size)
     layers = model.num_layers
     compute = t * hardware.peak_bf16_flops
     token_flops = layers * flops_per_token_per_layer(model) + output_flops_per_token(model)
@@ -96,6 +98,39 @@ def derive_cost_model(model: ModelProfile, hardware: HardwareProfile, tensor_par
     return validate_coefficients(derived, COEFFICIENTS_FIELD)
 
 
+def hardware_from_fit(model: ModelProfile, fitted: CostModel, tensor_parallel_size: int, peak_bf16_flops: float) -> HardwareProfile:
+    """The hardware profile under which `model` at this TP size derives `fitted`: the inverse of
+    `derive_cost_model` (the fixed costs all per layer, none per pass alone; the CP traffic as an
+    effective bandwidth wholly exposed, the bandwidth the fitted per-token CP term implies). What makes the
+    model+hardware path agree with a replay's fit (bench/gpu/replay/report.py calibrates the GPU's
+    profile from one model's fit and checks the others against it). Raises InvalidRequestError when
+    the fit implies a fraction outside its range (above the peak, say)."""
+    t = _checked_tp(tensor_parallel_size)
+    layers, compute = model.num_layers, t * peak_bf16_flops
+    token_flops = layers * flops_per_token_per_layer(model) + output_flops_per_token(model)
+    cp_bytes = layers * cp_bytes_per_token_per_layer(model)
+    fastest = 1e13  # HardwareProfile's largest bandwidth: a CP term of 0 is a link that costs nothing
+    bandwidth = min(fastest, cp_bytes / (t * fitted.cp_seconds_per_token)) if fitted.cp_seconds_per_token else fastest
+    values = dict(
+        peak_bf16_flops=peak_bf16_flops,
+        sustained_fraction=token_flops / (compute * fitted.seconds_per_token) if fitted.seconds_per_token else 1.0,
+        attention_sustained_fraction=(layers * flops_per_attention_unit_per_layer(model) / (compute * fitted.seconds_per_attention_token_pair)
+                                      if fitted.seconds_per_attention_token_pair else 1.0),
+        cp_bandwidth_bytes_per_second=bandwidth,
+        cp_exposed_fraction=1.0 if fitted.cp_seconds_per_token else 0.0,
+        seconds_per_layer_pass=fitted.seconds_per_pass / layers,
+        seconds_per_pass_base=0.0,
+        cp_seconds_per_layer_pass=fitted.cp_seconds_per_micro_batch / layers,
+    )
+    return HardwareProfile.from_mapping(values, "hardware_from_fit")
+
+
+def _checked_tp(t: object) -> int:
+    if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= 1024:
+        raise InvalidRequestError(f"{TP_FIELD}: got {t!r}; allowed an integer in [1, 1024]", field=TP_FIELD)
+    return t
+
+
 def layer_terms(model: ModelProfile, hardware: HardwareProfile, tensor_parallel_size: int = 1) -> dict[str, float]:
     """Per-token and per-L^2 seconds of ONE layer: what bench/gpu/layer_timing.py measures."""
     compute = tensor_parallel_size * hardware.peak_bf16_flops
@@ -106,10 +141,20 @@ def layer_terms(model: ModelProfile, hardware: HardwareProfile, tensor_parallel_
 
 
 def cost_model_for_preset(name: str, tensor_parallel_size: int = 1) -> CostModel:
-    """A preset's coefficients. Derived presets divide the matrix work and the CP traffic over the
-    TP group (the fixed costs stay); the calibration is a fixed set measured at TP 1 and ignores it."""
+    """A preset's coefficients. The replay's fits and the derived presets divide the matrix work and
+    the CP traffic over the TP group (the fixed costs stay): a fit at TP f, at TP t, scales them by
+    f / t; the toy engine's calibration is a fixed set measured at TP 1 and ignores it."""
     if name == CALIBRATED_PRESET:
-        return CostModel()
+        return TOY_ENGINE_COEFFICIENTS
+    if name in REPLAY_PRESETS:
+        preset = REPLAY_PRESETS[name]
+        scale = preset.tensor_parallel_size / _checked_tp(tensor_parallel_size)
+        fitted = preset.coefficients
+        return validate_coefficients(dataclasses.replace(
+            fitted, seconds_per_token=fitted.seconds_per_token * scale,
+            seconds_per_attention_token_pair=fitted.seconds_per_attention_token_pair * scale,
+            cp_seconds_per_token=fitted.cp_seconds_per_token * scale,
+        ), COEFFICIENTS_FIELD)
     model, hardware = preset_profiles(name)
     return derive_cost_model(model, hardware, tensor_parallel_size)
 

@@ -46,11 +46,11 @@ def _within(low: float, high: float, doc: str) -> Any:
 
 @dataclass(frozen=True, config=_DATA)
 class CostModel:
-    """Coefficients in seconds. Defaults: H200 values for one model size, fitted to three runs on
-    2x H200 (docs/gpu-benchmark.md): a 4-layer, 2048-wide bf16 decoder, forward + backward, CP
-    through PyTorch's ring attention. Absolute seconds scale with the model; the ratios between
-    the terms are what rank plans. The fixed terms (seconds_per_pass, cp_seconds_per_micro_batch)
-    are host-side and vary between machines of the same kind. The field order is the order of a
+    """Coefficients in seconds. Defaults: the toy engine's (TOY_ENGINE_COEFFICIENTS, the preset
+    `h200-bench-calibrated`), fitted to three runs on 2x H200 of a 4-layer, 2048-wide bf16 decoder
+    whose CP was PyTorch's ring attention (docs/gpu-benchmark.md). They are to give way to the
+    replay's fit (REPLAY_PRESETS, docs/gpu-replay.md) once it has run. Absolute seconds scale with
+    the model; the ratios between the terms are what rank plans. The field order is the order of a
     feature vector (`COEFFICIENT_NAMES`, batch_planner.cost.unit_features)."""
 
     seconds_per_token: Annotated[Seconds, Field(description="cost model: seconds per (padded) token per rank")] = 2.22e-6
@@ -206,14 +206,34 @@ _HOPPER = HardwareProfile(
 )
 HARDWARE_PROFILES: dict[str, HardwareProfile] = {"h200": _HOPPER, "h100": _HOPPER}
 
-# The measured calibration the server has always defaulted to: CostModel()'s own coefficients.
+# The toy engine's coefficients, the defaults before the replay (history, docs/gpu-benchmark.md): three
+# runs on 2x H200 of a 4-layer, 2048-wide decoder whose CP was PyTorch's ring attention, one ring call
+# per sequence and layer (hence 11 ms per CP pass). A request that names this preset still gets them.
 CALIBRATED_PRESET = "h200-bench-calibrated"
+TOY_ENGINE_COEFFICIENTS = CostModel()
+
+
+@dataclass(frozen=True, config=_DATA)
+class ReplayPreset:
+    """Coefficients fitted to the replay (docs/gpu-replay.md) at one TP size: at another, the work
+    terms and the CP traffic scale by fitted TP / TP, the fixed terms stay."""
+
+    tensor_parallel_size: Annotated[Count, _within(1, 1024, "the TP size the replay ran the model at")]
+    coefficients: CostModel
+
+
+# "<model>-<gpu>": the replay's fits, as bench/gpu/replay/report.py writes them to
+# docs/gpu-benchmark-data/replay/fitted.json (tests/batch_planner/test_cost_profiles.py holds these to
+# that file). Empty until the replay has run on a GPU; a name here takes the place of the derived
+# preset of the same name.
+REPLAY_PRESETS: dict[str, ReplayPreset] = {}
 
 
 def preset_names() -> tuple[str, ...]:
-    """Every preset: "<model>-<hardware>" for each model and hardware profile, and the calibration."""
+    """Every preset: the replay's fits, "<model>-<hardware>" derived for each other model and
+    hardware profile, and the toy engine's calibration."""
     derived = (f"{m}-{h}" for m in MODEL_PROFILES for h in HARDWARE_PROFILES)
-    return (CALIBRATED_PRESET, *derived)
+    return (CALIBRATED_PRESET, *REPLAY_PRESETS, *(d for d in derived if d not in REPLAY_PRESETS))
 
 
 def preset_profiles(name: str) -> tuple[ModelProfile, HardwareProfile]:

@@ -19,6 +19,7 @@ from batch_planner.cost_derivation import (
 )
 from batch_planner.cost_spec import (
     CALIBRATED_PRESET,
+    COEFFICIENT_NAMES,
     HARDWARE_PROFILES,
     MODEL_PROFILES,
     CostModel,
@@ -233,3 +234,60 @@ def test_committed_gpu_timings_within_tolerance_of_derived(run: str) -> None:
         for term, value in derived.items():
             measured = shape["measured"][term]
             assert abs(value / measured - 1.0) <= report["tolerance"] == 0.20, (name, term, value, measured)
+
+
+# ---------------------------------------------------------------- the replay's presets
+
+
+def test_a_replay_preset_takes_the_derived_ones_place_and_scales_its_work_by_tp(monkeypatch) -> None:
+    from batch_planner import cost_spec
+    from batch_planner.cost_spec import ReplayPreset
+
+    fitted = CostModel(seconds_per_token=4e-5, seconds_per_attention_token_pair=2e-10, cp_seconds_per_micro_batch=3e-3,
+                       cp_seconds_per_token=1e-8, seconds_per_pass=2e-3)
+    monkeypatch.setitem(cost_spec.REPLAY_PRESETS, "llama3-70b-h100", ReplayPreset(8, fitted))
+    names = preset_names()
+    assert names.count("llama3-70b-h100") == 1 and names[0] == CALIBRATED_PRESET
+    assert cost_model_for_preset("llama3-70b-h100", 8) == fitted
+    at_four = cost_model_for_preset("llama3-70b-h100", 4)  # half the TP group: twice the work a rank
+    assert at_four.seconds_per_token == pytest.approx(8e-5) and at_four.seconds_per_attention_token_pair == pytest.approx(4e-10)
+    assert at_four.cp_seconds_per_token == pytest.approx(2e-8)
+    assert (at_four.seconds_per_pass, at_four.cp_seconds_per_micro_batch) == (fitted.seconds_per_pass, fitted.cp_seconds_per_micro_batch)
+    with pytest.raises(InvalidRequestError, match="layout.tensor_parallel_size"):
+        cost_model_for_preset("llama3-70b-h100", 0)
+
+
+def test_the_replay_presets_are_the_replays_fit() -> None:
+    """batch_planner's REPLAY_PRESETS and the fit bench/gpu/replay/report.py wrote are one thing."""
+    from batch_planner.cost_spec import REPLAY_PRESETS
+
+    fitted_file = Path(__file__).resolve().parents[2] / "docs" / "gpu-benchmark-data" / "replay" / "fitted.json"
+    if not fitted_file.exists():
+        assert REPLAY_PRESETS == {}, "REPLAY_PRESETS without the replay's fitted.json"
+        pytest.skip(f"no replay fit yet ({fitted_file.name} is written by bench/gpu/replay/report.py after a GPU run)")
+    fitted = json.loads(fitted_file.read_text())
+    assert set(REPLAY_PRESETS) == set(fitted)
+    for name, values in fitted.items():
+        preset = REPLAY_PRESETS[name]
+        assert preset.tensor_parallel_size == values["tensor_parallel_size"]
+        assert dataclasses.asdict(preset.coefficients) == {k: v for k, v in values.items() if k != "tensor_parallel_size"}
+
+
+@pytest.mark.parametrize("model_name, tp", [("llama3-8b", 1), ("llama3-70b", 8), ("qwen3-30b-a3b", 2)])
+def test_hardware_from_a_fit_derives_that_fit_back(model_name: str, tp: int) -> None:
+    from batch_planner.cost_derivation import hardware_from_fit
+
+    model = MODEL_PROFILES[model_name]
+    fitted = derive_cost_model(model, HARDWARE_PROFILES["h100"], tp)  # any coefficients the path can express
+    hardware = hardware_from_fit(model, fitted, tp, HARDWARE_PROFILES["h100"].peak_bf16_flops)
+    back = derive_cost_model(model, hardware, tp)
+    for name in COEFFICIENT_NAMES:
+        assert getattr(back, name) == pytest.approx(getattr(fitted, name), rel=1e-9), name
+
+
+def test_a_fit_faster_than_the_peak_is_refused() -> None:
+    from batch_planner.cost_derivation import hardware_from_fit
+
+    impossible = CostModel(seconds_per_token=1e-9)
+    with pytest.raises(InvalidRequestError, match="hardware_from_fit.sustained_fraction"):
+        hardware_from_fit(MODEL_PROFILES["llama3-8b"], impossible, 1, 989.4e12)

@@ -66,7 +66,7 @@ def _timing(t) -> dict:
     return {"forward": t.forward, "backward": t.backward}
 
 
-def measure_model(model: str, records: dict, quick: bool, log) -> None:
+def measure_model(model: str, records: dict, quick: bool, log, fit_passes: int = FIT_PASSES) -> None:
     import torch
 
     from bench.gpu.replay.kernels import Engine
@@ -85,7 +85,7 @@ def measure_model(model: str, records: dict, quick: bool, log) -> None:
             entry["head"][str(tokens)] = _timing(engine.head_pass(tokens))
     log(f"{key}: rest and head on {len(grid)} token counts, {time.monotonic() - started:.0f} s")
     rng = random.Random(f"replay-attention:{key}")
-    wanted = [("fit", n) for n in range(6 if quick else FIT_PASSES)] + [("check", n) for n in range(3 if quick else CHECK_PASSES)]
+    wanted = [("fit", n) for n in range(6 if quick else fit_passes)] + [("check", n) for n in range(3 if quick else CHECK_PASSES)]
     done = {(a["role"], a["index"]) for a in entry["attention"]}
     for role, index in wanted:
         case = random_pass(rng, shape.tensor_parallel_size)
@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="the measurements (JSON), read first if it exists: a cache by shape")
     parser.add_argument("--models", default=",".join(REPLAY_TP))
     parser.add_argument("--quick", action="store_true", help="a few of each, to try the command")
+    parser.add_argument("--fit-passes", type=int, default=FIT_PASSES, help="random attention passes to fit the clock to")
     args = parser.parse_args(argv)
     records = json.loads(args.out.read_text()) if args.out.exists() else {}
 
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     failures = {}
     for model in args.models.split(","):
         try:
-            measure_model(model, records, args.quick, log)
+            measure_model(model, records, args.quick, log, args.fit_passes)
         except Exception as error:  # noqa: BLE001 - one model's failure is recorded and the others still run
             import traceback
 

@@ -154,6 +154,44 @@ def fit_model(model: str, clock, shape, links, toy: CostModel, ranks_list, log) 
                           "relative_error_scale": result.relative_error_scale}
 
 
+def message_check(entry: dict, shape: RankShape) -> dict:
+    """What the in-process stand-in recorded Transformer Engine's ring sending, against what the link
+    model prices (`simulate.ring_transfers` x `simulate.kv_bytes`), per measured attention pass."""
+    from bench.gpu.replay.simulate import kv_bytes, ring_transfers
+
+    checked = mismatched = 0
+    for a in entry["attention"]:
+        if a["cp_size"] == 1 or not a.get("messages"):
+            continue
+        unit = kv_bytes(shape, sum(a["padded"]) // a["cp_size"])
+        forward, backward = ring_transfers(a["cp_size"])
+        want = {"forward": [n * unit for n in forward if n], "backward": [n * unit for n in backward if n]}
+        got = {phase: [float(m[3]) for m in a["messages"] if m[0] == phase and m[1] == "send"] for phase in ("forward", "backward")}
+        checked += 1
+        mismatched += got != want
+    return {"passes": checked, "mismatched": mismatched}
+
+
+def calibrated_hardware(fitted_models: dict[str, CostModel], gpu: str) -> dict:
+    """The GPU's hardware profile calibrated from the first model's fit (cost_derivation.hardware_from_fit),
+    and every fitted model's derived coefficients under it against its fit."""
+    from batch_planner.cost_derivation import derive_cost_model, hardware_from_fit
+    from batch_planner.cost_spec import HARDWARE_PROFILES, MODEL_PROFILES
+
+    if not fitted_models:
+        return {}
+    first = next(iter(fitted_models))
+    shape = RankShape.of(first)
+    hardware = hardware_from_fit(MODEL_PROFILES[first], fitted_models[first], shape.tensor_parallel_size, HARDWARE_PROFILES[gpu].peak_bf16_flops)
+    agreement = {}
+    for model, fitted in fitted_models.items():
+        derived = derive_cost_model(MODEL_PROFILES[model], hardware, RankShape.of(model).tensor_parallel_size)
+        agreement[model] = {name: (getattr(derived, name) / getattr(fitted, name) - 1) if getattr(fitted, name) else None
+                            for name in COEFFICIENT_NAMES}
+    return {"calibrated_from": first, "profile": {k: getattr(hardware, k) for k in hardware.__pydantic_fields__},
+            "derived_over_fitted_minus_one": agreement}
+
+
 def summary_rows(evaluated: list[dict]) -> list[dict]:
     rows = []
     for batch in evaluated:
@@ -243,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         shape = RankShape.of(model)
         clock = FittedKernelClock(measurements[shape.key])
-        checks[model] = clock.check()
+        checks[model] = {**clock.check(), "ring_messages": message_check(measurements[shape.key], shape)}
         fitted, fits[model] = fit_model(model, clock, shape, links, toy, ranks_list, log)
         fitted_models[model] = fitted
         for distribution in DISTRIBUTIONS:
@@ -255,7 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     fitted_json = {f"{model}-{args.gpu}": {"tensor_parallel_size": RankShape.of(model).tensor_parallel_size,
                                             **{name: getattr(m, name) for name in COEFFICIENT_NAMES}} for model, m in fitted_models.items()}
     (args.out / "fitted.json").write_text(json.dumps(fitted_json, indent=1) + "\n")
-    (args.out / "results.json").write_text(json.dumps({"links": links.as_json(), "checks": checks, "fits": fits, "batches": evaluated},
+    hardware = calibrated_hardware(fitted_models, args.gpu)
+    (args.out / "hardware.json").write_text(json.dumps(hardware, indent=1) + "\n")
+    (args.out / "results.json").write_text(json.dumps({"links": links.as_json(), "checks": checks, "fits": fits, "hardware": hardware,
+                                                        "batches": evaluated},
                                                        indent=None, separators=(",", ":")) + "\n")
     (args.out / "tables.md").write_text(tables(rows, checks, fits, links) + "\n")
     print((args.out / "tables.md").read_text())
