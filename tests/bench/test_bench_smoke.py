@@ -16,7 +16,7 @@ from bench import (  # noqa: E402
     trainer_cost,
 )
 from bench.__main__ import summary  # noqa: E402
-from bench.common import Bar, BatchSize, Report, read_bars, write_report  # noqa: E402
+from bench.common import DISTRIBUTION_NAMES, Bar, BatchSize, Report, read_bars, write_report  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALLEST = BatchSize(64, 8)
@@ -170,11 +170,11 @@ def test_trainer_cost_smoke(tmp_path):
 
 def test_quality_smoke(tmp_path):
     report = quality.run(tmp_path, smoke=True)
-    assert_report(report, 4 * 6)
+    assert_report(report, len(DISTRIBUTION_NAMES) * 6)
     rows = [r for r in report.rows if isinstance(r, quality.Row)]
     autos = [r for r in report.rows if isinstance(r, quality.AutoRow)]
     hybrid = [r for r in rows if r.name == "hybrid CP"]
-    assert len(hybrid) == 4
+    assert len(hybrid) == len(DISTRIBUTION_NAMES)  # one a distribution
     # Nothing beats the lower bound under the cost model.
     assert all(r.cost_over_bound >= 0.999 for r in hybrid)
     # Every sample appears in the CP-size mix of every plan.
@@ -183,7 +183,7 @@ def test_quality_smoke(tmp_path):
         if r.cost_over_bound is None:
             assert r.note.startswith(("not available in Megatron-Core", "refused: ")), r
     # auto: every distribution under every preset, never slower than the best static CP it tried.
-    assert len(autos) == 4 * len(quality.AUTO_PRESETS)
+    assert len(autos) == len(DISTRIBUTION_NAMES) * len(quality.AUTO_PRESETS)
     assert all(a.cost_over_bound >= 0.999 and (a.speedup_over_best_static or 1.0) >= 1.0 for a in autos)
 
 
@@ -191,7 +191,8 @@ def test_nonpow2_smoke(tmp_path):
     report = nonpow2.run(tmp_path, smoke=True)
     assert [r.dp_cp for r in report.rows] == [8, 12, 16]
     for r in report.rows:
-        assert r.batches == r.upstream + sum(r.substitutes.values()) + r.refused == 12
+        # one seed x every distribution x every density
+        assert r.batches == r.upstream + sum(r.substitutes.values()) + r.refused == len(DISTRIBUTION_NAMES) * len(nonpow2.SAMPLES_PER_RANK)
         assert r.auto_ratio_geomean >= 1.0 - 1e-9  # auto with dynamic CP never predicts worse than without
     assert_bars_stored(report)
 
