@@ -64,11 +64,12 @@ class VersionGate:
 
 
 def _found(name: str) -> bool:
-    """Whether "module:attribute[.attribute]" resolves; a module that does not import counts as lacking."""
+    """Whether "module:attribute[.attribute]" resolves; a module that does not import (missing, or
+    failing as it imports) counts as lacking."""
     module_name, _, path = name.partition(":")
     try:
         found: Any = importlib.import_module(module_name)
-    except ImportError:
+    except Exception:  # noqa: BLE001 - whatever stops the import, the name is not there to call
         return False
     for part in path.split(".") if path else ():
         if not hasattr(found, part):
