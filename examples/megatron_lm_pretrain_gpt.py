@@ -14,11 +14,15 @@ the data iterator itself:
     (packed_data_iterator, num_microbatches, seqlen_sum_this_global_batch,
      seqlen_squared_sum_this_global_batch) = wrap_data_iterator(data_iterator, config, get_num_microbatches())
 
-The change is the import line in training.py (or, without editing Megatron-LM, the module
-attribute before `pretrain` runs, which is what this script does):
+The change is the import line in training.py:
 
     from trainer_client.megatron_lm import HybridCPDataLoaderWrapper   # 0.19.x
     from trainer_client.megatron_lm import wrap_data_iterator          # dev branch
+
+or, without editing Megatron-LM, what this script does: `trainer_client.megatron_lm.enabled()` around
+`pretrain`, which replaces those names in `megatron.training.training` (on a Megatron-Core build the
+drop-in was checked against; on another it warns and changes nothing) and puts Megatron-LM's own back
+at the end.
 
 The planner's own settings (endpoint, TLS, deadlines, fallback) come from the YAML file named by
 $BATCH_PLANNER_CONFIG (section `batch_planner`); sizes and the scheduler come from Megatron's
@@ -34,7 +38,8 @@ with planner.yaml:
       planner_endpoint: dns:///batch-planner.training.svc.cluster.local:50051
       tls_ca_file: /etc/batch-planner/ca.pem
 
-`--check` only shows what would be swapped, without Megatron-LM's pretrain_gpt.py on the path.
+`--check` only shows what would be swapped (and swaps it back), without Megatron-LM's pretrain_gpt.py
+on the path.
 """
 
 from __future__ import annotations
@@ -46,30 +51,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this repository, for trainer_client
 
 
-def use_batch_planner() -> list[str]:
-    """Points Megatron-LM's training loop at the planner drop-ins; returns what was swapped."""
-    import megatron.training.training as training
-
-    import trainer_client.megatron_lm as dropin
-
-    swapped = []
-    for name in ("HybridCPDataLoaderWrapper", "wrap_data_iterator"):
-        if hasattr(training, name):  # 0.19.x has the first, the dev branch both
-            setattr(training, name, getattr(dropin, name))
-            swapped.append(name)
-    return swapped
-
-
 def main() -> None:
+    from trainer_client.megatron_lm import enabled
+
     if "--check" in sys.argv:
-        print("swapped in megatron.training.training:", ", ".join(use_batch_planner()))
+        with enabled() as swapped:
+            print("swapped in megatron.training.training:", ", ".join(swapped) or "nothing")
         return
     if len(sys.argv) < 2:
         sys.exit(f"usage: {sys.argv[0]} path/to/pretrain_gpt.py [Megatron-LM flags...]  (or --check)")
-    use_batch_planner()  # the one line
     script, sys.argv = sys.argv[1], sys.argv[1:]
     sys.path.insert(0, str(Path(script).resolve().parent))  # Megatron-LM's own imports
-    runpy.run_path(script, run_name="__main__")
+    with enabled():  # the one line
+        runpy.run_path(script, run_name="__main__")
 
 
 if __name__ == "__main__":

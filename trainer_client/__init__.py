@@ -5,7 +5,8 @@ from trainer_client.client import BatchPlannerClient
 from trainer_client.compatibility import check_dynamic_cp_support
 from trainer_client.config import PlannerClientConfig, WhoAsks
 from trainer_client.errors import (
-    ArgumentTypeError, BatchMismatchError, ConfigError, DropInInputError, InvalidArgumentError, OutputRestoreError,
+    ArgumentTypeError, BatchMismatchError, ConfigError, DropInInputError, InvalidArgumentError, MissingUpstreamError,
+    OutputRestoreError,
     PlanMismatchError, PlannerClientError, PlannerUnavailableError, PlanRejectedError, ProcessGroupError, RankFailedError,
     RouterReplayAlignmentError, ServiceFailedError, TlsMismatchError, UnrunnablePlanError, UnsupportedCombinationError,
     UsageError,
@@ -15,7 +16,7 @@ from trainer_client.token_outputs import TokenPiece, restore_token_outputs, toke
 
 __all__ = [
     "ArgumentTypeError", "BatchMismatchError", "BatchPlannerClient", "ConfigError", "DropInInputError",
-    "InvalidArgumentError", "OutputRestoreError", "PlanMismatchError", "PlanRejectedError", "PlannerClientConfig",
+    "InvalidArgumentError", "MissingUpstreamError", "OutputRestoreError", "PlanMismatchError", "PlanRejectedError", "PlannerClientConfig",
     "PlannerClientError", "PlannerUnavailableError", "ProcessGroupError", "RankFailedError",
     "RouterReplayAlignmentError", "ServiceFailedError", "TlsMismatchError", "TokenPiece", "UnrunnablePlanError",
     "UnsupportedCombinationError", "UsageError", "WhoAsks", "align_router_replay", "attach_router_replay",

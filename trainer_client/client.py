@@ -9,6 +9,7 @@ import logging
 import math
 import numbers
 import time
+import weakref
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -116,6 +117,8 @@ class BatchPlannerClient:
             self._options = replace(self._options, auto_schedulers=runs)
         self.source = PlanSource(config, self.metrics)
         self.ahead = PlanAhead(self.source.plan, depth=config.plan_ahead_depth, cache_size=plan_cache_size)
+        # Closed once: by close(), the end of a `with` block, or at the latest the interpreter's exit.
+        self._closer = weakref.finalize(self, _close_parts, self.ahead, self.source)
         self.metrics.plan_ahead_depth.labels(self.metrics.job).set(config.plan_ahead_depth)
         self.last_source: str | None = None
         # The lengths and step of the plans handed out, so that micro_batches checks the batch.
@@ -304,8 +307,24 @@ class BatchPlannerClient:
         return server.server_port
 
     def close(self) -> None:
-        self.ahead.close()
-        self.source.close()
+        """Stops the read-ahead threads and the service's channel (once; later calls do nothing).
+        A client left open closes when the interpreter exits."""
+        self._closer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._closer.alive
+
+    def __enter__(self) -> BatchPlannerClient:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def _close_parts(ahead: PlanAhead, source: PlanSource) -> None:
+    ahead.close()
+    source.close()
 
 
 def checked_lengths(lengths: Any) -> tuple[int, ...]:

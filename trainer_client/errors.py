@@ -119,5 +119,13 @@ class UsageError(PlannerClientError, RuntimeError):
     """A call came before what it needs (a plan, a planned step): the message names the call to make first."""
 
 
+class MissingUpstreamError(PlannerClientError, ImportError):
+    """The installed trainer lacks upstream names a drop-in calls outside its public API; `.missing` names them."""
+
+    def __init__(self, message: str, missing: list[str] | tuple[str, ...] = ()):
+        super().__init__(message)
+        self.missing = tuple(missing)
+
+
 class RankFailedError(PlannerClientError, RuntimeError):
     """Another rank failed with an error that cannot travel (does not pickle): its type and message."""

@@ -187,7 +187,8 @@ def unpack_hybrid_cp_batch(batch: list[dict[str, torch.Tensor]]) -> list[dict[st
 
 def unpack_packing_batch(batch: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
     """The sub-samples of the packing schedulers' input, with `original_seq_len` and
-    `padded_seq_len`, from the dev branch's own `data_schedule_utils._unpack_batch`."""
+    `padded_seq_len`, from the dev branch's own `data_schedule_utils._unpack_batch` (a private name:
+    the Megatron-LM drop-in's version gate looks it up)."""
     from megatron.core.datasets.data_schedule_utils import _unpack_batch
 
     return _unpack_batch(batch)
@@ -256,7 +257,8 @@ def planner_settings_of(config: Any, scheduler: SchedulerKind, cp_size: int) -> 
 
 
 def max_real_seqs_per_micro_batch(config: Any) -> int | None:
-    """The real-sequence cap Megatron-Core's wrap_data_iterator gives the static packing scheduler."""
+    """The real-sequence cap Megatron-Core's wrap_data_iterator gives the static packing scheduler
+    (a private name: the Megatron-LM drop-in's version gate looks it up; Bridge's does not yet)."""
     from megatron.core.datasets.data_schedule import _get_scheduler_max_real_num_seqs
 
     return _get_scheduler_max_real_num_seqs(config)

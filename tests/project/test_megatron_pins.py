@@ -36,3 +36,11 @@ def test_the_wheelhouse_holds_the_pinned_dev_version():
         pytest.skip(f"no wheelhouse at {wheels} (outside this workplace ./dev installs the commit's source)")
     version = pins()["MEGATRON_CORE_DEV_VERSION"]
     assert list(wheels.glob(f"megatron_core-{version}-*.whl")), f"no megatron_core-{version} wheel in {wheels}"
+
+
+def test_the_megatron_lm_drop_ins_gate_checks_the_pinned_builds():
+    """The drop-in's version gate passes the builds the CI legs run: the dev wheel and the release."""
+    from trainer_client.megatron_lm.version import CHECKED_MEGATRON_CORE_VERSIONS
+
+    p = pins()
+    assert {p["MEGATRON_CORE_DEV_VERSION"], p["MEGATRON_CORE_RELEASE"]} <= set(CHECKED_MEGATRON_CORE_VERSIONS)

@@ -253,6 +253,7 @@ SAMPLE_ARGS = {
     "UnrunnablePlanError": ("micro_batches", "micro-batch 0: DPxCP ranks [1] have no sample", "plan with dynamic_cp"),
     "PlanRejectedError": ("INVALID_ARGUMENT", "sequence_lengths: sample 0 has length -3"),
     "ServiceFailedError": ("deadline", "no answer in 5 s", False),
+    "MissingUpstreamError": ("trainer_client.x: wrap calls X's m:_f, which the installed build lacks", ["m:_f"]),
 }
 
 

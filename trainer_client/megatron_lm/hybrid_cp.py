@@ -9,6 +9,7 @@ from trainer_client.config import PlannerClientConfig
 from trainer_client.dropin.step_input import LocalBatch, raise_on_bad_packed_sample
 from trainer_client.dropin.step_planner import PlannedStep, StepPlanner
 from trainer_client.megatron_lm.checks import start_planner
+from trainer_client.megatron_lm.version import require
 
 
 class HybridCPDataLoaderWrapper:
@@ -17,6 +18,8 @@ class HybridCPDataLoaderWrapper:
     rank's `data_iterator` yields a list of packed samples (dicts with `cu_seqlens` and 1-D per-token fields)."""
 
     def __init__(self, data_iterator, config, pg_collection=None, *, planner: PlannerClientConfig | dict | None = None):
+        if data_iterator is not None:
+            require("HybridCPDataLoaderWrapper")  # the upstream names it calls outside Megatron-Core's public API
         self.data_iterator = data_iterator
         self.config = config
         self.groups = mcore.DataGroups.of(pg_collection)
@@ -46,5 +49,12 @@ class HybridCPDataLoaderWrapper:
         return LocalBatch.of(mcore.unpack_hybrid_cp_batch(batch))
 
     def close(self) -> None:
+        """Stops the planner client (one left open stops at the interpreter's exit)."""
         if self._planner is not None:
             self._planner.close()
+
+    def __enter__(self) -> HybridCPDataLoaderWrapper:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -5,8 +5,9 @@ virtual stages, the same list), so the state kept between steps lives on one `Pa
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -19,6 +20,7 @@ from trainer_client.dropin.stages import StageData
 from trainer_client.dropin.step_input import LocalBatch, raise_on_bad_packed_sample
 from trainer_client.dropin.step_planner import PlannedStep, StepPlanner
 from trainer_client.megatron_lm.checks import start_planner
+from trainer_client.megatron_lm.version import require
 
 
 @dataclass
@@ -36,6 +38,7 @@ class PackingDropIn:
 
     @classmethod
     def start(cls, data_iterator, config, num_microbatches: int, groups: mcore.DataGroups, planner) -> PackingDropIn:
+        require("wrap_data_iterator")  # the upstream names it calls outside Megatron-Core's public API
         name = getattr(config, "sequence_packing_scheduler", None)
         check({"megatron_lm": {"sequence_packing_scheduler": name}})
         scheduler = MEGATRON_SCHEDULER_NAMES[name]
@@ -78,7 +81,8 @@ class PackingDropIn:
         self.planner.close()
 
 
-# The wrappers in use, one per wrapped iterator, until close_wrapped.
+# The wrappers in use, one per wrapped iterator, until close_wrapped, the end of a closing_wrapped()
+# block, disable(), or the interpreter's exit.
 _wrappers: Registry[PackingDropIn] = Registry()
 
 
@@ -103,6 +107,19 @@ def last_planned_step(data_iterator) -> PlannedStep | None:
 def close_wrapped(data_iterator) -> None:
     """Stops the planner client wrap_data_iterator made for `data_iterator`."""
     _wrappers.close(data_iterator)
+
+
+def close_all_wrapped() -> None:
+    """Stops the planner client of every iterator wrap_data_iterator wrapped."""
+    _wrappers.close()
+
+
+@contextmanager
+def closing_wrapped() -> Iterator[None]:
+    """A block at whose end the planner client of every iterator wrap_data_iterator wrapped stops
+    (those left open stop at the interpreter's exit anyway)."""
+    with _wrappers:
+        yield
 
 
 def _first_iterator(data_iterator):

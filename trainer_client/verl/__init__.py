@@ -1,10 +1,11 @@
 """The batch planner behind verl's Megatron engine (verl 0.9's dynamic context parallelism): docs/verl.md.
-Importing this package changes nothing in verl; importing `trainer_client.verl.enable` does.
+Importing this package changes nothing in verl: `trainer_client.verl.switch.enable()` does, or verl's
+hook naming the entry point `trainer_client.verl.enable`.
 """
 
-from trainer_client.verl.planning import close_planners, planners
+from trainer_client.verl.planning import close_planners, closing_planners, planners
 from trainer_client.verl.scheduler import DynamicCPScheduler
 from trainer_client.compatibility import VERL_SCHEDULERS
 from trainer_client.verl.settings import ENDPOINT_ENV
 
-__all__ = ["DynamicCPScheduler", "ENDPOINT_ENV", "VERL_SCHEDULERS", "close_planners", "planners"]
+__all__ = ["DynamicCPScheduler", "ENDPOINT_ENV", "VERL_SCHEDULERS", "close_planners", "closing_planners", "planners"]

@@ -1,42 +1,17 @@
-"""Importing this module makes verl's Megatron engine plan through the batch planner: it replaces verl's
-`DynamicCPScheduler`, on the verl versions it was checked against (docs/verl.md, "Turning it on").
+"""The entry point for verl's hooks, which turn a user's module on by importing it by name:
+`actor_rollout_ref.model.external_lib=trainer_client.verl.enable` (verl's `import_external_libs`) or
+`VERL_USE_EXTERNAL_MODULES=trainer_client.verl.enable` (docs/verl.md, "Turning it on").
+
+Importing this module is the explicit act of turning the drop-in on: it calls
+`trainer_client.verl.switch.enable()`, and `enabled` holds its answer. It is the one module of the
+trainer client that changes anything when imported; nothing imports it but such a hook. In code, call
+`trainer_client.verl.switch.enable()` (or use `enabled()` as a context manager) instead.
 """
 
 from __future__ import annotations
 
-import logging
+from trainer_client.verl.switch import CHECKED_VERL_VERSIONS, GATE, disable, enable
 
-from trainer_client.dropin.patches import Patches, VersionGate
-
-log = logging.getLogger(__name__)
-
-# verl releases whose DynamicCPScheduler contract (constructor, schedule(), the micro-batches'
-# keys) this drop-in was tested against (the CI leg `./dev test-verl`).
-CHECKED_VERL_VERSIONS = ("0.9.1",)
-VERL_MODULE = "verl.utils.dynamic_cp_scheduler"
-ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
-GATE = VersionGate("trainer_client.verl", "verl", CHECKED_VERL_VERSIONS, "verl's own DynamicCPScheduler stays in place")
-_patches = Patches()
-
-
-def enable() -> bool:
-    """Puts the drop-in in place; True when it did, False (after saying why) when it did not."""
-    import verl
-
-    version = getattr(verl, "__version__", "unknown")
-    if not GATE.allows(version):
-        return False
-    from trainer_client.verl.scheduler import DynamicCPScheduler
-
-    _patches.replace(VERL_MODULE, "DynamicCPScheduler", DynamicCPScheduler)
-    _patches.replace(ENGINE_MODULE, "DynamicCPScheduler", DynamicCPScheduler, if_loaded=True)
-    log.info("trainer_client.verl: verl %s's DynamicCPScheduler plans through the batch planner", version)
-    return True
-
-
-def disable() -> None:
-    """Puts verl's own class back (tests)."""
-    _patches.restore()
-
+__all__ = ["CHECKED_VERL_VERSIONS", "GATE", "disable", "enable", "enabled"]
 
 enabled = enable()

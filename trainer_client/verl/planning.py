@@ -6,7 +6,8 @@ rank, hit or miss, so ranks can never disagree on whether a collective runs.
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch.distributed as dist
 
@@ -15,7 +16,8 @@ from trainer_client.config import PlannerClientConfig
 from trainer_client.dropin.registry import Registry
 
 # One client per DPxCP group and config: verl builds a new DynamicCPScheduler for every
-# forward/backward call, so the client and its plan cache must outlive it.
+# forward/backward call, so the client and its plan cache must outlive it. They close at
+# close_planners(), the end of a closing_planners() block, disable(), or the interpreter's exit.
 _planners: Registry[BatchPlannerClient] = Registry(by_identity=False)
 
 
@@ -40,3 +42,11 @@ def planners() -> list[BatchPlannerClient]:
 def close_planners() -> None:
     """Stops every planner client this process made (their threads and caches)."""
     _planners.close()
+
+
+@contextmanager
+def closing_planners() -> Iterator[None]:
+    """A block at whose end every planner client this process made stops (those left open stop at
+    the interpreter's exit anyway)."""
+    with _planners:
+        yield

@@ -2,7 +2,8 @@
 writes its own small module into a fresh directory on sys.path and imports it by name, as a drop-in
 reaches a trainer's modules. `Patches` replaces attributes, keeps each original once, puts every one
 back, and names what it holds when asked for an original it never replaced; `VersionGate` passes a
-checked version silently and warns once, from the drop-in's caller, on any other."""
+checked version silently and warns once, from the drop-in's caller, on any other, and finds the
+upstream names each use of a drop-in needs, refusing a use whose names are not all there."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import warnings
 import pytest
 
 from trainer_client.dropin import Patches, VersionGate
-from trainer_client.errors import PlannerClientError, UsageError
+from trainer_client.errors import MissingUpstreamError, PlannerClientError, UsageError
 
 _names = itertools.count()
 
@@ -207,3 +208,49 @@ def test_behind_the_gate_an_unchecked_version_changes_nothing(make_module):
         assert (module.step is not original) is patched, version
         patches.restore()
         assert module.step is original
+
+
+# The upstream names a drop-in calls outside the trainer's public API, per use.
+UPSTREAM = "def _cut(batch):\n    return batch\n\nclass Wrapper:\n    def unpack(self, batch):\n        return batch\n"
+
+
+def _gate_needing(module: str) -> VersionGate:
+    return VersionGate("tests.drop_in", "TrainerX", ("1.2.0",), "the trainer's loop runs as is", needs={
+        "wrap": (f"{module}:_cut", f"{module}:_gone"),
+        "hybrid": (f"{module}:Wrapper.unpack",),
+        "other": ("no_such_module_anywhere:_f",),
+    })
+
+
+def test_the_gate_finds_the_private_names_each_use_needs(make_module):
+    name = make_module(UPSTREAM)
+    gate = _gate_needing(name)
+    assert gate.missing("hybrid") == []
+    assert gate.missing("wrap") == [f"{name}:_gone"]
+    assert gate.missing("other") == ["no_such_module_anywhere:_f"]  # a module that does not import lacks them all
+    assert gate.missing() == [f"{name}:_gone", "no_such_module_anywhere:_f"]
+    gate.require("hybrid")  # all there: nothing to refuse
+    with pytest.raises(UsageError, match=r"no use named 'typo'.*\['hybrid', 'other', 'wrap'\]"):
+        gate.missing("typo")
+
+
+def test_a_build_lacking_a_private_name_is_refused_naming_it(make_module):
+    name = make_module(UPSTREAM)
+    with pytest.raises(MissingUpstreamError) as refused:
+        _gate_needing(name).require("wrap", "1.2.0")
+    message = str(refused.value)
+    assert f"wrap calls TrainerX's {name}:_gone, which the installed build (1.2.0) lacks" in message, message
+    assert "checked: ['1.2.0']" in message and f"{name}:_cut" not in message
+    assert refused.value.missing == (f"{name}:_gone",)
+    assert isinstance(refused.value, ImportError) and isinstance(refused.value, PlannerClientError)
+
+
+def test_an_unchecked_version_names_the_missing_private_names_in_its_warning(make_module):
+    name = make_module(UPSTREAM)
+    gate = _gate_needing(name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _enable(gate, "2.0.0") is False
+    message = str(caught[0].message)
+    assert "TrainerX 2.0.0 is not a version this drop-in was checked against" in message
+    assert f"this build lacks ['{name}:_gone', 'no_such_module_anywhere:_f'], which the drop-in calls" in message, message

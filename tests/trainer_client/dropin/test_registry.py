@@ -1,6 +1,7 @@
 """The seam's `Registry` (trainer_client/dropin/registry.py): one entry per key, found by identity (a
 data iterator) or by equality (a process group and settings), started once, closed by key or all
-together; the entries are `Closable` stand-ins (named as such) that count their closes, in place of a
+together (every one even where one's close fails), at the end of a `with` block and at the
+interpreter's exit; the entries are `Closable` stand-ins (named as such) that count their closes, in place of a
 drop-in's planner with its client. Concurrency is driven by barriers, not by sleeping."""
 
 from __future__ import annotations
@@ -189,3 +190,72 @@ def test_concurrent_gets_and_closes_close_each_entry_exactly_once():
     assert made, "no entry was ever started"
     assert Counter(e.closes for e in made) == {1: len(made)}, Counter(e.closes for e in made)
     assert registry.values() == []
+
+
+class FailingClose(Closable):
+    """An entry whose close() raises (a channel that fails to shut down), after counting the close."""
+
+    def close(self) -> None:
+        super().close()
+        raise OSError(f"entry {self.key} failed to close")
+
+
+def test_a_failing_close_closes_the_rest_then_raises_the_first_naming_every_failure():
+    registry: Registry[Closable] = Registry(by_identity=False)
+    entries = [registry.get(label, lambda label=label: (FailingClose if label in "bd" else Closable)(label)) for label in "abcde"]
+    with pytest.raises(OSError, match="entry b failed to close") as raised:
+        registry.close()
+    assert [e.closes for e in entries] == [1] * 5 and registry.values() == []
+    note = " ".join(getattr(raised.value, "__notes__", []))
+    assert "2 of 5 entries failed to close" in note and "key 'b': OSError" in note and "key 'd': OSError" in note, note
+
+
+def test_a_with_block_closes_every_entry_at_its_end_even_on_an_error():
+    registry: Registry[Closable] = Registry()
+    with pytest.raises(KeyError), registry:
+        entries = [registry.get(object(), Closable) for _ in range(3)]
+        raise KeyError("the trainer's step failed")
+    assert [e.closes for e in entries] == [1, 1, 1] and registry.values() == []
+
+
+def test_a_registry_collected_closes_what_it_held():
+    import gc
+
+    registry: Registry[Closable] = Registry()
+    entry = registry.get(object(), Closable)
+    del registry
+    gc.collect()
+    assert entry.closes == 1
+
+
+def test_entries_left_open_close_at_interpreter_exit():
+    """A process that never closes its registry: its entries close as the interpreter exits (one's
+    failure is logged and the next still closes), after the program's own last line."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    code = textwrap.dedent(
+        """
+        from trainer_client.dropin import Registry
+
+        class Entry:
+            def __init__(self, name, fails=False):
+                self.name, self.fails = name, fails
+            def close(self):
+                print("closed", self.name, flush=True)
+                if self.fails:
+                    raise OSError("channel stuck")
+
+        registry = Registry(by_identity=False)
+        for name, fails in (("first", True), ("second", False)):
+            registry.get(name, lambda name=name, fails=fails: Entry(name, fails))
+        print("end of program", flush=True)
+        """
+    )
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == ["end of program", "closed first", "closed second"], done.stdout
+    assert "closing 1 of 2 planner entries at exit failed: key 'first': OSError: channel stuck" in done.stderr, done.stderr

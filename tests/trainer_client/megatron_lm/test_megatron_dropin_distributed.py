@@ -79,15 +79,12 @@ def _check_hybrid_step(step, samples, id_groups, groups, oracle) -> dict:
 def _run_hybrid(endpoint: str, groups, dp_rank: int) -> list[dict]:
     from trainer_client.megatron_lm import HybridCPDataLoaderWrapper
 
-    wrapper = HybridCPDataLoaderWrapper(_hybrid_iterator(dp_rank), megatron_config(), planner=_planner(endpoint))
     seen = []
-    try:
+    with HybridCPDataLoaderWrapper(_hybrid_iterator(dp_rank), megatron_config(), planner=_planner(endpoint)) as wrapper:
         for step, (samples, id_groups) in enumerate(wrapper):
             record = _check_hybrid_step(step, samples, id_groups, groups, global_subsamples(step, groups.dp.size()))
             record.update(source=wrapper.last_step.source, traffic=vars(wrapper.last_step.traffic))
             seen.append(record)
-    finally:
-        wrapper.close()
     assert len(seen) == STEPS
     return seen
 
@@ -128,19 +125,17 @@ def _check_packing_step(step, scheduler, result, groups) -> dict:
 
 
 def _run_packing(endpoint: str, groups, dp_rank: int, scheduler: str) -> list[dict]:
-    from trainer_client.megatron_lm import close_wrapped, last_planned_step, wrap_data_iterator
+    from trainer_client.megatron_lm import closing_wrapped, last_planned_step, wrap_data_iterator
 
     data = _packing_iterator(dp_rank)
     config = megatron_config(sequence_packing_scheduler=scheduler, max_seqlen_per_dp_cp_rank=MAX_SEQLEN[scheduler])
     seen = []
-    try:
+    with closing_wrapped():
         for step in range(STEPS):
             result = wrap_data_iterator(data, config, PACKING_ITEMS, planner=_planner(endpoint))
             record = _check_packing_step(step, scheduler, result, groups)
             record.update(source=last_planned_step(data).source)
             seen.append(record)
-    finally:
-        close_wrapped(data)
     return seen
 
 
@@ -180,16 +175,15 @@ def _long_sample(length: int) -> dict:
 
 def _first_error(wrapper) -> dict:
     step = 0
-    try:
-        while True:
-            next(wrapper)
-            step += 1
-    except StopIteration:
-        return {"step": None, "type": None, "message": "no error"}
-    except Exception as error:  # noqa: BLE001 - the type is what is checked
-        return {"step": step, "type": type(error).__name__, "message": str(error)}
-    finally:
-        wrapper.close()
+    with wrapper:
+        try:
+            while True:
+                next(wrapper)
+                step += 1
+        except StopIteration:
+            return {"step": None, "type": None, "message": "no error"}
+        except Exception as error:  # noqa: BLE001 - the type is what is checked
+            return {"step": step, "type": type(error).__name__, "message": str(error)}
 
 
 def _rank(rank, world, store_path, endpoint, out_dir, tp, cp, stop_requested, stopped, full) -> None:

@@ -77,7 +77,7 @@ def _rank(rank: int, store_path: str, endpoint: str, out_dir: str, seeds: list[i
     from megatron.core import parallel_state
 
     from trainer_client.megatron import DataGroups
-    from trainer_client.megatron_lm import close_wrapped, last_planned_step, wrap_data_iterator
+    from trainer_client.megatron_lm import closing_wrapped, last_planned_step, wrap_data_iterator
 
     init_gloo(rank, DP * CP, store_path)
     initialize_dpxcp_groups(CP)
@@ -92,7 +92,7 @@ def _rank(rank: int, store_path: str, endpoint: str, out_dir: str, seeds: list[i
     config = megatron_config(sequence_packing_scheduler="default_dynamic_cp")
     planner = {"planner_endpoint": endpoint, "tls": False, "deadline_seconds": 30.0}
     steps = []
-    try:
+    with closing_wrapped():
         for step, seed in enumerate(seeds):
             iterator, count, _, _ = wrap_data_iterator(data, config, ITEMS, planner=planner)
             planned = last_planned_step(data)
@@ -122,8 +122,6 @@ def _rank(rank: int, store_path: str, endpoint: str, out_dir: str, seeds: list[i
                 "samples": len(oracle),
                 "micro_batches": micro_batches,
             })
-    finally:
-        close_wrapped(data)
     write_rank_result(out_dir, rank, {"dp_cp_rank": me, "steps": steps})
     dist.barrier()
     dist.destroy_process_group()

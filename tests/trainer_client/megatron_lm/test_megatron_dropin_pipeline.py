@@ -97,7 +97,7 @@ def _pipeline_dropin_rank(name: str, endpoint: str, rank: int) -> dict:
                                         same_micro_batches, stand_in_for_te_partitioning_on_cpu, step_samples)
     from tests.support.megatron_init import parallel_state_cp_group
     from tests.support.moe_on_cpu import stand_in_for_moe_calls_on_cpu
-    from trainer_client.megatron_lm import close_wrapped, last_planned_step, wrap_data_iterator
+    from trainer_client.megatron_lm import closing_wrapped, last_planned_step, wrap_data_iterator
     from trainer_client.megatron_lm.packing import _wrappers
 
     case = CASES[name]
@@ -121,7 +121,7 @@ def _pipeline_dropin_rank(name: str, endpoint: str, rank: int) -> dict:
     planner = {"planner_endpoint": endpoint, "tls": False, "deadline_seconds": 30.0, "job": JOB.format(case=name),
                "fallback_cooldown_seconds": 0.0}
     steps = []
-    try:
+    with closing_wrapped():
         for step in range(STEPS):
             ours = wrap_data_iterator(ours_in, config, SAMPLES_PER_DP_RANK, planner=planner)
             theirs = upstream_wrap_data_iterator(theirs_in, config, SAMPLES_PER_DP_RANK)
@@ -145,8 +145,6 @@ def _pipeline_dropin_rank(name: str, endpoint: str, rank: int) -> dict:
                 "samples": len(samples), "fields": fields,
             })
         counts = client_counts(_wrappers.find(ours_in).planner.client.metrics)
-    finally:
-        close_wrapped(ours_in)
     return {"stage": stage, "dp_rank": dp_rank, "steps": steps, **counts}
 
 
@@ -199,7 +197,7 @@ def _disagreeing_stages_rank(rank: int) -> dict:
 
     from tests.support.dropin_attention import SAMPLES_PER_DP_RANK, dp_rank_items, packing_config
     from tests.support.attention_model import AttentionModelConfig, transformer_config
-    from trainer_client.megatron_lm import close_wrapped, wrap_data_iterator
+    from trainer_client.megatron_lm import closing_wrapped, wrap_data_iterator
 
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, context_parallel_size=2, dynamic_context_parallel=True)
     stage = parallel_state.get_pipeline_model_parallel_rank()
@@ -211,15 +209,13 @@ def _disagreeing_stages_rank(rank: int) -> dict:
         items[SAMPLES_PER_DP_RANK:] = list(reversed(dp_rank_items(3, 0, 1)[2 * SAMPLES_PER_DP_RANK:]))
     data = iter(items)
     outcomes = []
-    try:
+    with closing_wrapped():
         for _ in range(2):
             try:
                 outcomes.append(wrap_data_iterator(data, config, SAMPLES_PER_DP_RANK, planner={})[1])
             except Exception as error:  # noqa: BLE001 - the test compares what every rank raised
                 outcomes.append(f"{type(error).__name__}: {error}")
                 break
-    finally:
-        close_wrapped(data)
     return {"stage": stage, "outcomes": outcomes}
 
 

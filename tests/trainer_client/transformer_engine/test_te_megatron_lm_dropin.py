@@ -92,7 +92,7 @@ def _steps(models, grads, plant: str) -> list[dict]:
     from tests.support.attention_pipeline import _forward_step, run_pipeline, whole_sample_shards
     from tests.support.dropin_attention import SAMPLES_PER_DP_RANK, dp_rank_items, packed_forward_step, packing_config, step_samples
     from tests.support.megatron_init import parallel_state_cp_group
-    from trainer_client.megatron_lm import close_wrapped, last_planned_step, wrap_data_iterator
+    from trainer_client.megatron_lm import closing_wrapped, last_planned_step, wrap_data_iterator
 
     config = packing_config(models[0].config)
     device = model_device(models[0])
@@ -103,7 +103,7 @@ def _steps(models, grads, plant: str) -> list[dict]:
     partition = data_schedule_utils.get_thd_partitioned_indices
     rotated = (lambda cu, total, cp, r: partition(cu, total, cp, (r + 1) % cp)) if plant == "rotated" else partition
     steps = []
-    try:
+    with closing_wrapped():
         for step in range(STEPS):
             iterator, count, _, _ = wrap_data_iterator(data, config, SAMPLES_PER_DP_RANK, planner=PLANNER)
             planned = last_planned_step(data)
@@ -126,8 +126,6 @@ def _steps(models, grads, plant: str) -> list[dict]:
                 "cp_sizes": sorted({g.size for mb in planned.plan.micro_batches for g in mb.cp_groups}),
                 "micro_batches": count, "source": planned.source,
             })
-    finally:
-        close_wrapped(data)
     return steps
 
 

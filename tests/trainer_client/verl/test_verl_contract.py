@@ -279,3 +279,37 @@ def test_verls_padding_is_verls_own(lengths, cp_size, tp_size, layout, min_local
         theirs = _local_padding_mask(lengths, cp_size=cp_size, cp_rank=rank, tp_size=tp_size, cp_layout=layout.value,
                                      min_local_rows=min_local_rows)
         assert shard_padding_mask(lengths, padded, cp_size, rank, layout).tolist() == theirs.tolist(), (padded, rank)
+
+
+def test_importing_the_drop_in_changes_nothing_in_verl():
+    """Only the hooks' entry point, trainer_client.verl.enable, turns the drop-in on when imported."""
+    done = _python(
+        """
+        import trainer_client.verl, trainer_client.verl.switch, trainer_client.verl.scheduler
+        from verl.utils.dynamic_cp_scheduler import DynamicCPScheduler
+        print(DynamicCPScheduler.__module__)
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["verl.utils.dynamic_cp_scheduler"]
+
+
+def test_enable_is_a_call_and_the_end_of_enabled_puts_verls_own_back_and_closes_the_planners():
+    import verl.utils.dynamic_cp_scheduler as upstream
+
+    from trainer_client.verl import planning, switch
+    from trainer_client.verl.scheduler import DynamicCPScheduler as Ours
+
+    own = upstream.DynamicCPScheduler
+
+    class Planner:
+        closes = 0
+
+        def close(self):
+            self.closes += 1
+
+    planner = planning._planners.get(("a group", "a config"), Planner)
+    with pytest.raises(KeyError), switch.enabled() as turned_on:
+        assert turned_on and upstream.DynamicCPScheduler is Ours
+        raise KeyError("the trainer failed")
+    assert upstream.DynamicCPScheduler is own and planner.closes == 1 and planning.planners() == []

@@ -112,7 +112,7 @@ def _model_rank(layout: str, rank: int) -> dict:
     from tests.support.attention_model import AttentionModelConfig, attention_gpt_model
     from tests.support.attention_parity import example_samples, packed_loss_and_grads, parity_errors, reference_loss_and_grads
     from tests.support.megatron_init import initialize_dpxcp_groups, parallel_state_cp_group
-    from trainer_client.verl import DynamicCPScheduler, close_planners
+    from trainer_client.verl import DynamicCPScheduler, closing_planners
 
     initialize_dpxcp_groups(2)
     group = mpu.get_data_parallel_group(with_context_parallel=True)
@@ -121,11 +121,11 @@ def _model_rank(layout: str, rank: int) -> dict:
     model = attention_gpt_model(AttentionModelConfig(cp_partition_mode=layout, context_parallel_size=2 if layout == "zigzag" else 1))
     reference = reference_loss_and_grads(model, samples, parallel_state_cp_group(1))
     scheduler = DynamicCPScheduler(MAX_SEQLEN, mpu.get_data_parallel_world_size(), mpu.get_context_parallel_world_size())
-    micro_batches = scheduler.schedule(_mini_batch(samples), group, tp_size=1, cp_layout=layout)
+    with closing_planners():
+        micro_batches = scheduler.schedule(_mini_batch(samples), group, tp_size=1, cp_layout=layout)
     preprocess = verl_preprocess_thd_engine()
     shards, cp_sizes, masks_ok = zip(*(_verl_shard(preprocess, mb, layout) for mb in micro_batches)) if micro_batches else ((), (), ())
     padded = sum(int((s.token_ids < 0).sum()) for s, size in zip(shards, cp_sizes) if size > 1)
-    close_planners()
     if layout == "contiguous":  # what the model's attention would do first: Megatron-Core's own route check, no collective
         from megatron.core.context_parallel_layout.routes import build_thd_cp_partition_route
 

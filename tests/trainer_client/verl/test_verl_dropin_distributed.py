@@ -89,29 +89,29 @@ def _assert_outputs_restored(ours, batch, group, where: str) -> dict:
 
 def _equality_rank(rank: int, world: int, store_path: str, tp: int, cp: int, source: str) -> None:
     from tests.trainer_client.verl.support import long_tail, mini_batch
-    from trainer_client.verl import close_planners, planners
+    from trainer_client.verl import closing_planners, planners
 
-    group, dp, cpw = _init(rank, world, store_path, tp, cp)
-    cases = list(itertools.product(("zigzag", "contiguous"), (None, MIN_LOCAL_ROWS)))
-    for case, (layout, min_rows) in enumerate(cases):
-        lengths = long_tail(5 * group.size(), MAX_SEQLEN * group.size(), seed=100 * world + 10 * tp + case)
-        batch = mini_batch(lengths, seed=case)
-        where = f"rank {rank}, world {world} TP{tp} CP{cpw}, {layout}, min_local_rows={min_rows}"
-        _schedule_both(batch, group, dp, cpw, tp, layout, min_rows, where)
-    asked = sum(_sample(p.metrics.job, source, p) for p in planners())
-    other = sum(_sample(p.metrics.job, "fallback" if source == "service" else "service", p) for p in planners())
-    if group.rank() == 0:  # the asking rank: one plan per distinct mini-batch, all from `source`
-        assert (asked, other) == (len(cases), 0.0), (
-            f"rank {rank}: plans from {source} {asked}, other {other} (fallbacks by reason: {_fallback_reasons(planners())})"
-        )
-    else:
-        assert (asked, other) == (0.0, 0.0), f"rank {rank} asked the planner but is not its group's asking rank"
-    if source == "fallback" and group.rank() == 0:
-        fallbacks = planners()[0].metrics.registry.get_sample_value(
-            "batch_planner_client_fallbacks_total", {"training_job": planners()[0].metrics.job, "reason": "unavailable"}
-        )
-        assert fallbacks and fallbacks >= 1, fallbacks
-    close_planners()
+    with closing_planners():
+        group, dp, cpw = _init(rank, world, store_path, tp, cp)
+        cases = list(itertools.product(("zigzag", "contiguous"), (None, MIN_LOCAL_ROWS)))
+        for case, (layout, min_rows) in enumerate(cases):
+            lengths = long_tail(5 * group.size(), MAX_SEQLEN * group.size(), seed=100 * world + 10 * tp + case)
+            batch = mini_batch(lengths, seed=case)
+            where = f"rank {rank}, world {world} TP{tp} CP{cpw}, {layout}, min_local_rows={min_rows}"
+            _schedule_both(batch, group, dp, cpw, tp, layout, min_rows, where)
+        asked = sum(_sample(p.metrics.job, source, p) for p in planners())
+        other = sum(_sample(p.metrics.job, "fallback" if source == "service" else "service", p) for p in planners())
+        if group.rank() == 0:  # the asking rank: one plan per distinct mini-batch, all from `source`
+            assert (asked, other) == (len(cases), 0.0), (
+                f"rank {rank}: plans from {source} {asked}, other {other} (fallbacks by reason: {_fallback_reasons(planners())})"
+            )
+        else:
+            assert (asked, other) == (0.0, 0.0), f"rank {rank} asked the planner but is not its group's asking rank"
+        if source == "fallback" and group.rank() == 0:
+            fallbacks = planners()[0].metrics.registry.get_sample_value(
+                "batch_planner_client_fallbacks_total", {"training_job": planners()[0].metrics.job, "reason": "unavailable"}
+            )
+            assert fallbacks and fallbacks >= 1, fallbacks
     dist.destroy_process_group()
 
 
@@ -148,16 +148,16 @@ def _pipeline_rank(rank: int, world: int, store_path: str) -> None:
     from megatron.core import parallel_state as mpu
 
     from tests.trainer_client.verl.support import long_tail, mini_batch
-    from trainer_client.verl import close_planners, planners
+    from trainer_client.verl import closing_planners, planners
 
-    group, dp, cp = _init(rank, world, store_path, 1, 2, pp=2)
-    stage = mpu.get_pipeline_model_parallel_rank()
-    for case in range(2):
-        batch = mini_batch(long_tail(5 * group.size(), MAX_SEQLEN * group.size(), seed=700 + case), seed=700 + case)
-        _schedule_both(batch, group, dp, cp, 1, "zigzag", None, f"rank {rank}, pipeline stage {stage}, mini-batch {case}")
-    asked = sum(_sample(p.metrics.job, "service", p) for p in planners())
-    assert asked == (2.0 if group.rank() == 0 else 0.0), f"rank {rank} (stage {stage}): {asked} plans from the service"
-    close_planners()
+    with closing_planners():
+        group, dp, cp = _init(rank, world, store_path, 1, 2, pp=2)
+        stage = mpu.get_pipeline_model_parallel_rank()
+        for case in range(2):
+            batch = mini_batch(long_tail(5 * group.size(), MAX_SEQLEN * group.size(), seed=700 + case), seed=700 + case)
+            _schedule_both(batch, group, dp, cp, 1, "zigzag", None, f"rank {rank}, pipeline stage {stage}, mini-batch {case}")
+        asked = sum(_sample(p.metrics.job, "service", p) for p in planners())
+        assert asked == (2.0 if group.rank() == 0 else 0.0), f"rank {rank} (stage {stage}): {asked} plans from the service"
     dist.destroy_process_group()
 
 
@@ -171,48 +171,47 @@ def _rl_rank(rank: int, world: int, store_path: str, auto_config: str) -> None:
     from batch_planner.request import SchedulerKind
     from tests.trainer_client.verl.support import long_tail, mini_batch
     from trainer_client import BatchPlannerClient
-    from trainer_client.verl import DynamicCPScheduler, close_planners
+    from trainer_client.verl import DynamicCPScheduler, closing_planners
 
-    group, dp, cp = _init(rank, world, store_path, 1, 2)
-    minis = [mini_batch(long_tail(12, 3 * MAX_SEQLEN, seed=50 + i), seed=50 + i) for i in range(4)]
-    # As soon as the rollout batch exists: every mini-batch's plan at once.
-    DynamicCPScheduler(MAX_SEQLEN, dp, cp).prefetch(minis, group, tp_size=1)
-    passes = ["old_log_prob", "ref_log_prob", "update epoch 0", "update epoch 1"]
-    for name in passes:
-        for index, batch in enumerate(minis):  # verl builds a new scheduler for every call
-            _schedule_both(batch, group, dp, cp, 1, "zigzag", None, f"rank {rank}, {name}, mini-batch {index}")
-    planner = DynamicCPScheduler(MAX_SEQLEN, dp, cp).planner(group, tp_size=1)
-    job = planner.metrics.job
-    registry = planner.metrics.registry
-    service = registry.get_sample_value("batch_planner_client_plans_total", {"training_job": job, "source": "service"}) or 0
-    waits = registry.get_sample_value("batch_planner_client_plan_wait_seconds_count", {"training_job": job})
-    assert waits == 16, f"rank {rank}: {waits} schedule calls"
-    if group.rank() == 0:
-        assert service == 4, f"the service was asked for {service} plans, not 4"
-        assert (planner.ahead.hits, planner.ahead.misses) == (16, 0), (planner.ahead.hits, planner.ahead.misses)
-    else:
-        assert service == 0, f"rank {rank} asked the service"
+    with closing_planners():
+        group, dp, cp = _init(rank, world, store_path, 1, 2)
+        minis = [mini_batch(long_tail(12, 3 * MAX_SEQLEN, seed=50 + i), seed=50 + i) for i in range(4)]
+        # As soon as the rollout batch exists: every mini-batch's plan at once.
+        DynamicCPScheduler(MAX_SEQLEN, dp, cp).prefetch(minis, group, tp_size=1)
+        passes = ["old_log_prob", "ref_log_prob", "update epoch 0", "update epoch 1"]
+        for name in passes:
+            for index, batch in enumerate(minis):  # verl builds a new scheduler for every call
+                _schedule_both(batch, group, dp, cp, 1, "zigzag", None, f"rank {rank}, {name}, mini-batch {index}")
+        planner = DynamicCPScheduler(MAX_SEQLEN, dp, cp).planner(group, tp_size=1)
+        job = planner.metrics.job
+        registry = planner.metrics.registry
+        service = registry.get_sample_value("batch_planner_client_plans_total", {"training_job": job, "source": "service"}) or 0
+        waits = registry.get_sample_value("batch_planner_client_plan_wait_seconds_count", {"training_job": job})
+        assert waits == 16, f"rank {rank}: {waits} schedule calls"
+        if group.rank() == 0:
+            assert service == 4, f"the service was asked for {service} plans, not 4"
+            assert (planner.ahead.hits, planner.ahead.misses) == (16, 0), (planner.ahead.hits, planner.ahead.misses)
+        else:
+            assert service == 0, f"rank {rank} asked the service"
 
-    # Bounded: 2 plans kept; a third mini-batch pushes the first out, which is then asked again.
-    small = BatchPlannerClient(planner.config, group=group, cp_groups=None, plan_cache_size=2)
-    for batch in [*minis[:3], minis[0]]:
-        small.plan(batch["input_ids"].offsets().diff().tolist(), cache=True)
-    if group.rank() == 0:
-        asked = small.metrics.registry.get_sample_value(
-            "batch_planner_client_plans_total", {"training_job": small.metrics.job, "source": "service"}
-        )
-        assert (small.ahead.cached(), asked) == (2, 4), (small.ahead.cached(), asked)
-    small.close()
+        # Bounded: 2 plans kept; a third mini-batch pushes the first out, which is then asked again.
+        with BatchPlannerClient(planner.config, group=group, cp_groups=None, plan_cache_size=2) as small:
+            for batch in [*minis[:3], minis[0]]:
+                small.plan(batch["input_ids"].offsets().diff().tolist(), cache=True)
+            if group.rank() == 0:
+                asked = small.metrics.registry.get_sample_value(
+                    "batch_planner_client_plans_total", {"training_job": small.metrics.job, "source": "service"}
+                )
+                assert (small.ahead.cached(), asked) == (2, 4), (small.ahead.cached(), asked)
 
-    # auto: restricted to dynamic CP through auto_schedulers; its plans run through verl's contract.
-    os.environ["BATCH_PLANNER_CONFIG"] = auto_config
-    scheduler = DynamicCPScheduler(MAX_SEQLEN, dp, cp)
-    auto = scheduler.planner(group, tp_size=1)
-    assert auto.config.scheduler is SchedulerKind.AUTO
-    assert auto._options.auto_schedulers == (SchedulerKind.DYNAMIC_CP,)
-    for batch in minis:
-        _assert_outputs_restored(scheduler.schedule(batch, group, tp_size=1), batch, group, f"rank {rank}, auto")
-    close_planners()
+        # auto: restricted to dynamic CP through auto_schedulers; its plans run through verl's contract.
+        os.environ["BATCH_PLANNER_CONFIG"] = auto_config
+        scheduler = DynamicCPScheduler(MAX_SEQLEN, dp, cp)
+        auto = scheduler.planner(group, tp_size=1)
+        assert auto.config.scheduler is SchedulerKind.AUTO
+        assert auto._options.auto_schedulers == (SchedulerKind.DYNAMIC_CP,)
+        for batch in minis:
+            _assert_outputs_restored(scheduler.schedule(batch, group, tp_size=1), batch, group, f"rank {rank}, auto")
     dist.destroy_process_group()
 
 
@@ -241,43 +240,43 @@ def _dp3_cp2_rank(rank: int, world: int, store_path: str) -> None:
 
     from tests.support.megatron_init import parallel_state_cp_group
     from tests.trainer_client.verl.support import assert_same_micro_batches, long_tail, mini_batch
-    from trainer_client.verl import DynamicCPScheduler, close_planners
+    from trainer_client.verl import DynamicCPScheduler, closing_planners
 
-    def built(size: int) -> bool:
-        try:
-            parallel_state_cp_group(size)
-            return True
-        except KeyError:
-            return False
+    with closing_planners():
+        def built(size: int) -> bool:
+            try:
+                parallel_state_cp_group(size)
+                return True
+            except KeyError:
+                return False
 
-    group, dp, cp = _init(rank, world, store_path, 1, 2)
-    same = substituted = 0
-    for seed in range(16):
-        # Half the batches within one CP2 group's budget (upstream's plan mostly runs), half up to the
-        # whole group's (upstream needs a CP4 or CP8 group that 6 ranks do not have).
-        lengths = long_tail(5 * world, MAX_SEQLEN * (2 if seed % 2 else world), seed=600 + seed)
-        batch = mini_batch(lengths, seed=seed)
-        where = f"rank {rank}, DP{dp} x CP{cp}, batch {seed}"
-        try:
-            theirs = VerlScheduler(MAX_SEQLEN, dp, cp).schedule(batch, group, tp_size=1)
-            runs = all(built(tu.get_non_tensor_data(mb, "local_cp_size", None)) for mb in theirs)
-        except (AssertionError, IndexError, RuntimeError) as failed:  # upstream's failure, the same on every rank
-            theirs, runs = None, False
-            where += f" (verl raised {type(failed).__name__})"
-        runs = _all_ranks(runs, group)
-        ours = DynamicCPScheduler(MAX_SEQLEN, dp, cp).schedule(batch, group, tp_size=1)
-        plan = DynamicCPScheduler(MAX_SEQLEN, dp, cp).planner(group, tp_size=1).plan(lengths, cache=True)  # the cached plan
-        if runs:
-            assert plan.substitution is None, f"{where}: {plan.substitution}"
-            assert_same_micro_batches(ours, theirs, where)
-            same += 1
-        else:
-            assert plan.substitution is not None and plan.scheduler.value == "static_packing", where
-            assert all(built(tu.get_non_tensor_data(mb, "local_cp_size", None)) for mb in ours), where
-            substituted += 1
-        _assert_outputs_restored(ours, batch, group, where)
-    assert same >= 3 and substituted >= 1, (same, substituted)
-    close_planners()
+        group, dp, cp = _init(rank, world, store_path, 1, 2)
+        same = substituted = 0
+        for seed in range(16):
+            # Half the batches within one CP2 group's budget (upstream's plan mostly runs), half up to the
+            # whole group's (upstream needs a CP4 or CP8 group that 6 ranks do not have).
+            lengths = long_tail(5 * world, MAX_SEQLEN * (2 if seed % 2 else world), seed=600 + seed)
+            batch = mini_batch(lengths, seed=seed)
+            where = f"rank {rank}, DP{dp} x CP{cp}, batch {seed}"
+            try:
+                theirs = VerlScheduler(MAX_SEQLEN, dp, cp).schedule(batch, group, tp_size=1)
+                runs = all(built(tu.get_non_tensor_data(mb, "local_cp_size", None)) for mb in theirs)
+            except (AssertionError, IndexError, RuntimeError) as failed:  # upstream's failure, the same on every rank
+                theirs, runs = None, False
+                where += f" (verl raised {type(failed).__name__})"
+            runs = _all_ranks(runs, group)
+            ours = DynamicCPScheduler(MAX_SEQLEN, dp, cp).schedule(batch, group, tp_size=1)
+            plan = DynamicCPScheduler(MAX_SEQLEN, dp, cp).planner(group, tp_size=1).plan(lengths, cache=True)  # the cached plan
+            if runs:
+                assert plan.substitution is None, f"{where}: {plan.substitution}"
+                assert_same_micro_batches(ours, theirs, where)
+                same += 1
+            else:
+                assert plan.substitution is not None and plan.scheduler.value == "static_packing", where
+                assert all(built(tu.get_non_tensor_data(mb, "local_cp_size", None)) for mb in ours), where
+                substituted += 1
+            _assert_outputs_restored(ours, batch, group, where)
+        assert same >= 3 and substituted >= 1, (same, substituted)
     dist.destroy_process_group()
 
 
