@@ -24,25 +24,15 @@ from __future__ import annotations
 
 import os
 import statistics
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
+from bench.gpu.replay.clock import Timing
 from bench.gpu.replay.in_process_peers import CpGroupStandIn, InProcessCpPeersStandIn
 from bench.gpu.replay.shapes import RankShape
 
 ROPE_BASE = 500000.0
-
-
-@dataclass(frozen=True)
-class Timing:
-    forward: float
-    backward: float
-
-    @property
-    def total(self) -> float:
-        return self.forward + self.backward
 
 
 def init_world_of_one() -> None:
