@@ -15,12 +15,16 @@ from trainer_client.dropin.step_planner import StepPlanner
 
 
 def start_planner(
-    read_local: Callable[[], LocalBatch], config: Any, scheduler: SchedulerKind, groups: mcore.DataGroups, planner: Any
+    read_local: Callable[[], LocalBatch], config: Any, scheduler: SchedulerKind, groups: mcore.DataGroups, planner: Any,
+    gate: Callable[[], None] = lambda: None,
 ) -> StepPlanner:
     """The drop-in's read-ahead planner, after refusing a model its plans would train wrong on the
-    installed Megatron-Core (RoPE or MTP on 0.19 with CP groups other than the static one)."""
+    installed Megatron-Core (RoPE or MTP on 0.19 with CP groups other than the static one), then
+    `gate` (the drop-in's version gate: a build that lacks what it calls); a setting the user can
+    change is named first."""
     settings = megatron_planner_config(config, scheduler, groups.dp_cp.size() // groups.dp.size(), planner)
     check_model(config, settings)
+    gate()
     return StepPlanner.start(read_local, groups, settings, transformer_config=config)
 
 

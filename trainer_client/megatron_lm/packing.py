@@ -38,12 +38,12 @@ class PackingDropIn:
 
     @classmethod
     def start(cls, data_iterator, config, num_microbatches: int, groups: mcore.DataGroups, planner) -> PackingDropIn:
-        require("wrap_data_iterator")  # the upstream names it calls outside Megatron-Core's public API
         name = getattr(config, "sequence_packing_scheduler", None)
         check({"megatron_lm": {"sequence_packing_scheduler": name}})
         scheduler = MEGATRON_SCHEDULER_NAMES[name]
         wrapper = cls(data_iterator, config, num_microbatches, groups, scheduler, StageData.of(groups, config))
-        wrapper.planner = start_planner(wrapper.read_local, config, scheduler, groups, planner)
+        # The gate: the upstream names it calls outside Megatron-Core's public API, after the model's refusals.
+        wrapper.planner = start_planner(wrapper.read_local, config, scheduler, groups, planner, gate=lambda: require("wrap_data_iterator"))
         return wrapper
 
     def next_step(self, num_microbatches: int) -> tuple[Any, int, float, float]:

@@ -29,7 +29,14 @@ enable_module = importlib.import_module("trainer_client.megatron_lm.enable")  # 
 ROOT = Path(trainer_client.__file__).resolve().parents[1]
 # Where the drop-in reaches Megatron-Core: its own package and the one module all drop-ins share.
 DROP_IN_SOURCES = [ROOT / "trainer_client" / "megatron.py", *sorted((ROOT / "trainer_client" / "megatron_lm").glob("*.py"))]
-GROUPS = SimpleNamespace(dp_cp=object(), dp=object(), tp=object(), pp=None)  # read, never used before the gate
+class _GroupOfSize:
+    """A process group's size, all the model's refusals read before the gate (no group is used)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = lambda: size
+
+
+GROUPS = SimpleNamespace(dp_cp=_GroupOfSize(2), dp=_GroupOfSize(1), tp=_GroupOfSize(1), pp=None)
 
 
 class Closable:
