@@ -66,7 +66,9 @@ def _timing(t) -> dict:
     return {"forward": t.forward, "backward": t.backward}
 
 
-def measure_model(model: str, records: dict, quick: bool, log, fit_passes: int = FIT_PASSES) -> None:
+def measure_model(model: str, records: dict, quick: bool, log, fit_passes: int = FIT_PASSES, save=lambda: None) -> None:
+    """Measures what `records` lacks for `model`; `save()` after each phase and every 20 attention
+    passes, so a run cut off by its time limit keeps what it measured."""
     import torch
 
     from bench.gpu.replay.kernels import Engine
@@ -83,6 +85,7 @@ def measure_model(model: str, records: dict, quick: bool, log, fit_passes: int =
             entry["rest"][str(tokens)] = _timing(engine.rest_pass(tokens))
         if str(tokens) not in entry["head"]:
             entry["head"][str(tokens)] = _timing(engine.head_pass(tokens))
+    save()
     log(f"{key}: rest and head on {len(grid)} token counts, {time.monotonic() - started:.0f} s")
     rng = random.Random(f"replay-attention:{key}")
     wanted = [("fit", n) for n in range(6 if quick else fit_passes)] + [("check", n) for n in range(3 if quick else CHECK_PASSES)]
@@ -94,6 +97,8 @@ def measure_model(model: str, records: dict, quick: bool, log, fit_passes: int =
         timing, messages = engine.attention_pass(case["real"], case["padded"], case["cp_size"], case["cp_rank"])
         entry["attention"].append({**case, "role": role, "index": index, **_timing(timing),
                                    "messages": [[m.phase, m.op, m.peer, m.bytes] for m in messages]})
+        if len(entry["attention"]) % 20 == 0:
+            save()
     log(f"{key}: {len(entry['attention'])} attention passes, {time.monotonic() - started:.0f} s")
     rng = random.Random(f"replay-layer:{key}")
     for index in range(len(entry["layer_check"]), 2 if quick else LAYER_CHECKS):
@@ -125,18 +130,21 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    def save() -> None:
+        args.out.write_text(json.dumps(records, indent=None, separators=(",", ":")))
+
     failures = {}
     for model in args.models.split(","):
         try:
-            measure_model(model, records, args.quick, log, args.fit_passes)
+            measure_model(model, records, args.quick, log, args.fit_passes, save)
         except Exception as error:  # noqa: BLE001 - one model's failure is recorded and the others still run
             import traceback
 
             failures[model] = f"{type(error).__name__}: {error}"
             log(traceback.format_exc())
-        args.out.write_text(json.dumps(records, indent=None, separators=(",", ":")))
+        save()
     records.setdefault("_failures", {}).update(failures)
-    args.out.write_text(json.dumps(records, indent=None, separators=(",", ":")))
+    save()
     return 1 if failures else 0
 
 
