@@ -210,7 +210,13 @@ HARDWARE_PROFILES: dict[str, HardwareProfile] = {"h200": _HOPPER, "h100": _HOPPE
 # runs on 2x H200 of a 4-layer, 2048-wide decoder whose CP was PyTorch's ring attention, one ring call
 # per sequence and layer (hence 11 ms per CP pass). A request that names this preset still gets them.
 CALIBRATED_PRESET = "h200-bench-calibrated"
-TOY_ENGINE_COEFFICIENTS = CostModel()
+TOY_ENGINE_COEFFICIENTS = CostModel(
+    seconds_per_token=2.22e-6,
+    seconds_per_attention_token_pair=8.7e-11,
+    cp_seconds_per_micro_batch=1.1e-2,
+    cp_seconds_per_token=0.0,
+    seconds_per_pass=1.8e-3,
+)
 
 
 @dataclass(frozen=True, config=_DATA)
