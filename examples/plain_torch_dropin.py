@@ -35,19 +35,16 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from trainer_client.dropin import (
-    DataGroups, LocalBatch, PlannedStep, RankMicroBatch, StepPlanner, given_planner_settings, model_device,
+    DataGroups, DerivedSettings, LocalBatch, PlannedStep, RankMicroBatch, StepPlanner, given_planner_settings, model_device,
     packed_seq_params_on, planner_config, rank_units,
 )
 
 
-def derived_settings(max_seqlen_per_dp_cp_rank: int, cp_size: int, cp_layout: str) -> dict[str, Any]:
+def derived_settings(max_seqlen_per_dp_cp_rank: int, cp_size: int, cp_layout: str) -> DerivedSettings:
     """What the loop fixes, whatever the planner settings say (a conflict raises ConfigError):
     dynamic CP, padded as Transformer Engine's THD attention needs it (every sequence of a CP
     group to a multiple of 2 x CP)."""
-    return {
-        "max_seqlen_per_dp_cp_rank": max_seqlen_per_dp_cp_rank, "context_parallel_size": cp_size,
-        "tensor_parallel_size": 1, "scheduler": "dynamic_cp", "padding": "megatron_core", "cp_layout": cp_layout,
-    }
+    return DerivedSettings(max_seqlen_per_dp_cp_rank, cp_size, 1, scheduler="dynamic_cp", padding="megatron_core", cp_layout=cp_layout)
 
 
 class PlannedLoader:
