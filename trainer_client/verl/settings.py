@@ -10,10 +10,11 @@ import os
 from typing import Any
 
 from batch_planner.request import CpLayout, PaddingRule, SchedulerKind
-from trainer_client.compatibility import VERL_SCHEDULERS, check
+from trainer_client.compatibility import check
 from trainer_client.config import PlannerClientConfig
 from trainer_client.derived import DerivedSettings
 from trainer_client.dropin.settings import CONFIG_ENV, given_planner_settings, merged_settings
+from trainer_client.verl.refusals import SOURCE, VERL_SCHEDULERS
 
 ENDPOINT_ENV = "BATCH_PLANNER_ENDPOINT"
 
@@ -48,7 +49,7 @@ def verl_planner_config(
     values = merged_settings(settings, derived, "verl's engine")
     values.setdefault("scheduler", SchedulerKind.DYNAMIC_CP.value)
     config = PlannerClientConfig.from_dict(values)
-    check({"verl": derived, "planner config": config})
+    check({SOURCE: derived, "planner config": config})
     auto = config.scheduler is SchedulerKind.AUTO
     return dataclasses.replace(config, auto_schedulers=tuple(VERL_SCHEDULERS) if auto else ())
 
