@@ -244,6 +244,8 @@ def register_source(table_source: TableSource, registered_by: str) -> TableSourc
     raises UsageError naming it and who registered it; a row reading another drop-in's source, or a
     place of a setting no core row has, raises InvalidArgumentError naming it and what is allowed."""
     name = table_source.source
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError(f"refusal-table source: {name!r} is not allowed; expected the drop-in's name, a non-empty str")
     if name in CORE_SOURCES:
         raise UsageError(f"refusal-table source {name!r} is a core source (what every trainer gives: {list(CORE_SOURCES)}); "
                          "name the drop-in's own source otherwise")
@@ -260,6 +262,10 @@ def register_source(table_source: TableSource, registered_by: str) -> TableSourc
     unknown = sorted(set(table_source.places) - set(settings))
     if unknown:
         raise InvalidArgumentError(f"{name!r} places: settings {unknown} are not a core row's; allowed: {settings}")
+    odd = {setting: paths for setting, paths in table_source.places.items()
+           if not isinstance(paths, tuple) or not all(isinstance(path, str) and path for path in paths)}
+    if odd:
+        raise InvalidArgumentError(f"{name!r} places: {odd} are not allowed; expected a tuple of dotted paths per setting")
     _REGISTERED[name], _REGISTERED_BY[name] = table_source, registered_by
     return table_source
 
