@@ -25,7 +25,10 @@ group of every size a plan may use). What a plain loop writes itself, and this m
    sizes, the scheduler, the padding rule and CP layout its attention takes;
 3. the model's arguments of a unit on the model's device (`model_inputs`), and the loop itself:
    the loss of each unit normalised over the global batch's loss tokens, gradients all-reduced
-   over DPxCP (tests/examples/test_plain_torch_dropin.py runs one, against whole samples).
+   over DPxCP (tests/examples/test_plain_torch_dropin.py runs one, against whole samples);
+4. the drop-in as one object (`PLAIN_TORCH`), registered at import: its refusal-table source (no
+   rows of its own: the core's apply), settings and reader; it replaces nothing of a trainer's, so
+   it has no hooks and no version gate.
 """
 
 from __future__ import annotations
@@ -35,19 +38,16 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from trainer_client.dropin import (
-    DataGroups, LocalBatch, PlannedStep, RankMicroBatch, StepPlanner, given_planner_settings, model_device,
-    packed_seq_params_on, planner_config, rank_units,
+    DataGroups, DerivedSettings, DropIn, LocalBatch, PlannedStep, RankMicroBatch, StepPlanner, TableSource,
+    given_planner_settings, model_device, packed_seq_params_on, planner_config, rank_units, register_dropin,
 )
 
 
-def derived_settings(max_seqlen_per_dp_cp_rank: int, cp_size: int, cp_layout: str) -> dict[str, Any]:
+def derived_settings(max_seqlen_per_dp_cp_rank: int, cp_size: int, cp_layout: str) -> DerivedSettings:
     """What the loop fixes, whatever the planner settings say (a conflict raises ConfigError):
     dynamic CP, padded as Transformer Engine's THD attention needs it (every sequence of a CP
     group to a multiple of 2 x CP)."""
-    return {
-        "max_seqlen_per_dp_cp_rank": max_seqlen_per_dp_cp_rank, "context_parallel_size": cp_size,
-        "tensor_parallel_size": 1, "scheduler": "dynamic_cp", "padding": "megatron_core", "cp_layout": cp_layout,
-    }
+    return DerivedSettings(max_seqlen_per_dp_cp_rank, cp_size, 1, scheduler="dynamic_cp", padding="megatron_core", cp_layout=cp_layout)
 
 
 class PlannedLoader:
@@ -102,3 +102,9 @@ def model_inputs(unit: RankMicroBatch, device: torch.device | None = None) -> di
         "labels": fields["labels"].to(device)[None], "loss_mask": fields["loss_mask"].to(device)[None],
         "attention_mask": None, "packed_seq_params": packed_seq_params_on(unit, device),
     }
+
+
+PLAIN_TORCH = register_dropin(DropIn(
+    refusals=TableSource("plain_torch", "the plain PyTorch loop's drop-in"), package=__name__, settings=derived_settings,
+    readers=(PlannedLoader._read_local,),
+))

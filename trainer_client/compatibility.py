@@ -1,10 +1,12 @@
-"""The one table of refusals (`RULES`): what dynamic CP, or a drop-in that runs it, cannot run with.
+"""The one table of refusals: what dynamic CP, or a drop-in that runs it, cannot run with.
 
-Its sources, where a rule applies and the table itself: docs/trainer-client.md ("Unsupported
-combinations: one table"; tests keep it equal to `RULES`) and docs/megatron-bridge.md. The rows come
-from the reference PR (verl #6555), Megatron-Core's own requirements for dynamic CP / sequence packing
-(dev: training/arguments.py, transformer_config.py; 0.19: hybrid_cp_schedule, multi_latent_attention)
-and what the drop-ins hand the trainer.
+The core's rows (`RULES`: dynamic CP's and Megatron-Core's own requirements, from the reference PR,
+verl #6555, and Megatron-Core: dev: training/arguments.py, transformer_config.py; 0.19:
+hybrid_cp_schedule, multi_latent_attention) read what every trainer gives (`CORE_SOURCES`). Each drop-in
+registers its own part from its own package (`TableSource`, `register_source`): its source, its rows
+and its paths of the core's settings; `table` is the whole, in the order `check` reads it. Where a rule
+applies and the tables: docs/trainer-client.md ("Unsupported combinations: one table") and the drop-ins'
+pages, generated from what is registered (trainer_client/refusal_docs.py; tests keep them equal).
 """
 
 from __future__ import annotations
@@ -13,25 +15,21 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cache, cached_property, partial
-from typing import Any, Callable, Literal, Mapping, NamedTuple
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence
 
 from batch_planner.request import CpLayout, SchedulerKind
-from trainer_client.errors import ConfigError, InvalidArgumentError, UnrunnablePlanError, UnsupportedCombinationError
+from trainer_client.errors import ConfigError, InvalidArgumentError, UnsupportedCombinationError, UsageError
 
-# The schedulers each drop-in's trainer runs (the one home of these allow-lists; the rows below refuse
-# the others). Megatron-Core's `sequence_packing_scheduler` names, and the planner's schedulers they are:
+# Megatron-Core's `sequence_packing_scheduler` names, and the planner's schedulers they are (the one
+# home of these names; a drop-in's rows refuse the schedulers its trainer does not run):
 MEGATRON_SCHEDULER_NAMES = {"default_dynamic_cp": SchedulerKind.DYNAMIC_CP, "dp_balanced": SchedulerKind.STATIC_PACKING}
 # Those that pack a CP group's samples into one THD micro-batch (Megatron-LM's dev drop-in, Bridge's).
 PACKING_SCHEDULERS = tuple(MEGATRON_SCHEDULER_NAMES.values())
-# Bridge's loop runs one packed forward pass per planned micro-batch: the packing schedulers only.
-BRIDGE_SCHEDULERS = PACKING_SCHEDULERS
-# verl's engine runs the dynamic-CP contract: dynamic CP, or auto choosing among these only.
-VERL_SCHEDULERS = (SchedulerKind.DYNAMIC_CP,)
 MULTIMODAL_BATCH_FIELDS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "multi_modal_inputs")
 
-# What a caller may hand `check`, by name; a drop-in's own source is read by its rows only.
-SOURCES = ("engine", "model", "transformer", "planner config", "plan", "batch", "bridge", "megatron_lm", "verl")
-DROP_IN_SOURCES = {"bridge": "Megatron-Bridge's drop-in", "megatron_lm": "Megatron-LM's drop-ins", "verl": "verl's drop-in"}
+# What any trainer may hand `check`, by name; a drop-in's own source is known once it is registered
+# (`register_source`, which `trainer_client.dropin.register_dropin` calls) and read by its rows only.
+CORE_SOURCES = ("engine", "model", "transformer", "planner config", "plan", "batch")
 # Position embeddings that rotate queries and keys by position (RoPE and its variants).
 ROTARY_EMBEDDINGS = ("rope", "mrope", "yarn")
 
@@ -78,7 +76,7 @@ class Changed:
         return f"changed from {self.before!r} to {self.after!r}"
 
 
-_ABSENT = object()
+ABSENT = object()
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:
@@ -93,10 +91,14 @@ class Inputs:
     """What one call was given, by source, and the facts the rules read from it."""
 
     def __init__(self, sources: Mapping[str, Any], installed: InstalledMegatron | None):
-        unknown = sorted(set(sources) - set(SOURCES))
+        known = known_sources()
+        unknown = sorted(set(sources) - set(known))
         if unknown:
-            raise InvalidArgumentError(f"unknown refusal-table sources {unknown}; allowed: {list(SOURCES)}")
-        self.sources = {name: sources.get(name) for name in SOURCES}
+            raise InvalidArgumentError(
+                f"unknown refusal-table sources {unknown}; allowed: {list(known)} (a drop-in's source is known once "
+                "its package is imported, which registers it: trainer_client.dropin.register_dropin)"
+            )
+        self.sources = {name: sources.get(name) for name in known}
         self.transformer, self.plan, self.batch = self.sources["transformer"], self.sources["plan"], self.sources["batch"]
         self._installed = installed
         # Read at once, so a bad scheduler or layout name fails whatever else is present.
@@ -114,8 +116,8 @@ class Inputs:
         """The value at `place`; `default` where the path is absent (a field of another build) or passes through None."""
         value = self.sources[place.source]
         for name in place.path.split("."):
-            value = _get(value, name, _ABSENT) if value is not None else _ABSENT
-            if value is _ABSENT:
+            value = _get(value, name, ABSENT) if value is not None else ABSENT
+            if value is ABSENT:
                 return default
         return value
 
@@ -156,7 +158,9 @@ class Rule:
     A place is read when its source was given, and the rule only when every source in `needs` was
     too (`check` chooses the rules by that). `value` is read at the place (`default` when absent) unless `read` says otherwise (a rule
     with `read` has one place, which names the option). `build` is the Megatron-Core build the rule
-    applies to (None: both); `schedulers` the schedulers (empty: any; none known: the rule waits)."""
+    applies to (None: both); `schedulers` the schedulers (empty: any; none known: the rule waits).
+    A core row with a `setting` is read at every registered drop-in's places of that setting too
+    (`TableSource.places`), after its own (`places_in`)."""
 
     places: tuple[Place, ...]
     when: str  # the value refused, in words; `refused_when` adds the conditions of the row
@@ -168,27 +172,33 @@ class Rule:
     build: Build | None = None
     schedulers: tuple[SchedulerKind, ...] = ()
     error: type[UnsupportedCombinationError] = UnsupportedCombinationError
+    # The name a drop-in gives its own paths of this setting under (a core row's only); None: it has none.
+    setting: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.places, Place):
             object.__setattr__(self, "places", (self.places,))
-        unknown = [p.source for p in self.places if p.source not in SOURCES] + [s for s in self.needs if s not in SOURCES]
-        if unknown or (self.read is not None and len(self.places) != 1):
-            raise InvalidArgumentError(f"rule for {self.places}: unknown sources {unknown}, or `read` with several places")
+        if self.read is not None and (len(self.places) != 1 or self.setting is not None):
+            raise InvalidArgumentError(f"rule for {self.places}: `read` needs exactly one place and no setting")
 
     def refusal(self, inputs: Inputs) -> UnsupportedCombinationError | None:
         """The error for the first place whose value this rule refuses; None when none is (`check` has asked `needs`)."""
         if self.schedulers and inputs.scheduler not in self.schedulers:
             return None
-        for place in self.places:
+        for place in self.places_in():
             if not inputs.given(place.source):
                 continue
             value = self.read(inputs) if self.read is not None else inputs.at(place, self.default)
             # The build is asked last: detecting it imports Megatron-Core's schedulers.
-            if self.refused(value, inputs) and self.build in (None, inputs.installed.build):
+            if self.refused(value, inputs) and (self.build is None or self.build == inputs.installed.build):
                 fix = self.fix.format(value=value, tp=inputs.tp, cp=inputs.cp, group=inputs.group)
                 return self.error(place.path, value, fix, self)
         return None
+
+    def places_in(self, sources: Sequence[str] | None = None) -> tuple[Place, ...]:
+        """Where the rule reads: its own places, then those of `sources`' drop-ins (default: every
+        registered one, in the order they were registered) for its `setting`."""
+        return self.places + _supplied_places(self.setting, _registered(sources)) if self.setting else self.places
 
     @property
     def refused_when(self) -> str:
@@ -198,18 +208,115 @@ class Rule:
             words.append("with scheduler " + " or ".join(kind.value for kind in self.schedulers))
         if self.build is not None:
             words.append(BUILD_WORDS[self.build])
-        words += [f"in {DROP_IN_SOURCES[source]}" for source in self.needs if source in DROP_IN_SOURCES]
+        words += [f"in {_REGISTERED[source].title}" for source in self.needs if source in _REGISTERED]
         return ", ".join(words)
 
     def reads(self, source: str) -> bool:
-        return source in self.needs or any(place.source == source for place in self.places)
+        return source in self.needs or any(place.source == source for place in self.places_in())
 
 
-def _is_set(value: Any, _: Inputs) -> bool:
+@dataclass(frozen=True, eq=False)
+class TableSource:
+    """A drop-in's part of the table: its source and its rows (`register_source`; a drop-in registers it
+    through `trainer_client.dropin.register_dropin`, from its own package)."""
+
+    # The name the drop-in hands its own settings to `check` under ("bridge"); its rows read it.
+    source: str
+    # The drop-in in words, as a row that needs its source says where it applies ("Megatron-Bridge's drop-in").
+    title: str
+    # Its own rows, in the order they are checked: after the core's rows of what every trainer gives,
+    # before the core's rows read only at the drop-ins' places (`table`). Each reads its source, or
+    # the core's sources where it `needs` its own.
+    rows: tuple[Rule, ...] = ()
+    # Its paths of a core row's `setting`, by setting ("use_megatron_fsdp": ("ddp.use_megatron_fsdp",)):
+    # the core's row reads them too.
+    places: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+
+# The drop-ins' parts of the table, by source, in the order they were registered (`register_source`),
+# and the package that registered each.
+_REGISTERED: dict[str, TableSource] = {}
+_REGISTERED_BY: dict[str, str] = {}
+
+
+def register_source(table_source: TableSource, registered_by: str) -> TableSource:
+    """Adds a drop-in's source and rows to the table. A source registered already, or a core source,
+    raises UsageError naming it and who registered it; a row reading another drop-in's source, or a
+    place of a setting no core row has, raises InvalidArgumentError naming it and what is allowed."""
+    name = table_source.source
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError(f"refusal-table source: {name!r} is not allowed; expected the drop-in's name, a non-empty str")
+    if name in CORE_SOURCES:
+        raise UsageError(f"refusal-table source {name!r} is a core source (what every trainer gives: {list(CORE_SOURCES)}); "
+                         "name the drop-in's own source otherwise")
+    if name in _REGISTERED:
+        raise UsageError(f"refusal-table source {name!r} is registered already, by {_REGISTERED_BY[name]}; "
+                         f"{registered_by} must register its drop-in under a name of its own")
+    own = (*CORE_SOURCES, name)
+    for rule in table_source.rows:
+        foreign = sorted({p.source for p in rule.places} - set(own) | set(rule.needs) - set(own))
+        if foreign or rule.setting is not None:
+            raise InvalidArgumentError(f"{name!r} rule for {rule.places}: reads sources {foreign} or has setting {rule.setting!r}; "
+                                       f"a drop-in's row reads {list(own)} only and gives its paths of a core setting as `places`")
+    settings = sorted(r.setting for r in RULES if r.setting)
+    unknown = sorted(set(table_source.places) - set(settings))
+    if unknown:
+        raise InvalidArgumentError(f"{name!r} places: settings {unknown} are not a core row's; allowed: {settings}")
+    odd = {setting: paths for setting, paths in table_source.places.items()
+           if not isinstance(paths, tuple) or not all(isinstance(path, str) and path for path in paths)}
+    if odd:
+        raise InvalidArgumentError(f"{name!r} places: {odd} are not allowed; expected a tuple of dotted paths per setting")
+    _REGISTERED[name], _REGISTERED_BY[name] = table_source, registered_by
+    return table_source
+
+
+def registered_by(package: str) -> tuple[str, ...]:
+    """The sources `package` registered, in the order it did."""
+    return tuple(source for source, by in _REGISTERED_BY.items() if by == package)
+
+
+def known_sources() -> tuple[str, ...]:
+    """What `check` takes: the core sources, then every registered drop-in's."""
+    return (*CORE_SOURCES, *_REGISTERED)
+
+
+def _registered(sources: Sequence[str] | None) -> tuple[TableSource, ...]:
+    """The registered parts of `sources` (default: all, in registration order); an unknown one raises."""
+    if sources is None:
+        return tuple(_REGISTERED.values())
+    unknown = [s for s in sources if s not in _REGISTERED]
+    if unknown:
+        raise InvalidArgumentError(f"refusal-table sources {unknown} are not registered; registered: {list(_REGISTERED)}")
+    return tuple(_REGISTERED[s] for s in sources)
+
+
+@cache
+def _supplied_places(setting: str, parts: tuple[TableSource, ...]) -> tuple[Place, ...]:
+    return tuple(Place(part.source, path) for part in parts for path in part.places.get(setting, ()))
+
+
+def table(sources: Sequence[str] | None = None) -> tuple[Rule, ...]:
+    """The table in the order `check` reads it: the core's rows with a place of their own (`RULES`), the
+    rows of `sources`' drop-ins (default: every registered one, in registration order), then the
+    core's rows read only at the drop-ins' places."""
+    return _table(_registered(sources))
+
+
+def rules_of(source: str) -> tuple[Rule, ...]:
+    """The rows that read a registered drop-in's `source`, in table order: its own, and the core's it gives places of."""
+    return tuple(rule for rule in table([source]) if rule.reads(source))
+
+
+@cache
+def _table(parts: tuple[TableSource, ...]) -> tuple[Rule, ...]:
+    return (*(r for r in RULES if r.places), *(r for part in parts for r in part.rows), *(r for r in RULES if not r.places))
+
+
+def is_set(value: Any, _: Inputs) -> bool:
     return bool(value)
 
 
-def _is_false(value: Any, _: Inputs) -> bool:
+def is_false(value: Any, _: Inputs) -> bool:
     return value is False
 
 
@@ -232,7 +339,7 @@ def _first_multimodal_field(inputs: Inputs) -> str | None:
     return next((k for k in inputs.batch.keys() if k in MULTIMODAL_BATCH_FIELDS), None)
 
 
-def _layout(inputs: Inputs) -> str | None:
+def layout_name(inputs: Inputs) -> str | None:
     return inputs.layout.value if inputs.layout is not None else None
 
 
@@ -273,7 +380,7 @@ def _old_transformer_engine(value: Any, inputs: Inputs) -> bool:
     return value is not None and tuple(int(p) for p in value.split(".")) < MIN_TE_VERSION_FOR_THD_CP
 
 
-def _kind_name(value: Any) -> Any:
+def kind_name(value: Any) -> Any:
     return getattr(value, "value", value)
 
 
@@ -284,60 +391,35 @@ def packing_scheduler_name(model: Any) -> Any:
     return "default_dynamic_cp" if name is None and getattr(model, "dynamic_context_parallel", False) else name
 
 
-def _bridge_scheduler_name(inputs: Inputs) -> Any:
-    model = inputs.at(Place("bridge", "model"))
-    return packing_scheduler_name(model) if hasattr(model, "sequence_packing_scheduler") else _ABSENT
-
-
-def _other_auto_schedulers(inputs: Inputs) -> list[str] | None:
-    wanted = [_kind_name(k) for k in _get(inputs.sources["planner config"], "auto_schedulers") or ()]
-    return [name for name in wanted if name not in [k.value for k in VERL_SCHEDULERS]] or None
-
-
-def _ranks_without_sample(inputs: Inputs) -> str | None:
-    empty = [(i, [r for g in mb.cp_groups if not g.sample_ids for r in range(g.first_rank, g.first_rank + g.size)])
-             for i, mb in enumerate(inputs.plan.micro_batches)]
-    return next((f"micro-batch {i}: DPxCP ranks {ranks} have no sample" for i, ranks in empty if ranks), None)
-
-
-def _unaligned_group(inputs: Inputs) -> str | None:
-    groups = (g for mb in inputs.plan.micro_batches for g in mb.cp_groups if g.first_rank % g.size)
-    return next((f"CP group of ranks {list(range(g.first_rank, g.first_rank + g.size))} (sample ids {list(g.sample_ids)}), "
-                 f"first rank {g.first_rank}" for g in groups), None)
-
-
 # The places of each source, by path.
-_engine, _model, _transformer, _planner, _bridge, _megatron_lm = (
-    partial(Place, source) for source in ("engine", "model", "transformer", "planner config", "bridge", "megatron_lm")
-)
+_engine, _model, _transformer, _planner = (partial(Place, source) for source in ("engine", "model", "transformer", "planner config"))
 
 
 _THD_CP = "the plan runs CP groups on packed THD input, which only Transformer Engine's attention takes; "
 _NO_CUDA_GRAPHS = "Megatron-Core does not support CUDA graphs with dynamic CP; "
 _NOT_VALUE_MODEL = "value (critic) models are not supported; run the critic with static CP"
 _FP8 = "FP8 is not supported with dynamic CP; "
-_NO_DPXCP_GROUPS = "Bridge then builds no DPxCP group of each CP size for the plan's CP groups; "
 
 RULES: tuple[Rule, ...] = (
     Rule(_engine("use_remove_padding"), "false",
-         "dynamic CP packs samples as THD (remove-padding) input; set use_remove_padding=True", _is_false, default=True),
-    Rule(_engine("is_value_model"), "true", _NOT_VALUE_MODEL, _is_set),
-    Rule(_engine("distillation"), "set", "distillation is not supported; disable it or use static CP", _is_set),
-    Rule((_engine("use_megatron_fsdp"), _bridge("ddp.use_megatron_fsdp"), _bridge("dist.use_megatron_fsdp")), "true",
+         "dynamic CP packs samples as THD (remove-padding) input; set use_remove_padding=True", is_false, default=True),
+    Rule(_engine("is_value_model"), "true", _NOT_VALUE_MODEL, is_set),
+    Rule(_engine("distillation"), "set", "distillation is not supported; disable it or use static CP", is_set),
+    Rule(_engine("use_megatron_fsdp"), "true",
          "Megatron-Core's dynamic CP does not support Megatron FSDP; use DDP or the distributed optimizer (Bridge "
-         "copies dist.use_megatron_fsdp to ddp later: leave both False)", _is_set),
-    Rule(_engine("fp8"), "set", _FP8 + "set fp8 to null", _is_set),
-    Rule(_model("is_value_model"), "true", _NOT_VALUE_MODEL, _is_set),
+         "copies dist.use_megatron_fsdp to ddp later: leave both False)", is_set, setting="use_megatron_fsdp"),
+    Rule(_engine("fp8"), "set", _FP8 + "set fp8 to null", is_set),
+    Rule(_model("is_value_model"), "true", _NOT_VALUE_MODEL, is_set),
     Rule(_model("vision_config"), "set", "multimodal models are not supported; use a text-only model or static CP",
-         _is_set, read=_vision),
-    Rule(_model("is_multimodal"), "true", "multimodal models are not supported; use a text-only model or static CP", _is_set),
+         is_set, read=_vision),
+    Rule(_model("is_multimodal"), "true", "multimodal models are not supported; use a text-only model or static CP", is_set),
     Rule(_transformer("calculate_per_token_loss"), "false",
          "Megatron-Core requires a per-token loss with dynamic CP (micro-batches hold different token "
          "counts); set calculate_per_token_loss=True", lambda v, _: not v, default=False),
     # (fp8_param needs fp8, so this refuses FP8 parameters too.)
     Rule(_transformer("fp8"), "set", _FP8 + "set fp8=None (and fp8_param=False)", lambda v, _: v is not None),
-    Rule(_transformer("enable_cuda_graph"), "true", _NO_CUDA_GRAPHS + "set enable_cuda_graph=False", _is_set),
-    Rule(_transformer("external_cuda_graph"), "true", _NO_CUDA_GRAPHS + "set external_cuda_graph=False", _is_set),
+    Rule(_transformer("enable_cuda_graph"), "true", _NO_CUDA_GRAPHS + "set enable_cuda_graph=False", is_set),
+    Rule(_transformer("external_cuda_graph"), "true", _NO_CUDA_GRAPHS + "set external_cuda_graph=False", is_set),
     Rule(_transformer("cuda_graph_impl"), "not 'none'", _NO_CUDA_GRAPHS + "set cuda_graph_impl='none'",
          lambda v, _: v not in ("none", None), default="none"),
     Rule(_transformer("moe_router_fusion"), "true with moe_enable_routing_replay",
@@ -349,18 +431,14 @@ RULES: tuple[Rule, ...] = (
          schedulers=PACKING_SCHEDULERS),
     Rule(_transformer("multi_latent_attention"), "true",
          "Megatron-Core's hybrid CP (0.19) does not support MLA; use scheduler=dynamic_cp with a "
-         "dev-branch Megatron-Core, or static CP", _is_set, schedulers=(SchedulerKind.HYBRID_CP,)),
+         "dev-branch Megatron-Core, or static CP", is_set, schedulers=(SchedulerKind.HYBRID_CP,)),
     Rule(_planner("cp_layout"), "'contiguous' (planner config or plan) with multi_latent_attention",
          "Megatron-Core's MLA requires the zigzag CP layout; set cp_layout=zigzag",
-         lambda v, i: v == "contiguous" and bool(i.tc("multi_latent_attention", False)), read=_layout, needs=("transformer",)),
+         lambda v, i: v == "contiguous" and bool(i.tc("multi_latent_attention", False)), read=layout_name, needs=("transformer",)),
     Rule(_planner("cp_layout"), "'contiguous' (planner config or plan) with MTP, TP > 1 and sequence parallelism",
          "Megatron-Core refuses multi-token prediction with TP > 1, sequence parallelism and the "
          "contiguous CP layout (a known padding-mask bug); set cp_layout=zigzag",
-         lambda v, i: v == "contiguous" and _mtp_with_tp_and_sp(i), read=_layout, needs=("transformer",)),
-    Rule(_planner("cp_layout"), "'contiguous'",
-         "0.19's PackedSeqParams has no cp_partition_mode, so its attention takes every CP shard as zigzag; "
-         "set cp_layout=zigzag in the planner settings",
-         lambda v, _: v == "contiguous", read=_layout, needs=("bridge",), build="release"),
+         lambda v, i: v == "contiguous" and _mtp_with_tp_and_sp(i), read=layout_name, needs=("transformer",)),
     Rule(_planner("tensor_parallel_size"), "differs from the transformer's tensor_model_parallel_size",
          "the planner config pads for TP={value} but the model runs tensor_model_parallel_size={tp}; "
          "set tensor_parallel_size={tp} in the planner config",
@@ -376,10 +454,6 @@ RULES: tuple[Rule, ...] = (
          "Megatron-Core's hybrid CP schedule runs without pipelining only; set "
          "pipeline_model_parallel_size=1 or use scheduler=dynamic_cp with a dev-branch Megatron-Core",
          _above_one, default=1, schedulers=(SchedulerKind.HYBRID_CP,)),
-    Rule(_bridge("model.pipeline_model_parallel_size"), "> 2",
-         "Bridge builds data iterators on the first and last pipeline stages only "
-         "(data/utils.is_dataset_built_on_rank), so a middle stage cannot read the step it must plan and "
-         "agree on; set pipeline_model_parallel_size to 1 or 2", lambda v, _: (v or 1) > 2),
     Rule(_transformer("virtual_pipeline_model_parallel_size"), "> 1",
          "the installed Megatron-Core has no VPP-aware packing scheduler (needs a dev-branch build "
          "with data_schedule.DefaultDynamicCPScheduler); unset virtual pipeline parallelism",
@@ -416,93 +490,44 @@ RULES: tuple[Rule, ...] = (
          "Engine's THD attention cuts it into 2 x CP chunks): set min_local_rows to a multiple of the tensor parallel size "
          "(and of 2 with zigzag; verl's engine pairs min_local_rows with the contiguous layout)",
          _uneven_top_up),
-    Rule((_megatron_lm("num_microbatches"), _bridge("train.rampup_batch_size")), "changed between steps (num_microbatches), or set (rampup_batch_size)",
+    # The rows read only at the drop-ins' places of their setting (`TableSource.places`); `table` checks
+    # them after the drop-ins' own rows. Megatron's batch-size ramp-up, which a drop-in that reads ahead
+    # cannot follow:
+    Rule((), "changed between steps (num_microbatches), or set (rampup_batch_size)",
          "the drop-in reads one global batch ahead with the micro-batch count in force; batch-size ramp-up "
-         "changes it between steps: turn ramp-up off (unset rampup_batch_size)", _is_set),
-    Rule(_bridge("dataset.dataloader_type"), "'batch' or 'external'",
-         "'batch' re-batches each step after the plan is made (prepare_finetuning_batch), 'external' hands "
-         "over a list of iterators; use dataloader_type='single' (or 'cyclic')", lambda v, _: v in ("batch", "external")),
-    Rule(_bridge("dataset.skip_getting_attention_mask_from_dataset"), "false",
-         "the dataset's own attention mask does not travel into packed THD micro-batches (THD attention "
-         "reads cu_seqlens); pack documents with cu_seqlens and leave it True", _is_false),
-    Rule(_bridge("train.iterations_to_skip"), "set",
-         "a skipped iteration reads its micro-batches past the drop-in, which has read that step ahead "
-         "already; unset iterations_to_skip", _is_set),
-    Rule(_bridge("model.is_hybrid_model"), "true",
-         "hybrid (Mamba) models need per-sequence state indices the planned THD micro-batches do not carry; "
-         "use a transformer model", _is_set),
-    Rule(_bridge("model.moe_expert_rank_capacity_factor"), "set",
-         "Bridge then re-runs iterations through PagedStashRunner, around the planned schedule; unset "
-         "moe_expert_rank_capacity_factor", lambda v, _: v is not None),
-    Rule(_bridge("model.overlap_moe_expert_parallel_comm"), "true",
-         "Bridge's forward step then builds a schedule plan without the micro-batch's PackedSeqParams; unset "
-         "overlap_moe_expert_parallel_comm", _is_set),
-    Rule(_bridge("dist.use_decentralized_pg"), "true",
-         "dynamic CP runs on parallel_state's per-size DPxCP groups, which decentralized process groups "
-         "do not build; set use_decentralized_pg=False", _is_set),
-    Rule(_bridge("model.dynamic_context_parallel"), "false",
-         _NO_DPXCP_GROUPS + "set cfg.model.dynamic_context_parallel=True", _is_false,
-         build="dev", schedulers=(SchedulerKind.DYNAMIC_CP,)),
-    Rule(_bridge("model.hybrid_context_parallel"), "false",
-         _NO_DPXCP_GROUPS + "on 0.19 set cfg.model.hybrid_context_parallel=True (the plans still come from dynamic CP)",
-         _is_false, build="release", schedulers=(SchedulerKind.DYNAMIC_CP,)),
-    Rule(_megatron_lm("sequence_packing_scheduler"), "not one of " + ", ".join(map(repr, MEGATRON_SCHEDULER_NAMES)), "wrap_data_iterator's "
-         "drop-in plans with Megatron-Core's packing schedulers: set --sequence-packing-scheduler default_dynamic_cp (dynamic CP) or "
-         "dp_balanced (static packing)", lambda v, _: v is not _ABSENT and v not in MEGATRON_SCHEDULER_NAMES, default=_ABSENT),
-    Rule(_bridge("model.sequence_packing_scheduler"), "not one of " + ", ".join(map(repr, MEGATRON_SCHEDULER_NAMES)),
-         "the drop-in plans with Megatron-Core's packing schedulers: set cfg.model.dynamic_context_parallel=True "
-         "(dynamic CP) or cfg.model.sequence_packing_scheduler='dp_balanced' (static packing)",
-         lambda v, _: v is not _ABSENT and v not in MEGATRON_SCHEDULER_NAMES, read=_bridge_scheduler_name),
-    Rule(_planner("scheduler"), "not " + " or ".join(k.value for k in BRIDGE_SCHEDULERS), "each planned micro-batch is one packed "
-         "forward pass of Bridge's loop: set scheduler to " + " or ".join(k.value for k in BRIDGE_SCHEDULERS) + " in the planner settings "
-         "(a Megatron-Core release has no sequence_packing_scheduler to say it)",
-         lambda v, _: v is not None and _kind_name(v) not in [k.value for k in BRIDGE_SCHEDULERS], needs=("bridge",)),
-    Rule(_planner("scheduler"), "not dynamic_cp or auto", "verl's engine runs the dynamic-CP contract (docs/verl.md): set scheduler to "
-         "dynamic_cp or auto", lambda v, _: _kind_name(v) not in [k.value for k in (*VERL_SCHEDULERS, SchedulerKind.AUTO)], needs=("verl",)),
-    Rule(_planner("auto_schedulers"), "names a scheduler other than dynamic_cp", "auto may choose only plans verl's engine runs: set "
-         "auto_schedulers to [dynamic_cp] or leave it unset", lambda v, _: v is not None, read=_other_auto_schedulers, needs=("verl",)),
-    Rule(Place("plan", "micro_batches"), "a micro-batch in which a DPxCP rank runs no sample",
-         "verl's engine runs every rank of the DPxCP group on a sample in every micro-batch; plan with dynamic_cp "
-         "(its groups cover every rank)", lambda v, _: v is not None, read=_ranks_without_sample, needs=("verl",),
-         error=UnrunnablePlanError),
-    Rule(Place("plan", "cp_groups"), "a CP group whose first rank is not a multiple of its size",
-         "verl's engine runs CP groups of aligned ranks only (its per-size DPxCP groups); plan with dynamic_cp",
-         lambda v, _: v is not None, read=_unaligned_group, needs=("verl",), error=UnrunnablePlanError),
-    # One row each for every drop-in that runs plans of CP groups other than the static one on a
-    # release (verl's dynamic CP needs the dev build's per-size DPxCP groups, so it has no release route).
-    Rule((_megatron_lm("position_embedding_type"), _bridge("model.position_embedding_type")), "rope, mrope or yarn",
+         "changes it between steps: turn ramp-up off (unset rampup_batch_size)", is_set, setting="batch_size_rampup"),
+    # Read by every drop-in that runs plans of CP groups other than the static one on a release (verl's
+    # dynamic CP needs the dev build's per-size DPxCP groups, so it has no release route).
+    Rule((), "rope, mrope or yarn",
          "0.19's attention rotates THD input over the static CP group (transformer/attention.py), not the "
          "micro-batch's, so positions are wrong in CP groups of another size: the model would train silently "
          "wrong. Run the trainer on the Megatron-LM dev build (deps/megatron-core.env; it rotates over the "
          "micro-batch's group: Megatron-LM with --sequence-packing-scheduler default_dynamic_cp), or use static CP",
-         lambda v, _: v in ROTARY_EMBEDDINGS, build="release"),
-    Rule((_megatron_lm("mtp_num_layers"), _bridge("model.mtp_num_layers")), "set",
+         lambda v, _: v in ROTARY_EMBEDDINGS, build="release", setting="position_embedding_type"),
+    Rule((), "set",
          "0.19's multi-token prediction rolls packed THD tokens and labels over the static CP group "
          "(transformer/multi_token_prediction.py, roll_tensor), not the micro-batch's, so in CP groups of "
          "another size its ranks exchange boundary tokens with ranks that hold other samples: the step hangs "
          "or trains wrong. Run the trainer on the Megatron-LM dev build (deps/megatron-core.env; it rolls "
-         "within the micro-batch's group), or unset mtp_num_layers", _is_set, build="release"),
-    Rule(_bridge("model.max_seqlen_per_dp_cp_rank"), "not set",
-         "dynamic CP plans each rank's tokens against it: set cfg.model.max_seqlen_per_dp_cp_rank "
-         "(e.g. seq_length // context_parallel_size)", lambda v, _: v is None),
+         "within the micro-batch's group), or unset mtp_num_layers", is_set, build="release", setting="mtp_num_layers"),
 )
 
 
 def check(sources: Mapping[str, Any], installed: InstalledMegatron | None = None) -> None:
-    """Raises UnsupportedCombinationError for the first rule of `RULES` that refuses what `sources`
-    (by name, from `SOURCES`) hold; `installed` is detected when a rule needs it."""
+    """Raises UnsupportedCombinationError for the first rule of the table (`table`) that refuses what
+    `sources` (by name, from `known_sources`) hold; `installed` is detected when a rule needs it."""
     inputs = Inputs(sources, installed)
-    for rule in _rules_reading(frozenset(name for name in SOURCES if inputs.given(name))):
+    for rule in _rules_reading(frozenset(name for name in inputs.sources if inputs.given(name)), _registered(None)):
         error = rule.refusal(inputs)
         if error is not None:
             raise error
 
 
 @cache
-def _rules_reading(given: frozenset[str]) -> tuple[Rule, ...]:
+def _rules_reading(given: frozenset[str], parts: tuple[TableSource, ...]) -> tuple[Rule, ...]:
     """The rules, in table order, with a place in `given` and all they need there (a drop-in checks
     its own source on every step: this keeps that to its own rows)."""
-    return tuple(r for r in RULES if set(r.needs) <= given and any(p.source in given for p in r.places))
+    return tuple(r for r in _table(parts) if set(r.needs) <= given and any(p.source in given for p in r.places_in()))
 
 
 def check_dynamic_cp_support(

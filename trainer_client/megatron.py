@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from batch_planner.plan import Plan
 from batch_planner.request import CpLayout, PaddingRule, SchedulerKind
+from trainer_client.derived import DerivedSettings
 from trainer_client.errors import InvalidArgumentError, ProcessGroupError
 
 # size -> this rank's process group for that CP size (None: the build runs that size without one)
@@ -230,29 +231,29 @@ def broadcast_scalars(values: list, tp_group, device) -> list:
     return broadcast(values, tp_group, device)
 
 
-def planner_settings_of(config: Any, scheduler: SchedulerKind, cp_size: int) -> dict[str, Any]:
+def planner_settings_of(config: Any, scheduler: SchedulerKind, cp_size: int) -> DerivedSettings:
     """The planner settings a Megatron-Core model config fixes (the Megatron-LM and Bridge drop-ins'
-    `derived` settings, trainer_client.dropin.settings.planner_config): its sizes, the scheduler the
+    derived settings, trainer_client.dropin.settings.planner_config): its sizes, the scheduler the
     trainer runs, and Megatron-Core's padding (its dataset, or the drop-in for it), with no top-up."""
-    derived: dict[str, Any] = {
-        "max_seqlen_per_dp_cp_rank": int(config.max_seqlen_per_dp_cp_rank),
-        "context_parallel_size": cp_size,
-        "tensor_parallel_size": int(getattr(config, "tensor_model_parallel_size", 1) or 1),
-        "scheduler": scheduler.value,
-        "padding": PaddingRule.MEGATRON_CORE.value,
-        "min_local_rows": None,
-    }
+    derived = DerivedSettings(
+        max_seqlen_per_dp_cp_rank=int(config.max_seqlen_per_dp_cp_rank),
+        context_parallel_size=cp_size,
+        tensor_parallel_size=int(getattr(config, "tensor_model_parallel_size", 1) or 1),
+        scheduler=scheduler,
+        padding=PaddingRule.MEGATRON_CORE,
+        min_local_rows=None,
+    )
     if getattr(config, "cp_partition_mode", None) is not None:
         # The layout Megatron-Core cuts and reads the shards in (dev build; 0.19 reads zigzag only):
         # the drop-ins' shards and the plan's padding must be of the same one.
-        derived["cp_layout"] = config.cp_partition_mode
+        derived = dataclasses.replace(derived, cp_layout=config.cp_partition_mode)
     if scheduler is SchedulerKind.DYNAMIC_CP:
-        derived["min_cp_size"] = getattr(config, "min_dynamic_context_parallel_size", None)
+        derived = dataclasses.replace(derived, min_cp_size=getattr(config, "min_dynamic_context_parallel_size", None))
     if scheduler is SchedulerKind.STATIC_PACKING:
-        derived["max_seqs_per_micro_batch"] = max_real_seqs_per_micro_batch(config)
+        derived = dataclasses.replace(derived, max_seqs_per_micro_batch=max_real_seqs_per_micro_batch(config))
     if getattr(config, "virtual_pipeline_model_parallel_size", None) is not None:
         # Megatron-Core's packing schedulers group micro-batches per virtual stage (its wrap_data_iterator).
-        derived["micro_batch_group_size"] = getattr(config, "microbatch_group_size_per_vp_stage", None)
+        derived = dataclasses.replace(derived, micro_batch_group_size=getattr(config, "microbatch_group_size_per_vp_stage", None))
     return derived
 
 

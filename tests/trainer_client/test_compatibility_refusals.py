@@ -13,10 +13,11 @@ import pytest
 
 from batch_planner.request import CpLayout, SchedulerKind
 from trainer_client.compatibility import (
-    BRIDGE_SCHEDULERS, InstalledMegatron, UnsupportedCombinationError, check, check_dynamic_cp_support, schedulers_the_trainer_runs,
+    InstalledMegatron, UnsupportedCombinationError, check, check_dynamic_cp_support, schedulers_the_trainer_runs,
 )
 from trainer_client.config import PlannerClientConfig
 from trainer_client.errors import ConfigError, InvalidArgumentError, PlannerClientError
+from trainer_client.megatron_bridge import BRIDGE_SCHEDULERS  # and, imported, the `bridge` source registered
 
 RELEASE = InstalledMegatron(vpp_aware_scheduler=False)
 KINDS = [k.value for k in SchedulerKind]

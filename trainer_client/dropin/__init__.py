@@ -8,7 +8,10 @@ from trainer_client.dropin.groups import dpxcp_groups
 from trainer_client.dropin.patches import Patches, VersionGate
 from trainer_client.dropin.registry import Registry
 from trainer_client.dropin.routing import Traffic, route_samples, sample_id_groups
+from trainer_client.compatibility import Place, Rule, TableSource
+from trainer_client.derived import NOT_FIXED, DerivedSettings
 from trainer_client.dropin.settings import CONFIG_ENV, given_planner_settings, merged_settings, planner_config
+from trainer_client.dropin.spec import DropIn, dropin, register_dropin, registered_dropins
 from trainer_client.dropin.stages import StageData
 from trainer_client.dropin.step_input import (
     GlobalLayout,
@@ -25,9 +28,10 @@ from trainer_client.megatron import DataGroups
 from trainer_client.micro_batch import RankMicroBatch
 
 __all__ = [
-    "Agreement", "CONFIG_ENV", "DataGroups", "DropInInputError", "GlobalLayout", "LocalBatch", "Patches", "PlannedStep",
-    "RankMicroBatch", "Registry", "StageData", "StepPlanner", "Traffic", "VersionGate", "agree_on_read", "agree_on_step",
-    "check_packed_sample", "data_device", "dpxcp_groups", "given_planner_settings", "merged_settings", "model_device",
-    "packed_seq_params_on", "planner_config", "raise_on_bad_packed_sample", "rank_units", "route_samples",
-    "sample_id_groups",
+    "Agreement", "CONFIG_ENV", "DataGroups", "DerivedSettings", "DropIn", "DropInInputError", "GlobalLayout", "LocalBatch",
+    "NOT_FIXED", "Patches", "Place", "PlannedStep", "RankMicroBatch", "Registry", "Rule", "StageData", "StepPlanner", "TableSource",
+    "Traffic", "VersionGate",
+    "agree_on_read", "agree_on_step", "check_packed_sample", "data_device", "dpxcp_groups", "dropin", "given_planner_settings",
+    "merged_settings", "model_device", "packed_seq_params_on", "planner_config", "raise_on_bad_packed_sample", "rank_units",
+    "register_dropin", "registered_dropins", "route_samples", "sample_id_groups",
 ]

@@ -9,28 +9,33 @@ import os
 from typing import Any
 
 from trainer_client.config import ConfigError, PlannerClientConfig
+from trainer_client.derived import DerivedSettings
+from trainer_client.errors import ArgumentTypeError
 
 log = logging.getLogger(__name__)
 
 CONFIG_ENV = "BATCH_PLANNER_CONFIG"
 
 
-def planner_config(given: dict[str, Any], derived: dict[str, Any], trainer: str) -> PlannerClientConfig:
+def planner_config(given: dict[str, Any], derived: DerivedSettings, trainer: str) -> PlannerClientConfig:
     """The client config of a drop-in: the user's settings (`given_planner_settings`) with the sizes,
     scheduler and padding the trainer runs (`derived`, read from its own config; `merged_settings`)."""
     return PlannerClientConfig.from_dict(merged_settings(given, derived, trainer))
 
 
-def merged_settings(given: dict[str, Any], derived: dict[str, Any], trainer: str) -> dict[str, Any]:
+def merged_settings(given: dict[str, Any], derived: DerivedSettings, trainer: str) -> dict[str, Any]:
     """The user's planner settings with the values the trainer runs (`derived`, read from the
     trainer's own config) put in: a key set in both must have one value (ConfigError names both)."""
-    for key, value in derived.items():
+    if not isinstance(derived, DerivedSettings):
+        raise ArgumentTypeError(f"derived: got a {type(derived).__name__}; expected trainer_client.derived.DerivedSettings")
+    fixed = derived.fixed()
+    for key, value in fixed.items():
         if key in given and given[key] != value:
             raise ConfigError(
                 f"{key}: the planner settings say {given[key]!r} but {trainer} runs {value!r}; drop {key} "
                 "from the planner settings (the drop-in takes it from the trainer's own settings)"
             )
-    return {**given, **derived}
+    return {**given, **fixed}
 
 
 def given_planner_settings(planner: PlannerClientConfig | dict | None) -> dict[str, Any]:

@@ -8,13 +8,10 @@ from typing import Any
 
 from batch_planner.request import SchedulerKind
 from trainer_client import megatron as mcore
-from trainer_client.compatibility import BRIDGE_SCHEDULERS, MEGATRON_SCHEDULER_NAMES, RULES, check, packing_scheduler_name
+from trainer_client.compatibility import MEGATRON_SCHEDULER_NAMES, check, packing_scheduler_name
 from trainer_client.config import ConfigError, PlannerClientConfig
 from trainer_client.dropin.settings import given_planner_settings, planner_config
-
-
-# The rows of the one table that read Bridge's ConfigContainer, or apply to Bridge alone.
-BRIDGE_RULES = tuple(rule for rule in RULES if rule.reads("bridge"))
+from trainer_client.megatron_bridge.refusals import BRIDGE_SCHEDULERS, SOURCE
 
 
 @dataclass(frozen=True)
@@ -28,7 +25,7 @@ class BridgeSettings:
     @classmethod
     def of(cls, cfg: Any, planner: PlannerClientConfig | dict | None = None) -> BridgeSettings:
         given = given_planner_settings(planner)
-        check({"bridge": cfg})  # Bridge's rows (its scheduler and sizes among them), before they are read
+        check({SOURCE: cfg})  # Bridge's rows (its scheduler and sizes among them), before they are read
         model = cfg.model
         scheduler = scheduler_of(model, given.get("scheduler"))
         cp_size = int(getattr(model, "context_parallel_size", 1) or 1)
@@ -40,7 +37,7 @@ def scheduler_of(model: Any, given: Any = None) -> SchedulerKind:
     `model.dynamic_context_parallel=True` on the Megatron-LM dev build). A Megatron-Core release
     (0.19) has neither field: there the planner settings' `scheduler` says, dynamic CP by default.
     The refusal table refuses the others: the model field's other names before this is called, a
-    scheduler Bridge's loop does not run (`compatibility.BRIDGE_SCHEDULERS`) in `check_bridge_support`.
+    scheduler Bridge's loop does not run (`refusals.BRIDGE_SCHEDULERS`) in `check_bridge_support`.
     A name that is no scheduler at all is refused here, with what the table allows."""
     if hasattr(model, "sequence_packing_scheduler"):
         return MEGATRON_SCHEDULER_NAMES[packing_scheduler_name(model)]
@@ -56,4 +53,4 @@ def scheduler_of(model: Any, given: Any = None) -> SchedulerKind:
 def check_bridge_support(cfg: Any, settings: BridgeSettings) -> None:
     """The one call that refuses every combination the drop-in cannot honour in Bridge's loop, once, in
     `enable()`, before Bridge initialises anything (docs/megatron-bridge.md, "What is refused, before the first step")."""
-    check({"bridge": cfg, "transformer": cfg.model, "model": cfg.model, "planner config": settings.planner})
+    check({SOURCE: cfg, "transformer": cfg.model, "model": cfg.model, "planner config": settings.planner})

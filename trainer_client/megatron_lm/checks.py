@@ -12,6 +12,7 @@ from trainer_client.config import PlannerClientConfig
 from trainer_client.dropin.settings import given_planner_settings, planner_config
 from trainer_client.dropin.step_input import LocalBatch
 from trainer_client.dropin.step_planner import StepPlanner
+from trainer_client.megatron_lm.refusals import SOURCE
 
 
 def start_planner(
@@ -35,7 +36,7 @@ def megatron_planner_config(config: Any, scheduler: SchedulerKind, cp_size: int,
 
 def check_model(config: Any, settings: PlannerClientConfig) -> None:
     """UnsupportedCombinationError for a model the drop-in's plans would train wrong (the `megatron_lm` rows)."""
-    check({"megatron_lm": {name: model_setting(config, name) for name in MODEL_SETTINGS}, "planner config": settings})
+    check({SOURCE: {name: model_setting(config, name) for name in MODEL_SETTINGS}, "planner config": settings})
 
 
 # The model's settings the `megatron_lm` rows read.

@@ -20,6 +20,7 @@ from trainer_client.dropin.stages import StageData
 from trainer_client.dropin.step_input import LocalBatch, raise_on_bad_packed_sample
 from trainer_client.dropin.step_planner import PlannedStep, StepPlanner
 from trainer_client.megatron_lm.checks import start_planner
+from trainer_client.megatron_lm.refusals import SOURCE
 from trainer_client.megatron_lm.version import require
 
 
@@ -39,7 +40,7 @@ class PackingDropIn:
     @classmethod
     def start(cls, data_iterator, config, num_microbatches: int, groups: mcore.DataGroups, planner) -> PackingDropIn:
         name = getattr(config, "sequence_packing_scheduler", None)
-        check({"megatron_lm": {"sequence_packing_scheduler": name}})
+        check({SOURCE: {"sequence_packing_scheduler": name}})
         scheduler = MEGATRON_SCHEDULER_NAMES[name]
         wrapper = cls(data_iterator, config, num_microbatches, groups, scheduler, StageData.of(groups, config))
         # The gate: the upstream names it calls outside Megatron-Core's public API, after the model's refusals.
@@ -49,7 +50,7 @@ class PackingDropIn:
     def next_step(self, num_microbatches: int) -> tuple[Any, int, float, float]:
         """wrap_data_iterator's answer for the next step."""
         changed = Changed.of(self.num_microbatches, num_microbatches)
-        step = self.last_step = self.planner.next_step({"megatron_lm": {"num_microbatches": changed}})
+        step = self.last_step = self.planner.next_step({SOURCE: {"num_microbatches": changed}})
         device = model_device()
         dynamic = self.scheduler is SchedulerKind.DYNAMIC_CP
         lengths = {"original_seq_len": step.layout.original, "padded_seq_len": step.layout.padded}

@@ -7,13 +7,6 @@ from __future__ import annotations
 from typing import Sequence
 
 from tensordict import TensorDict
-from verl.utils import tensordict_utils as tu
-from verl.utils.dynamic_cp_scheduler import (
-    DCP_GROUP_LEADER,
-    DCP_LOCAL_NUM_TOKENS,
-    DCP_PADDING_MASK,
-    DCP_SAMPLE_IDS,
-)
 
 from batch_planner.padding import group_padded_lengths
 from batch_planner.plan import MicroBatch
@@ -33,6 +26,10 @@ def rank_micro_batches(
 ) -> list[TensorDict]:
     """This rank's micro-batches of the plan's `micro_batches`, with the plan's CP groups (verl's
     TensorDicts: the one path of verl's engine format, trainer_client/dropin/units.py says the others)."""
+    # verl is imported here, not at the top: the drop-in's package (its refusal rows) imports without verl.
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dynamic_cp_scheduler import DCP_GROUP_LEADER, DCP_LOCAL_NUM_TOKENS, DCP_PADDING_MASK, DCP_SAMPLE_IDS
+
     out = []
     for micro_batch in micro_batches:  # plans verl's engine cannot run: refused by the table (verl's rows)
         group = micro_batch.group_of_rank(rank)

@@ -17,6 +17,7 @@ from trainer_client.errors import DropInInputError, ConfigError, InvalidArgument
 from trainer_client.verl.micro_batches import rank_micro_batches
 from trainer_client.client import BatchPlannerClient
 from trainer_client.verl.planning import planner_for
+from trainer_client.verl.refusals import SOURCE
 from trainer_client.verl.settings import planner_settings, verl_planner_config
 
 
@@ -53,7 +54,7 @@ class DynamicCPScheduler:
         planner = planner_for(config, dcp_group)
         plan = planner.plan(lengths, cache=True)
         planner.check_planned_batch(plan, lengths)  # the batch split is the one planned
-        check({"verl": {"tp_size": tp_size, "cp_layout": layout.value}, "plan": plan})  # the step's one check of the table
+        check({SOURCE: {"tp_size": tp_size, "cp_layout": layout.value}, "plan": plan})  # the step's one check of the table
         return rank_micro_batches(
             batch, plan.micro_batches, lengths, dcp_group.rank(),
             tp_size=tp_size, cp_layout=layout, min_local_rows=min_local_rows,

@@ -10,9 +10,11 @@ import os
 from typing import Any
 
 from batch_planner.request import CpLayout, PaddingRule, SchedulerKind
-from trainer_client.compatibility import VERL_SCHEDULERS, check
+from trainer_client.compatibility import check
 from trainer_client.config import PlannerClientConfig
+from trainer_client.derived import DerivedSettings
 from trainer_client.dropin.settings import CONFIG_ENV, given_planner_settings, merged_settings
+from trainer_client.verl.refusals import SOURCE, VERL_SCHEDULERS
 
 ENDPOINT_ENV = "BATCH_PLANNER_ENDPOINT"
 
@@ -43,18 +45,18 @@ def verl_planner_config(
     """The client config for one of verl's schedule calls: the settings plus the engine's sizes,
     checked against the refusal table's verl rows; scheduler dynamic_cp (verl's own) unless the
     settings say auto, whose candidates are then restricted to dynamic CP through `auto_schedulers`."""
-    derived = {
-        "max_seqlen_per_dp_cp_rank": max_seqlen_per_dp_cp_rank,
-        "context_parallel_size": cp_size,
-        "tensor_parallel_size": tp_size,
-        "cp_layout": cp_layout.value,
-        # verl pads as its preprocess_thd_engine does (batch_planner/padding.py), so the plan counts it.
-        "padding": PaddingRule.VERL.value,
-        "min_local_rows": min_local_rows,
-    }
+    derived = verl_settings(max_seqlen_per_dp_cp_rank, cp_size, tp_size, cp_layout, min_local_rows)
     values = merged_settings(settings, derived, "verl's engine")
     values.setdefault("scheduler", SchedulerKind.DYNAMIC_CP.value)
     config = PlannerClientConfig.from_dict(values)
-    check({"verl": derived, "planner config": config})
+    check({SOURCE: derived, "planner config": config})
     auto = config.scheduler is SchedulerKind.AUTO
     return dataclasses.replace(config, auto_schedulers=tuple(VERL_SCHEDULERS) if auto else ())
+
+
+def verl_settings(max_seqlen_per_dp_cp_rank: int, cp_size: int, tp_size: int, cp_layout: CpLayout,
+                  min_local_rows: int | None = None) -> DerivedSettings:
+    """What verl's engine fixes of the planner settings: its sizes and layout, and verl's padding (as its
+    preprocess_thd_engine pads, batch_planner/padding.py, so that the plan counts it) with its top-up."""
+    return DerivedSettings(max_seqlen_per_dp_cp_rank, cp_size, tp_size, padding=PaddingRule.VERL, min_local_rows=min_local_rows,
+                           cp_layout=cp_layout)

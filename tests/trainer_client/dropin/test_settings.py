@@ -5,16 +5,18 @@ section that is not a mapping, is refused naming the file."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 
 from batch_planner.request import CpLayout, SchedulerKind
 from trainer_client.config import PlannerClientConfig
-from trainer_client.dropin import CONFIG_ENV, given_planner_settings, merged_settings, planner_config
-from trainer_client.errors import ConfigError
+from trainer_client.dropin import CONFIG_ENV, NOT_FIXED, DerivedSettings, given_planner_settings, merged_settings, planner_config
+from trainer_client.errors import ArgumentTypeError, ConfigError
 
-DERIVED = {"max_seqlen_per_dp_cp_rank": 4096, "context_parallel_size": 2, "tensor_parallel_size": 1, "scheduler": "dynamic_cp"}
+DERIVED = DerivedSettings(max_seqlen_per_dp_cp_rank=4096, context_parallel_size=2, tensor_parallel_size=1, scheduler="dynamic_cp")
+FIXED = {"max_seqlen_per_dp_cp_rank": 4096, "context_parallel_size": 2, "tensor_parallel_size": 1, "scheduler": "dynamic_cp"}
 
 
 def test_the_environment_variable_is_named_once():
@@ -24,7 +26,7 @@ def test_the_environment_variable_is_named_once():
 def test_merged_settings_put_the_trainers_values_in_and_leave_the_given_alone():
     given = {"planner_endpoint": "dns:///planner:50051", "deadline_seconds": 5.0, "context_parallel_size": 2}
     merged = merged_settings(given, DERIVED, "TrainerX")
-    assert merged == {**given, **DERIVED}
+    assert merged == {**given, **FIXED}
     assert given == {"planner_endpoint": "dns:///planner:50051", "deadline_seconds": 5.0, "context_parallel_size": 2}
 
 
@@ -33,7 +35,7 @@ def test_a_key_set_in_both_with_another_value_is_refused_naming_both(key, given_
     with pytest.raises(ConfigError) as caught:
         merged_settings({key: given_value}, DERIVED, "TrainerX")
     message = str(caught.value)
-    assert message.startswith(f"{key}: the planner settings say {given_value!r} but TrainerX runs {DERIVED[key]!r}"), message
+    assert message.startswith(f"{key}: the planner settings say {given_value!r} but TrainerX runs {FIXED[key]!r}"), message
     assert f"drop {key} from the planner settings" in message
 
 
@@ -50,7 +52,26 @@ def test_planner_config_refuses_an_unknown_or_bad_setting_by_name():
     with pytest.raises(ConfigError, match="cp_layout"):
         planner_config({"cp_layout": "diagonal"}, DERIVED, "TrainerX")
     with pytest.raises(ConfigError, match="max_seqlen_per_dp_cp_rank"):
-        planner_config({}, {**DERIVED, "max_seqlen_per_dp_cp_rank": 0}, "TrainerX")
+        planner_config({}, dataclasses.replace(DERIVED, max_seqlen_per_dp_cp_rank=0), "TrainerX")
+
+
+def test_derived_settings_fix_what_they_set_and_leave_the_rest_to_the_user():
+    """A setting left NOT_FIXED is the user's; one fixed to None is fixed (a user's other value is refused);
+    enums are given by their value, as the planner settings write them."""
+    derived = DerivedSettings(4096, 2, 1, scheduler=SchedulerKind.DYNAMIC_CP, padding="verl", min_local_rows=None, cp_layout="contiguous")
+    assert derived.fixed() == {**FIXED, "padding": "verl", "min_local_rows": None, "cp_layout": "contiguous"}
+    assert derived.cp_layout is CpLayout.CONTIGUOUS and derived.min_cp_size is NOT_FIXED
+    assert merged_settings({"min_cp_size": 2}, derived, "TrainerX")["min_cp_size"] == 2
+    with pytest.raises(ConfigError, match="min_local_rows: the planner settings say 4 but TrainerX runs None"):
+        merged_settings({"min_local_rows": 4}, derived, "TrainerX")
+
+
+def test_derived_settings_refuse_a_bad_name_and_a_plain_dict():
+    with pytest.raises(ConfigError) as caught:
+        DerivedSettings(4096, 2, 1, cp_layout="diagonal")
+    assert str(caught.value) == "derived setting cp_layout: 'diagonal' is not allowed; allowed: ['zigzag', 'contiguous']"
+    with pytest.raises(ArgumentTypeError, match="derived: got a dict; expected .*DerivedSettings"):
+        merged_settings({}, FIXED, "TrainerX")
 
 
 def test_a_client_config_gives_its_non_default_settings_only():
@@ -58,7 +79,7 @@ def test_a_client_config_gives_its_non_default_settings_only():
     given = given_planner_settings(config)
     # max_seqlen_per_dp_cp_rank is the trainer's to say (derived), so it is never "given".
     assert given == {"cp_layout": "contiguous", "deadline_seconds": 7.5, "job": "j"}
-    assert planner_config(given, DERIVED, "TrainerX") == PlannerClientConfig.from_dict({**config.to_dict(), **DERIVED})
+    assert planner_config(given, DERIVED, "TrainerX") == PlannerClientConfig.from_dict({**config.to_dict(), **FIXED})
 
 
 def test_a_dict_is_given_as_a_copy(monkeypatch, tmp_path):

@@ -31,13 +31,12 @@ def _samples(dp_rank: int) -> list[dict[str, torch.Tensor]]:
 
 def _rank(rank: int, store_path: str, out: str) -> None:
     from trainer_client.dropin import (
-        LocalBatch, StepPlanner, dpxcp_groups, packed_seq_params_on, planner_config, rank_units,
+        DerivedSettings, LocalBatch, StepPlanner, dpxcp_groups, packed_seq_params_on, planner_config, rank_units,
     )
 
     init_gloo(rank, WORLD, store_path)
     groups, cp_group_for = dpxcp_groups(CP)
-    derived = {"max_seqlen_per_dp_cp_rank": MAX_SEQLEN_PER_RANK, "context_parallel_size": CP, "tensor_parallel_size": 1,
-               "scheduler": "dynamic_cp", "padding": "megatron_core", "cp_layout": "zigzag"}
+    derived = DerivedSettings(MAX_SEQLEN_PER_RANK, CP, 1, scheduler="dynamic_cp", padding="megatron_core", cp_layout="zigzag")
     steps = iter([_samples(groups.dp.rank())])
     planner = StepPlanner.start(lambda: LocalBatch.of(next(steps)), groups, planner_config({}, derived, "the test's loop"))
     try:

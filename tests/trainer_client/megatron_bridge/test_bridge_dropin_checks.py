@@ -58,7 +58,7 @@ def _applies(path: str) -> bool:
 
 
 def _bridge_paths(rule) -> list[str]:
-    return [place.path for place in rule.places if place.source == "bridge"]
+    return [place.path for place in rule.places_in() if place.source == "bridge"]
 
 
 def test_every_bridge_rule_has_a_refused_value():
@@ -190,19 +190,13 @@ def test_packed_and_row_micro_batches_unpack_to_their_sequences():
     assert [s["tokens"].tolist() for s in unpack_micro_batch(rows, 0)] == [[0, 1, 2], [3, 4, 5]]
 
 
-def bridge_table() -> str:
-    """BRIDGE_RULES as docs/megatron-bridge.md shows them: Bridge's paths, else the row's other places."""
-    from trainer_client.megatron_bridge import BRIDGE_RULES
-
-    def setting(rule) -> str:
-        return ", ".join(f"`{p}`" for p in _bridge_paths(rule)) or ", ".join(f"{p.source} `{p.path}`" for p in rule.places)
-
-    lines = ["| setting | refused when | what to do |", "|---|---|---|"]
-    lines += [f"| {setting(r)} | {r.refused_when} | {r.fix} |" for r in BRIDGE_RULES]
-    return "\n".join(lines)
-
-
 def test_docs_list_the_refusals_of_the_code():
+    """docs/megatron-bridge.md's table is the one generated from BRIDGE_RULES (trainer_client/refusal_docs.py)."""
+    from trainer_client.megatron_bridge import BRIDGE_RULES
+    from trainer_client.refusal_docs import own_table
+
+    table = own_table("trainer_client.megatron_bridge")
+    assert table.count("\n") - 1 == len(BRIDGE_RULES)
     page = (ROOT / "docs" / "megatron-bridge.md").read_text()
     page = page.split("## What is refused", 1)[1].split("\n## ", 1)[0]
-    assert bridge_table() in page, "docs/megatron-bridge.md, What is refused, should hold:\n" + bridge_table()
+    assert table in page, "docs/megatron-bridge.md, What is refused, should hold:\n" + table

@@ -79,10 +79,11 @@ def test_plan_in_megatron_cores_shape():
 
 
 def test_batch_size_ramp_up_is_refused_by_the_refusal_table_and_virtual_stages_are_not():
-    """wrap_data_iterator refuses a step whose num_microbatches changed (batch-size ramp-up), a row of
-    the one table that Bridge reads at its own path; virtual pipeline stages it runs (one iterator
+    """wrap_data_iterator refuses a step whose num_microbatches changed (batch-size ramp-up), a core row
+    of the one table that Bridge reads at its own path; virtual pipeline stages it runs (one iterator
     per virtual stage), so no row of its own refuses them."""
-    from trainer_client.compatibility import RULES, UnsupportedCombinationError
+    import trainer_client.megatron_bridge  # noqa: F401  (registers Bridge's places of the core's rows)
+    from trainer_client.compatibility import RULES, UnsupportedCombinationError, table
     from trainer_client.dropin.stages import StageData
     from trainer_client.megatron_lm.packing import PackingDropIn
 
@@ -96,8 +97,8 @@ def test_batch_size_ramp_up_is_refused_by_the_refusal_table_and_virtual_stages_a
         wrapper.next_step(4)
     assert ramp_up.value.option == "num_microbatches"
     assert any(r is ramp_up.value.rule for r in RULES if r.reads("megatron_lm"))
-    assert {p.path for p in ramp_up.value.rule.places if p.source == "bridge"} == {"train.rampup_batch_size"}
-    assert not any(p.path == "virtual_pipeline_model_parallel_size" for r in RULES for p in r.places if p.source == "megatron_lm")
+    assert {p.path for p in ramp_up.value.rule.places_in() if p.source == "bridge"} == {"train.rampup_batch_size"}
+    assert not any(p.path == "virtual_pipeline_model_parallel_size" for r in table() for p in r.places_in() if p.source == "megatron_lm")
 
 
 def test_a_rope_model_is_refused_before_the_first_step_where_megatron_core_rotates_over_the_static_cp_group():
