@@ -55,11 +55,12 @@ def plain_loop_rank(endpoint: str, rank: int) -> dict:
 def _train(endpoint: str, groups, cp_group_for, layout: str) -> list[dict]:
     import torch.distributed as dist
 
-    from examples.plain_torch_dropin import PlannedLoader, model_inputs
+    from examples.plain_torch_dropin import PlannedLoader
     from tests.support.attention_model import AttentionModelConfig, attention_gpt_model
     from tests.support.attention_parity import RankShard, packed_loss_and_grads, reference_loss_and_grads, worst_differences
     from tests.support.dropin_attention import MAX_SEQLEN_PER_RANK, step_samples
     from tests.support.megatron_init import parallel_state_cp_group
+    from trainer_client.dropin import model_inputs
 
     # Contiguous: static CP1 in the model's config, as upstream allows it (tests/support/attention_model.py).
     model = attention_gpt_model(AttentionModelConfig(cp_partition_mode=layout, context_parallel_size=CP if layout == "zigzag" else 1))
@@ -69,11 +70,7 @@ def _train(endpoint: str, groups, cp_group_for, layout: str) -> list[dict]:
     with PlannedLoader(data, groups, cp_group_for, max_seqlen_per_dp_cp_rank=MAX_SEQLEN_PER_RANK, cp_layout=layout, planner=planner) as loader:
         for step, units in enumerate(loader):
             samples = step_samples(step, groups.dp.size())
-            shards = []
-            for unit in units:
-                inputs = model_inputs(unit, torch.device("cpu"))
-                shards.append(RankShard(inputs["input_ids"][0], inputs["labels"][0], inputs["loss_mask"][0], inputs["position_ids"][0],
-                                        inputs["packed_seq_params"], unit.token_fields["token_ids_plus_one"] - 1))
+            shards = [RankShard.of(model_inputs(u, torch.device("cpu")), u.token_fields["token_ids_plus_one"] - 1) for u in units]
             # The loop's normaliser, from its units alone: the global batch's loss tokens.
             loss_tokens = torch.tensor([sum(float(u.token_fields["loss_mask"].sum()) for u in units)])
             dist.all_reduce(loss_tokens)
