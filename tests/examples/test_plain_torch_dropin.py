@@ -29,19 +29,6 @@ LAYOUTS = ("zigzag", "contiguous")
 TOLERANCE = 1e-4  # fp32 on the CPU: only the order of additions differs (tests/trainer_client/attention/test_cp_attention_client.py)
 
 
-def dp_rank_batches(dp_rank: int, dp_size: int):
-    """What DP rank `dp_rank`'s data loader yields: its samples of each step's global batch, each
-    with its tokens' global ids plus one (0 on the padding rows the plan adds) to check who trained them."""
-    from tests.support.dropin_attention import SAMPLES_PER_DP_RANK, step_samples
-
-    for step in range(STEPS):
-        samples = step_samples(step, dp_size)
-        offsets = token_offsets(samples)
-        mine = range(dp_rank * SAMPLES_PER_DP_RANK, (dp_rank + 1) * SAMPLES_PER_DP_RANK)
-        yield [{"tokens": samples[i].tokens, "labels": samples[i].labels, "loss_mask": samples[i].loss_mask,
-                "token_ids_plus_one": torch.arange(len(samples[i])) + offsets[i] + 1} for i in mine]
-
-
 def plain_loop_rank(endpoint: str, rank: int) -> dict:
     """One rank: the example's groups, then each layout's loader and loop; records by layout."""
     from trainer_client.dropin import dpxcp_groups
@@ -58,14 +45,14 @@ def _train(endpoint: str, groups, cp_group_for, layout: str) -> list[dict]:
     from examples.plain_torch_dropin import PlannedLoader
     from tests.support.attention_model import AttentionModelConfig, attention_gpt_model
     from tests.support.attention_parity import RankShard, packed_loss_and_grads, reference_loss_and_grads, worst_differences
-    from tests.support.dropin_attention import MAX_SEQLEN_PER_RANK, step_samples
+    from tests.support.dropin_attention import MAX_SEQLEN_PER_RANK, dp_rank_batches, step_samples
     from tests.support.megatron_init import parallel_state_cp_group
     from trainer_client.dropin import model_inputs
 
     # Contiguous: static CP1 in the model's config, as upstream allows it (tests/support/attention_model.py).
     model = attention_gpt_model(AttentionModelConfig(cp_partition_mode=layout, context_parallel_size=CP if layout == "zigzag" else 1))
     planner = {"planner_endpoint": endpoint, "deadline_seconds": 30.0, "fallback": False, "job": f"plain-torch-{layout}"}
-    data = dp_rank_batches(groups.dp.rank(), groups.dp.size())
+    data = dp_rank_batches(STEPS, groups.dp.rank(), groups.dp.size())
     records = []
     with PlannedLoader(data, groups, cp_group_for, max_seqlen_per_dp_cp_rank=MAX_SEQLEN_PER_RANK, cp_layout=layout, planner=planner) as loader:
         for step, units in enumerate(loader):

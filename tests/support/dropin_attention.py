@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from tests.support.attention_parity import Sample, example_samples, te_zigzag_rows
+from tests.support.attention_parity import Sample, example_samples, te_zigzag_rows, token_offsets
 
 SAMPLES_PER_DP_RANK = 6
 PAD_MULTIPLE = 8
@@ -47,6 +47,18 @@ def step_samples(step: int, dp_size: int) -> list[Sample]:
     lengths = [int(x) for x in torch.randint(3, 70, (SAMPLES_PER_DP_RANK * dp_size,), generator=g)]
     lengths[step % len(lengths)] = 100 + step  # one long sample a step: a CP group of 4
     return example_samples(lengths)
+
+
+def dp_rank_batches(steps: int, dp_rank: int, dp_size: int):
+    """What DP rank `dp_rank`'s data loader yields in a loop that hands lists of samples (the
+    examples' drop-ins): its samples of each step's global batch, each with its tokens' global ids
+    plus one (0 on the padding rows the plan adds) to check who trained them."""
+    for step in range(steps):
+        samples = step_samples(step, dp_size)
+        offsets = token_offsets(samples)
+        mine = range(dp_rank * SAMPLES_PER_DP_RANK, (dp_rank + 1) * SAMPLES_PER_DP_RANK)
+        yield [{"tokens": samples[i].tokens, "labels": samples[i].labels, "loss_mask": samples[i].loss_mask,
+                "token_ids_plus_one": torch.arange(len(samples[i])) + offsets[i] + 1} for i in mine]
 
 
 def padded_length(n: int) -> int:
