@@ -17,8 +17,8 @@ from functools import partial
 import pytest
 import torch
 
-from tests.support.attention_parity import beyond, token_offsets
 from tests.support.attention_ranks import require_dynamic_build, run_attention_ranks
+from tests.support.dropin_attention import assert_planned_step
 
 pytestmark = pytest.mark.attention  # CI prints these tests' time (tests/conftest.py)
 
@@ -45,7 +45,7 @@ def _train(endpoint: str, groups, cp_group_for, layout: str) -> list[dict]:
     from examples.plain_torch_dropin import PlannedLoader
     from tests.support.attention_model import AttentionModelConfig, attention_gpt_model
     from tests.support.attention_parity import RankShard, packed_loss_and_grads, reference_loss_and_grads, worst_differences
-    from tests.support.dropin_attention import MAX_SEQLEN_PER_RANK, dp_rank_batches, step_samples
+    from tests.support.dropin_attention import MAX_SEQLEN_PER_RANK, dp_rank_batches, step_samples, units_record
     from tests.support.megatron_init import parallel_state_cp_group
     from trainer_client.dropin import model_inputs
 
@@ -63,13 +63,8 @@ def _train(endpoint: str, groups, cp_group_for, layout: str) -> list[dict]:
             dist.all_reduce(loss_tokens)
             got = packed_loss_and_grads(model, shards, samples)
             want = reference_loss_and_grads(model, samples, parallel_state_cp_group(1))
-            records.append({
-                "worst": worst_differences(got, want, samples), "source": loader.last_step.source,
-                "loss_tokens": float(loss_tokens), "reference_loss_tokens": float(sum(float(s.loss_mask.sum()) for s in samples)),
-                "trained": sorted(int(i) for u in units for i in u.token_fields["token_ids_plus_one"][u.padding_mask] - 1),
-                "tokens": token_offsets(samples)[-1], "cp_sizes": sorted({u.local_cp_size for u in units}),
-                "padded_in_groups": sum(int((~u.padding_mask).sum()) for u in units if u.local_cp_size > 1),
-            })
+            records.append({**units_record(units, samples), "worst": worst_differences(got, want, samples),
+                            "source": loader.last_step.source, "loss_tokens": float(loss_tokens)})
     return records
 
 
@@ -88,12 +83,4 @@ def test_the_plain_loop_trains_the_planned_units_as_whole_samples(runs, layout):
     per_rank = runs[layout]
     assert all(len(steps) == STEPS for steps in per_rank), per_rank
     for step in range(STEPS):
-        records = [steps[step] for steps in per_rank]
-        assert records[0]["source"] == "service", records[0]  # DPxCP rank 0 asked the planner on loopback
-        assert len({size for r in records for size in r["cp_sizes"]}) > 1, [r["cp_sizes"] for r in records]
-        assert sum(r["padded_in_groups"] for r in records) > 0, "no CP group pads: the lengths test nothing"
-        trained = sorted(i for r in records for i in r["trained"])
-        assert trained == list(range(records[0]["tokens"])), "a real token trained twice or never"
-        for rank, r in enumerate(records):
-            assert r["loss_tokens"] == r["reference_loss_tokens"] > 0, (step, rank, r)
-            assert beyond(r["worst"], TOLERANCE) == [], (layout, step, rank, r["worst"])
+        assert_planned_step([steps[step] for steps in per_rank], TOLERANCE, (layout, step))

@@ -25,8 +25,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.attention_parity import beyond, token_offsets
 from tests.support.attention_ranks import require_dynamic_build, run_attention_ranks
+from tests.support.dropin_attention import assert_planned_step
 
 WORLD, CP, STEPS = 4, 2, 3
 LAYOUTS = ("zigzag", "contiguous")
@@ -98,7 +98,7 @@ def _train(endpoint: str, groups, cp_group_for, layout: str) -> dict:
     from examples import titan_style_dropin
     from tests.support.attention_model import AttentionModelConfig, attention_gpt_model
     from tests.support.attention_parity import LossAndGrads, reference_loss_and_grads, worst_differences
-    from tests.support.dropin_attention import MAX_SEQLEN_PER_RANK, dp_rank_batches, step_samples
+    from tests.support.dropin_attention import MAX_SEQLEN_PER_RANK, dp_rank_batches, step_samples, units_record
     from tests.support.megatron_init import parallel_state_cp_group
     from trainer_client.dropin import rank_units
 
@@ -119,12 +119,9 @@ def _train(endpoint: str, groups, cp_group_for, layout: str) -> dict:
             got = trainer.records[-1]
             units = rank_units(enabled.last_step, groups.dp_cp.rank(), cp_group_for)  # what the step trained, to check
             steps.append({
+                **units_record(units, samples), "source": enabled.last_step.source, "loss_tokens": got["loss_tokens"],
                 "worst": worst_differences(LossAndGrads(got["loss"], got["grads"], None), want, samples),
-                "source": enabled.last_step.source, "moved": any(not torch.equal(p, before[n]) for n, p in model.named_parameters()),
-                "loss_tokens": got["loss_tokens"], "reference_loss_tokens": float(sum(float(s.loss_mask.sum()) for s in samples)),
-                "trained": sorted(int(i) for u in units for i in u.token_fields["token_ids_plus_one"][u.padding_mask] - 1),
-                "tokens": token_offsets(samples)[-1], "cp_sizes": sorted({u.local_cp_size for u in units}),
-                "padded_in_groups": sum(int((~u.padding_mask).sum()) for u in units if u.local_cp_size > 1),
+                "moved": any(not torch.equal(p, before[n]) for n, p in model.named_parameters()),
             })
         try:
             trainer.train_step(data_iterator)
@@ -154,15 +151,8 @@ def test_the_hooked_trainer_trains_the_planned_units_as_whole_samples(runs, layo
         assert len(record["steps"]) == STEPS and record["end"] == "StopIteration" and record["restored"], (rank, record)
     for step in range(STEPS):
         records = [r["steps"][step] for r in per_rank]
-        assert records[0]["source"] == "service", records[0]  # DPxCP rank 0 asked the planner on loopback
-        assert len({size for r in records for size in r["cp_sizes"]}) > 1, [r["cp_sizes"] for r in records]
-        assert sum(r["padded_in_groups"] for r in records) > 0, "no CP group pads: the lengths test nothing"
-        trained = sorted(i for r in records for i in r["trained"])
-        assert trained == list(range(records[0]["tokens"])), "a real token trained twice or never"
-        for rank, r in enumerate(records):
-            assert r["loss_tokens"] == r["reference_loss_tokens"] > 0, (step, rank, r)
-            assert r["moved"], "the optimizer did not step: later steps test nothing new"
-            assert beyond(r["worst"], TOLERANCE) == [], (layout, step, rank, r["worst"])
+        assert_planned_step(records, TOLERANCE, (layout, step))
+        assert all(r["moved"] for r in records), "the optimizer did not step: later steps test nothing new"
 
 
 def code_lines(source: str) -> list[int]:
