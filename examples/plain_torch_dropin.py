@@ -16,7 +16,8 @@ model takes:
 The seam reads one step ahead, plans it while the current step trains, agrees on it over the
 ranks, routes each sample to the ranks that run it, and pads and shards it; it builds the process
 groups of a world without Megatron-Core's parallel_state (`dpxcp_groups`: DPxCP, TP and pipeline
-groups in Megatron's rank order, and a CP group of every size a plan may use). What a plain loop writes itself, and this module is:
+groups in Megatron's rank order, and a CP group of every size a plan may use). What a plain loop
+writes itself, and this module is:
 
 1. its batch read into a `LocalBatch` (`PlannedLoader._read_local`): `my_batches` yields, per
    step, this DP rank's samples, each a dict of 1-D per-token tensors (tokens, labels, loss_mask,
