@@ -9,23 +9,25 @@ model takes:
     with PlannedLoader(my_batches, groups, cp_group_for, max_seqlen_per_dp_cp_rank=4096) as loader:
         for units in loader:                               # one step: this rank's units
             for unit in units:
-                per_token = model(**model_inputs(unit))
+                per_token = model(**model_inputs(unit).megatron_kwargs())
                 ...                                        # the loss, normalised over the global batch
             ...                                            # reduce gradients over DPxCP, step
 
 The seam reads one step ahead, plans it while the current step trains, agrees on it over the
 ranks, routes each sample to the ranks that run it, and pads and shards it; it builds the process
-groups of a world that is all DPxCP (`dpxcp_groups`: DPxCP in Megatron's rank order, and a CP
-group of every size a plan may use). What a plain loop writes itself, and this module is:
+groups of a world without Megatron-Core's parallel_state (`dpxcp_groups`: DPxCP, TP and pipeline
+groups in Megatron's rank order, and a CP group of every size a plan may use). What a plain loop
+writes itself, and this module is:
 
 1. its batch read into a `LocalBatch` (`PlannedLoader._read_local`): `my_batches` yields, per
    step, this DP rank's samples, each a dict of 1-D per-token tensors (tokens, labels, loss_mask,
    anything else to carry along);
 2. the settings the loop fixes (`derived_settings`): the per-rank token budget, the CP and TP
    sizes, the scheduler, the padding rule and CP layout its attention takes;
-3. the model's arguments of a unit on the model's device (`model_inputs`), and the loop itself:
-   the loss of each unit normalised over the global batch's loss tokens, gradients all-reduced
-   over DPxCP (tests/examples/test_plain_torch_dropin.py runs one, against whole samples);
+3. the loop itself: each unit's model inputs (the seam's `model_inputs`: on the model's device,
+   `[1, rows]` tensors and the PackedSeqParams, or plain cu_seqlens for a model without
+   Megatron-Core), the loss of each unit normalised over the global batch's loss tokens, gradients
+   all-reduced over DPxCP (tests/examples/test_plain_torch_dropin.py runs one, against whole samples).
 4. the drop-in as one object (`PLAIN_TORCH`), registered at import: its refusal-table source (no
    rows of its own: the core's apply), settings and reader; it replaces nothing of a trainer's, so
    it has no hooks and no version gate.
@@ -39,7 +41,7 @@ import torch
 
 from trainer_client.dropin import (
     DataGroups, DerivedSettings, DropIn, LocalBatch, PlannedStep, RankMicroBatch, StepPlanner, TableSource,
-    given_planner_settings, model_device, packed_seq_params_on, planner_config, rank_units, register_dropin,
+    given_planner_settings, planner_config, rank_units, register_dropin,
 )
 
 
@@ -89,19 +91,6 @@ class PlannedLoader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def model_inputs(unit: RankMicroBatch, device: torch.device | None = None) -> dict[str, Any]:
-    """A Megatron-Core GPTModel's forward arguments for one unit, on `device` (default: the model's,
-    `model_device()`): `[1, rows]` tensors and the unit's PackedSeqParams with its cu_seqlens there
-    too. Padding rows hold token 0 and loss_mask 0, so a loss over loss_mask counts real tokens only;
-    position_ids are each row's place in its padded sequence."""
-    device = device or model_device()
-    fields = unit.token_fields
-    return {
-        "input_ids": fields["tokens"].to(device)[None], "position_ids": unit.position_ids.to(device)[None],
-        "labels": fields["labels"].to(device)[None], "loss_mask": fields["loss_mask"].to(device)[None],
-        "attention_mask": None, "packed_seq_params": packed_seq_params_on(unit, device),
-    }
 
 
 PLAIN_TORCH = register_dropin(DropIn(

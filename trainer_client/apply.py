@@ -44,13 +44,16 @@ def micro_batches_for_rank(
     cp_group_for: CpGroupResolver | None = None,
     pad_token_id: int = 0,
     pack_group_samples: bool | None = None,
+    with_packed_seq_params: bool = True,
 ) -> list[RankMicroBatch]:
     """This DPxCP rank's execution units, in plan order.
 
     `cp_group_for(size)` returns the process group of this rank for a CP size, 1 included (see
     `trainer_client.megatron.megatron_cp_group_resolver`; None where the build has none for that
     size); without it `cp_group` is None and only `cp_group_ranks` say who the partners are.
-    `pack_group_samples` defaults to how the plan's scheduler executes.
+    `pack_group_samples` defaults to how the plan's scheduler executes. `with_packed_seq_params`:
+    each unit carries Megatron-Core's PackedSeqParams (False: None, and Megatron-Core is not imported;
+    the unit's cu_seqlens say the same).
     """
     if not isinstance(batch, GlobalBatch):
         batch = unbind_batch(batch)
@@ -88,6 +91,7 @@ def micro_batches_for_rank(
             cu_seqlens_padded[k],
             {name: rows[k] for name, rows in sample_fields.items()},
             global_real_tokens,
+            with_packed_seq_params,
         )
         for k, unit in enumerate(units)
     ]
@@ -154,8 +158,11 @@ class _Unit:
         cu_seqlens_padded: torch.Tensor,
         sample_fields: dict[str, torch.Tensor],
         global_real_tokens: int,
+        with_packed_seq_params: bool = True,
     ) -> RankMicroBatch:
         max_seqlen = max(self.padded)
+        params = (packed_seq_params(cu_seqlens, cu_seqlens_padded, max_seqlen, self.cp_size, self.process_group, self.layout)
+                  if with_packed_seq_params else None)
         return RankMicroBatch(
             micro_batch_index=self.index,
             last_of_micro_batch=self.last,
@@ -179,9 +186,7 @@ class _Unit:
             shard_token_counts=tuple(self.shard_counts),
             real_local_tokens=self.real_tokens,
             global_real_tokens=global_real_tokens,
-            packed_seq_params=packed_seq_params(
-                cu_seqlens, cu_seqlens_padded, max_seqlen, self.cp_size, self.process_group, self.layout
-            ),
+            packed_seq_params=params,
             global_batch=batch,
         )
 

@@ -17,8 +17,8 @@ from functools import partial
 import pytest
 import torch
 
-from tests.support.attention_parity import beyond, token_offsets
 from tests.support.attention_ranks import require_dynamic_build, run_attention_ranks
+from tests.support.dropin_attention import assert_planned_step
 
 pytestmark = pytest.mark.attention  # CI prints these tests' time (tests/conftest.py)
 
@@ -27,19 +27,6 @@ CP = 2
 STEPS = 2
 LAYOUTS = ("zigzag", "contiguous")
 TOLERANCE = 1e-4  # fp32 on the CPU: only the order of additions differs (tests/trainer_client/attention/test_cp_attention_client.py)
-
-
-def dp_rank_batches(dp_rank: int, dp_size: int):
-    """What DP rank `dp_rank`'s data loader yields: its samples of each step's global batch, each
-    with its tokens' global ids plus one (0 on the padding rows the plan adds) to check who trained them."""
-    from tests.support.dropin_attention import SAMPLES_PER_DP_RANK, step_samples
-
-    for step in range(STEPS):
-        samples = step_samples(step, dp_size)
-        offsets = token_offsets(samples)
-        mine = range(dp_rank * SAMPLES_PER_DP_RANK, (dp_rank + 1) * SAMPLES_PER_DP_RANK)
-        yield [{"tokens": samples[i].tokens, "labels": samples[i].labels, "loss_mask": samples[i].loss_mask,
-                "token_ids_plus_one": torch.arange(len(samples[i])) + offsets[i] + 1} for i in mine]
 
 
 def plain_loop_rank(endpoint: str, rank: int) -> dict:
@@ -55,37 +42,29 @@ def plain_loop_rank(endpoint: str, rank: int) -> dict:
 def _train(endpoint: str, groups, cp_group_for, layout: str) -> list[dict]:
     import torch.distributed as dist
 
-    from examples.plain_torch_dropin import PlannedLoader, model_inputs
+    from examples.plain_torch_dropin import PlannedLoader
     from tests.support.attention_model import AttentionModelConfig, attention_gpt_model
     from tests.support.attention_parity import RankShard, packed_loss_and_grads, reference_loss_and_grads, worst_differences
-    from tests.support.dropin_attention import MAX_SEQLEN_PER_RANK, step_samples
+    from tests.support.dropin_attention import MAX_SEQLEN_PER_RANK, dp_rank_batches, step_samples, units_record
     from tests.support.megatron_init import parallel_state_cp_group
+    from trainer_client.dropin import model_inputs
 
     # Contiguous: static CP1 in the model's config, as upstream allows it (tests/support/attention_model.py).
     model = attention_gpt_model(AttentionModelConfig(cp_partition_mode=layout, context_parallel_size=CP if layout == "zigzag" else 1))
     planner = {"planner_endpoint": endpoint, "deadline_seconds": 30.0, "fallback": False, "job": f"plain-torch-{layout}"}
-    data = dp_rank_batches(groups.dp.rank(), groups.dp.size())
+    data = dp_rank_batches(STEPS, groups.dp.rank(), groups.dp.size())
     records = []
     with PlannedLoader(data, groups, cp_group_for, max_seqlen_per_dp_cp_rank=MAX_SEQLEN_PER_RANK, cp_layout=layout, planner=planner) as loader:
         for step, units in enumerate(loader):
             samples = step_samples(step, groups.dp.size())
-            shards = []
-            for unit in units:
-                inputs = model_inputs(unit, torch.device("cpu"))
-                shards.append(RankShard(inputs["input_ids"][0], inputs["labels"][0], inputs["loss_mask"][0], inputs["position_ids"][0],
-                                        inputs["packed_seq_params"], unit.token_fields["token_ids_plus_one"] - 1))
+            shards = [RankShard.of(model_inputs(u, torch.device("cpu")), u.token_fields["token_ids_plus_one"] - 1) for u in units]
             # The loop's normaliser, from its units alone: the global batch's loss tokens.
             loss_tokens = torch.tensor([sum(float(u.token_fields["loss_mask"].sum()) for u in units)])
             dist.all_reduce(loss_tokens)
             got = packed_loss_and_grads(model, shards, samples)
             want = reference_loss_and_grads(model, samples, parallel_state_cp_group(1))
-            records.append({
-                "worst": worst_differences(got, want, samples), "source": loader.last_step.source,
-                "loss_tokens": float(loss_tokens), "reference_loss_tokens": float(sum(float(s.loss_mask.sum()) for s in samples)),
-                "trained": sorted(int(i) for u in units for i in u.token_fields["token_ids_plus_one"][u.padding_mask] - 1),
-                "tokens": token_offsets(samples)[-1], "cp_sizes": sorted({u.local_cp_size for u in units}),
-                "padded_in_groups": sum(int((~u.padding_mask).sum()) for u in units if u.local_cp_size > 1),
-            })
+            records.append({**units_record(units, samples), "worst": worst_differences(got, want, samples),
+                            "source": loader.last_step.source, "loss_tokens": float(loss_tokens)})
     return records
 
 
@@ -104,12 +83,4 @@ def test_the_plain_loop_trains_the_planned_units_as_whole_samples(runs, layout):
     per_rank = runs[layout]
     assert all(len(steps) == STEPS for steps in per_rank), per_rank
     for step in range(STEPS):
-        records = [steps[step] for steps in per_rank]
-        assert records[0]["source"] == "service", records[0]  # DPxCP rank 0 asked the planner on loopback
-        assert len({size for r in records for size in r["cp_sizes"]}) > 1, [r["cp_sizes"] for r in records]
-        assert sum(r["padded_in_groups"] for r in records) > 0, "no CP group pads: the lengths test nothing"
-        trained = sorted(i for r in records for i in r["trained"])
-        assert trained == list(range(records[0]["tokens"])), "a real token trained twice or never"
-        for rank, r in enumerate(records):
-            assert r["loss_tokens"] == r["reference_loss_tokens"] > 0, (step, rank, r)
-            assert beyond(r["worst"], TOLERANCE) == [], (layout, step, rank, r["worst"])
+        assert_planned_step([steps[step] for steps in per_rank], TOLERANCE, (layout, step))

@@ -97,6 +97,12 @@ class RankShard:
     """Each row's global token id (`token_id(samples, sample, position)`), -1 on padding rows;
     None: per-token losses are not compared."""
 
+    @classmethod
+    def of(cls, inputs, token_ids: torch.Tensor | None = None) -> RankShard:
+        """The shard of a drop-in's unit, from the seam's `model_inputs` (trainer_client/dropin/model_inputs.py)."""
+        return cls(inputs.input_ids[0], inputs.labels[0], inputs.loss_mask[0], inputs.position_ids[0], inputs.packed_seq_params,
+                   token_ids)
+
     def to(self, device) -> RankShard:
         """This shard with its tensors, and its PackedSeqParams' cu_seqlens, on `device`."""
         params = dataclasses.replace(self.packed_seq_params, **{

@@ -66,6 +66,7 @@ def _variant(engine: str, layout: str, plant: str) -> dict:
     from tests.support.attention_parity import RankShard, packed_loss_and_grads, reference_loss_and_grads, worst_differences
     from tests.support.megatron_init import parallel_state_cp_group
     from trainer_client import apply
+    from trainer_client.dropin import model_inputs
     from trainer_client.megatron import megatron_cp_group_resolver
 
     samples = example_samples(LENGTHS)
@@ -82,11 +83,8 @@ def _variant(engine: str, layout: str, plant: str) -> dict:
     with mock.patch.object(apply, "padded_unit_shard", rotated):
         units = apply.micro_batches_for_rank(plan, unit_batch(samples), dist.get_rank(), megatron_cp_group_resolver(plan),
                                              pack_group_samples=True)
-    shards = [
-        RankShard(u.input_ids, u.token_fields["labels"], u.token_fields["loss_mask"], u.position_ids, u.packed_seq_params,
-                  u.token_fields["token_ids_plus_one"] - 1)
-        for u in units
-    ]
+    shards = [RankShard.of(model_inputs(u, torch.device("cpu"), tokens="input_ids"), u.token_fields["token_ids_plus_one"] - 1)
+              for u in units]
     got = packed_loss_and_grads(model, shards, samples)
     return {
         "loss": got.loss, "reference": reference.loss, "worst": worst_differences(got, reference, samples),

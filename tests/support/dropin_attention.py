@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from tests.support.attention_parity import Sample, example_samples, te_zigzag_rows
+from tests.support.attention_parity import Sample, beyond, example_samples, te_zigzag_rows, token_offsets
 
 SAMPLES_PER_DP_RANK = 6
 PAD_MULTIPLE = 8
@@ -47,6 +47,45 @@ def step_samples(step: int, dp_size: int) -> list[Sample]:
     lengths = [int(x) for x in torch.randint(3, 70, (SAMPLES_PER_DP_RANK * dp_size,), generator=g)]
     lengths[step % len(lengths)] = 100 + step  # one long sample a step: a CP group of 4
     return example_samples(lengths)
+
+
+def dp_rank_batches(steps: int, dp_rank: int, dp_size: int):
+    """What DP rank `dp_rank`'s data loader yields in a loop that hands lists of samples (the
+    examples' drop-ins): its samples of each step's global batch, each with its tokens' global ids
+    plus one (0 on the padding rows the plan adds) to check who trained them."""
+    for step in range(steps):
+        samples = step_samples(step, dp_size)
+        offsets = token_offsets(samples)
+        mine = range(dp_rank * SAMPLES_PER_DP_RANK, (dp_rank + 1) * SAMPLES_PER_DP_RANK)
+        yield [{"tokens": samples[i].tokens, "labels": samples[i].labels, "loss_mask": samples[i].loss_mask,
+                "token_ids_plus_one": torch.arange(len(samples[i])) + offsets[i] + 1} for i in mine]
+
+
+def units_record(units, samples: Sequence[Sample]) -> dict:
+    """What one rank's units of a step hold (samples from `dp_rank_batches`), for `assert_planned_step`:
+    the global ids of the real tokens they train, the CP sizes, the padding rows of CP groups, and
+    the step's tokens and loss tokens."""
+    return {
+        "trained": sorted(int(i) for u in units for i in u.token_fields["token_ids_plus_one"][u.padding_mask] - 1),
+        "tokens": token_offsets(samples)[-1], "cp_sizes": sorted({u.local_cp_size for u in units}),
+        "padded_in_groups": sum(int((~u.padding_mask).sum()) for u in units if u.local_cp_size > 1),
+        "reference_loss_tokens": float(sum(float(s.loss_mask.sum()) for s in samples)),
+    }
+
+
+def assert_planned_step(records: Sequence[dict], tolerance: float, where: object) -> None:
+    """Every rank's record of one step (`units_record`'s, with the plan's `source`, the loop's
+    `loss_tokens` and its `worst` differences from the whole samples): the planner on loopback
+    planned it, with CP groups of more than one size and CP groups that pad; every real token trained
+    exactly once; the loop's normaliser and its loss and gradients those of the whole samples."""
+    assert records[0]["source"] == "service", records[0]  # DPxCP rank 0 asked the planner on loopback
+    assert len({size for r in records for size in r["cp_sizes"]}) > 1, [r["cp_sizes"] for r in records]
+    assert sum(r["padded_in_groups"] for r in records) > 0, "no CP group pads: the lengths test nothing"
+    trained = sorted(i for r in records for i in r["trained"])
+    assert trained == list(range(records[0]["tokens"])), "a real token trained twice or never"
+    for rank, r in enumerate(records):
+        assert r["loss_tokens"] == r["reference_loss_tokens"] > 0, (where, rank, r)
+        assert beyond(r["worst"], tolerance) == [], (where, rank, r["worst"])
 
 
 def padded_length(n: int) -> int:

@@ -1,6 +1,7 @@
 """Putting a drop-in in a trainer's place: only on a trainer version it was checked against
 (`VersionGate`, which also checks that the upstream names the drop-in calls outside the trainer's
-public API are there), by replacing attributes of the trainer's modules that `Patches` can put back."""
+public API are there), by replacing attributes of the trainer's modules, or methods of its classes,
+that `Patches` can put back."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from trainer_client.errors import MissingUpstreamError, UsageError
 
@@ -78,11 +79,18 @@ def _found(name: str) -> bool:
     return True
 
 
+# Where a replaced attribute lives: a module, by name, or a class.
+Target = str | type
+_INHERITED = object()  # a class's own dict lacked the method: restore deletes the hook, so inheritance resumes
+
+
 class Patches:
-    """Attributes of a trainer's modules a drop-in replaces, each original kept once."""
+    """What a drop-in replaces in a trainer, each original kept once: attributes of its modules
+    (`replace`) and methods of its classes (`replace_method`, e.g. a `Trainer.train_step`)."""
 
     def __init__(self) -> None:
-        self._originals: dict[tuple[str, str], Any] = {}
+        self._originals: dict[tuple[Target, str], Any] = {}  # what `original` hands back
+        self._own: dict[tuple[type, str], Any] = {}  # a class's own attribute before its hook, or _INHERITED
 
     def replace(self, module_name: str, attribute: str, value: Any = None, *, if_loaded: bool = False) -> Any:
         """Sets `module.attribute` to `value` (None: only keeps the original); returns the original.
@@ -95,19 +103,49 @@ class Patches:
             setattr(module, attribute, value)
         return original
 
-    def original(self, module_name: str, attribute: str) -> Any:
-        """The value `module.attribute` held before the first `replace`; UsageError where it was never replaced."""
+    def replace_method(self, owner: type, name: str, hook: Callable[..., Any]) -> Any:
+        """Sets the method `owner.name` (its own, or one it inherits) to `hook`; returns the original
+        as the class gives it (a plain method's function: call it with the instance first). Every
+        instance and subclass that does not override it calls the hook; `restore` puts the class's
+        own attribute back, or removes the hook where the method was inherited."""
+        if not isinstance(owner, type):
+            raise UsageError(f"replace_method: owner {owner!r} is not allowed; allowed: a class (e.g. the trainer's Trainer)")
+        if not (callable(hook) or isinstance(hook, (staticmethod, classmethod))):
+            raise UsageError(f"replace_method: hook for {_name(owner)}.{name} is a {type(hook).__name__}; "
+                             "allowed: a callable, a staticmethod or a classmethod")
+        if not hasattr(owner, name):
+            methods = sorted(n for n in dir(owner) if not n.startswith("__") and callable(getattr(owner, n, None)))
+            raise UsageError(f"replace_method: {_name(owner)} has no method {name!r} to hook; its methods: {methods}")
+        original = self._originals.setdefault((owner, name), getattr(owner, name))
+        self._own.setdefault((owner, name), owner.__dict__.get(name, _INHERITED))
+        setattr(owner, name, hook)
+        return original
+
+    def original(self, target: Target, attribute: str) -> Any:
+        """What `target.attribute` was before the first `replace` or `replace_method` (`target`: the
+        module's name or the class); UsageError where it was never replaced."""
         try:
-            return self._originals[(module_name, attribute)]
-        except KeyError:
-            patched = [f"{name}.{attr}" for name, attr in self._originals]
+            return self._originals[(target, attribute)]
+        except (KeyError, TypeError):
+            patched = [f"{_name(where)}.{attr}" for where, attr in self._originals]
             raise UsageError(
-                f"{module_name}.{attribute} was never replaced, so it has no original here; call replace() first "
-                f"(replaced: {patched or 'nothing'})"
+                f"{_name(target)}.{attribute} was never replaced, so it has no original here; call replace() or "
+                f"replace_method() first (replaced: {patched or 'nothing'})"
             ) from None
 
     def restore(self) -> None:
-        """Puts every original back."""
-        for (name, attribute), original in self._originals.items():
-            setattr(importlib.import_module(name), attribute, original)
+        """Puts every original back, the last replaced first."""
+        for (target, attribute), original in reversed(self._originals.items()):
+            if isinstance(target, str):
+                setattr(importlib.import_module(target), attribute, original)
+            elif self._own[(target, attribute)] is _INHERITED:
+                delattr(target, attribute)
+            else:
+                setattr(target, attribute, self._own[(target, attribute)])
         self._originals.clear()
+        self._own.clear()
+
+
+def _name(target: Any) -> str:
+    """A module's name, or a class's module and name, as messages show them."""
+    return f"{target.__module__}.{target.__qualname__}" if isinstance(target, type) else str(target)

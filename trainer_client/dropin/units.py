@@ -1,12 +1,12 @@
 """A planned step as execution units (`RankMicroBatch`, trainer_client/apply.py): the format of a
 drop-in whose trainer runs one packed THD micro-batch per planned group with its own CP group
-(Bridge's, and any loop that takes `PackedSeqParams`). Megatron-LM's drop-in hands the engine
+(Bridge's, and any loop that takes `PackedSeqParams` or plain cu_seqlens: their model inputs are
+trainer_client/dropin/model_inputs.py's). Megatron-LM's drop-in hands the engine
 Megatron-Core's own packed micro-batches instead (its `build_packed_microbatches`), and verl's hands
 verl's TensorDicts: each engine format has its one path."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -18,18 +18,14 @@ from trainer_client.dropin.step_planner import PlannedStep
 from trainer_client.micro_batch import RankMicroBatch
 
 
-def rank_units(step: PlannedStep, dp_cp_rank: int, cp_group_for: Any) -> list[RankMicroBatch]:
+def rank_units(step: PlannedStep, dp_cp_rank: int, cp_group_for: Any, *, packed_seq_params: bool = True) -> list[RankMicroBatch]:
     """This rank's planned units of `step`: one packed unit per micro-batch of the plan, from the
-    samples routed to this rank; `cp_group_for(size)` gives the process group of each CP size."""
+    samples routed to this rank; `cp_group_for(size)` gives the process group of each CP size.
+    `packed_seq_params`: each unit carries Megatron-Core's PackedSeqParams; False: none (the unit's
+    `cu_seqlens`, `cu_seqlens_padded` and `cp_group` only, for a loop without Megatron-Core)."""
     batch = routed_batch(step.samples, step.layout)
-    return micro_batches_for_rank(step.plan, batch, dp_cp_rank, cp_group_for, pad_token_id=0, pack_group_samples=True)
-
-
-def packed_seq_params_on(unit: RankMicroBatch, device: torch.device) -> Any:
-    """The unit's PackedSeqParams with its cu_seqlens on `device` (q and kv share their tensors: one copy each)."""
-    params, copies = unit.packed_seq_params, {}
-    names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-    return dataclasses.replace(params, **{n: copies.setdefault(id(getattr(params, n)), getattr(params, n).to(device)) for n in names})
+    return micro_batches_for_rank(step.plan, batch, dp_cp_rank, cp_group_for, pad_token_id=0, pack_group_samples=True,
+                                  with_packed_seq_params=packed_seq_params)
 
 
 def routed_batch(samples: dict[int, dict[str, torch.Tensor]], layout: GlobalLayout) -> GlobalBatch:

@@ -9,7 +9,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from trainer_client.dropin.step_input import LocalBatch, check_packed_sample
-from trainer_client.dropin.units import packed_seq_params_on
+from trainer_client.dropin.model_inputs import model_inputs
 from trainer_client.errors import DropInInputError
 from trainer_client.micro_batch import RankMicroBatch
 
@@ -95,9 +95,9 @@ def bridge_batch(unit: RankMicroBatch, device: torch.device) -> tuple[torch.Tens
     """What Bridge's `get_batch` returns for one unit: tokens, labels, loss_mask, attention_mask
     (None: THD attention reads cu_seqlens), position_ids, packed-sequence metadata. Padding has
     loss_mask 0, so the loss stays normalised over real tokens."""
-    fields = {name: unit.token_fields[name].to(device).unsqueeze(0) for name in TOKEN_FIELDS}
-    params = packed_seq_params_on(unit, device)
+    inputs = model_inputs(unit, device, positions="position_ids")  # the positions Bridge's samples carry
+    params = inputs.packed_seq_params
     metadata = PlannedPackedSeq(cu_seqlens_q=params.cu_seqlens_q, cu_seqlens_q_padded=params.cu_seqlens_q_padded,
                                 max_seqlen_q=unit.max_seqlen)
     metadata.params = params
-    return fields["tokens"], fields["labels"], fields["loss_mask"], None, fields["position_ids"], metadata
+    return inputs.input_ids, inputs.labels, inputs.loss_mask, None, inputs.position_ids, metadata

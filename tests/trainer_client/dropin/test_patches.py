@@ -1,9 +1,11 @@
 """The seam's `Patches` and `VersionGate` (trainer_client/dropin/patches.py) on real modules: each test
 writes its own small module into a fresh directory on sys.path and imports it by name, as a drop-in
 reaches a trainer's modules. `Patches` replaces attributes, keeps each original once, puts every one
-back, and names what it holds when asked for an original it never replaced; `VersionGate` passes a
-checked version silently and warns once, from the drop-in's caller, on any other, and finds the
-upstream names each use of a drop-in needs, refusing a use whose names are not all there."""
+back, and names what it holds when asked for an original it never replaced; it hooks methods of a
+trainer's classes (own, inherited, static and class methods) and puts each back as the class had it
+(an inherited one inherited again). `VersionGate` passes a checked version silently and warns once,
+from the drop-in's caller, on any other, and finds the upstream names each use of a drop-in needs,
+refusing a use whose names are not all there."""
 
 from __future__ import annotations
 
@@ -254,3 +256,115 @@ def test_an_unchecked_version_names_the_missing_private_names_in_its_warning(mak
     message = str(caught[0].message)
     assert "TrainerX 2.0.0 is not a version this drop-in was checked against" in message
     assert f"this build lacks ['{name}:_gone', 'no_such_module_anywhere:_f'], which the drop-in calls" in message, message
+
+
+# A trainer's classes, as a torchtitan- or Hugging Face-style loop has them: methods a drop-in hooks.
+CLASSES = """
+class Base:
+    def train_step(self, batch):
+        return f"base step {batch}"
+
+    @staticmethod
+    def loss(x):
+        return f"loss {x}"
+
+    @classmethod
+    def build(cls):
+        return f"built {cls.__name__}"
+
+class Trainer(Base):
+    def __init__(self):
+        self.steps = 0
+
+    def training_step(self, batch):
+        self.steps += 1
+        return f"trainer step {batch}"
+"""
+
+
+def _hook(patches: Patches, owner, name: str):
+    """A drop-in's hook: it calls the trainer's own method through `original`, with the instance first."""
+
+    def hooked(self, batch):
+        return "hooked " + patches.original(owner, name)(self, batch)
+
+    return hooked
+
+
+def test_a_method_is_hooked_on_every_instance_and_restored(make_module):
+    module = __import__(make_module(CLASSES))
+    trainer, own = module.Trainer(), module.Trainer.__dict__["training_step"]
+    patches = Patches()
+    returned = patches.replace_method(module.Trainer, "training_step", _hook(patches, module.Trainer, "training_step"))
+    assert returned is own and patches.original(module.Trainer, "training_step") is own
+    assert trainer.training_step(3) == "hooked trainer step 3" and trainer.steps == 1  # the original ran on the instance
+    assert module.Trainer().training_step(4) == "hooked trainer step 4", "an instance made after the hook"
+    patches.restore()
+    assert module.Trainer.__dict__["training_step"] is own and trainer.training_step(5) == "trainer step 5"
+    with pytest.raises(UsageError, match="replaced: nothing"):
+        patches.original(module.Trainer, "training_step")
+
+
+def test_an_inherited_method_is_hooked_on_the_subclass_alone_and_inheritance_resumes(make_module):
+    module = __import__(make_module(CLASSES))
+    base_step = module.Base.__dict__["train_step"]
+    patches = Patches()
+    assert patches.replace_method(module.Trainer, "train_step", _hook(patches, module.Trainer, "train_step")) is base_step
+    assert module.Trainer().train_step(1) == "hooked base step 1"
+    assert module.Base().train_step(1) == "base step 1" and module.Base.__dict__["train_step"] is base_step
+    patches.restore()
+    assert "train_step" not in module.Trainer.__dict__, "restore left a copy of the base's method on the subclass"
+    module.Base.train_step = lambda self, batch: f"new base {batch}"  # a later change of the base reaches the subclass again
+    assert module.Trainer().train_step(2) == "new base 2"
+
+
+def test_static_and_class_methods_are_put_back_as_they_were(make_module):
+    module = __import__(make_module(CLASSES))
+    patches = Patches()
+    loss = patches.replace_method(module.Base, "loss", lambda x: "hooked " + patches.original(module.Base, "loss")(x))
+    build = patches.replace_method(module.Base, "build", classmethod(lambda cls: "hooked " + patches.original(module.Base, "build")()))
+    assert loss(1) == "loss 1" and build() == "built Base"  # the originals as the class gives them: callable as they are
+    assert module.Base.loss(2) == "hooked loss 2" and module.Trainer.build() == "hooked built Base"
+    patches.restore()
+    assert isinstance(module.Base.__dict__["loss"], staticmethod) and isinstance(module.Base.__dict__["build"], classmethod)
+    assert module.Trainer().loss(3) == "loss 3" and module.Trainer.build() == "built Trainer"
+
+
+def test_a_method_hooked_twice_keeps_the_trainers_own(make_module):
+    module = __import__(make_module(CLASSES))
+    own = module.Trainer.__dict__["training_step"]
+    patches = Patches()
+    patches.replace_method(module.Trainer, "training_step", lambda self, batch: "once")
+    assert patches.replace_method(module.Trainer, "training_step", lambda self, batch: "twice") is own
+    assert module.Trainer().training_step(0) == "twice"
+    patches.restore()
+    assert module.Trainer.__dict__["training_step"] is own
+
+
+def test_modules_and_classes_restore_together(make_module):
+    name = make_module(TRAINER)
+    trainer_module, module = __import__(name), __import__(make_module(CLASSES))
+    step, own = trainer_module.step, module.Trainer.__dict__["training_step"]
+    patches = Patches()
+    patches.replace(name, "step", _patched("step"))
+    patches.replace_method(module.Trainer, "training_step", lambda self, batch: "hooked")
+    with pytest.raises(UsageError) as caught:
+        patches.original(module.Trainer, "train_step")
+    message = str(caught.value)
+    assert f"{module.__name__}.Trainer.train_step was never replaced" in message, message
+    assert f"replaced: ['{name}.step', '{module.__name__}.Trainer.training_step']" in message, message
+    patches.restore()
+    assert trainer_module.step is step and module.Trainer.__dict__["training_step"] is own
+
+
+def test_a_hook_that_cannot_be_set_is_refused_naming_what_is_allowed(make_module):
+    module = __import__(make_module(CLASSES))
+    patches = Patches()
+    with pytest.raises(UsageError, match=r"owner <.*Trainer object.*> is not allowed; allowed: a class"):
+        patches.replace_method(module.Trainer(), "training_step", lambda self, batch: None)
+    with pytest.raises(UsageError, match=r"Trainer has no method 'train_stpe' to hook; its methods: \['build', 'loss', 'train_step', 'training_step'\]"):
+        patches.replace_method(module.Trainer, "train_stpe", lambda self, batch: None)
+    with pytest.raises(UsageError, match=r"hook for .*Trainer.training_step is a str; allowed: a callable, a staticmethod"):
+        patches.replace_method(module.Trainer, "training_step", "not a function")
+    patches.restore()  # nothing was kept: nothing to put back
+    assert module.Trainer().training_step(1) == "trainer step 1"
