@@ -49,7 +49,7 @@ def unit_features(padded_tokens: Any, attention_units: Any, cp_size: Any, passes
 
     in the order of CostModel's fields (cost_spec.COEFFICIENT_NAMES). `price` is the dot product
     with the coefficients; the planner prices plans with it and the trainer's calibration
-    (trainer_client/calibration.py) fits the coefficients to timed units' features, so what is
+    (trainer_client/service/calibration.py) fits the coefficients to timed units' features, so what is
     predicted and what is fitted cannot drift apart.
 
     The arguments may also be numpy columns (batch_planner/columns.py), one value per group: the

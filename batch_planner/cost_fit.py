@@ -1,6 +1,6 @@
 """Fitting the cost model to measured units: a robust, bounded, non-negative least squares on
 relative residuals (scipy), used by the trainer client's closed-loop calibration
-(trainer_client/calibration.py) and by the offline preset fit (bench/gpu/calibrate.py). Features come
+(trainer_client/service/calibration.py) and by the offline preset fit (bench/gpu/calibrate.py). Features come
 in COEFFICIENT_NAMES order (`batch_planner.cost.unit_features`); docs/trainer-client.md, "Calibration".
 """
 

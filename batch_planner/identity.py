@@ -3,7 +3,7 @@
 One plan id function serves every scheduler and auto: a SHA-256 of the canonical request, the
 plan format's version, the Megatron-Core version and what else decides the plan (`scope`: the
 scheduler class, or auto's candidate list version, winner and cost coefficients). The trainer's
-ranks hash the same canonical request to agree on a batch (trainer_client/broadcast.py), so this
+ranks hash the same canonical request to agree on a batch (trainer_client/service/broadcast.py), so this
 module imports nothing of the planning pipeline.
 """
 

@@ -47,7 +47,7 @@ class CapacityBound(str, Enum):
     PER_RANK_SUM = "per_rank_sum"  # packing schedulers: a rank's shards are packed together
 
 
-# An option's lower bound, as pydantic reads it (the trainer's config, trainer_client/config.py)
+# An option's lower bound, as pydantic reads it (the trainer's config, trainer_client/service/config.py)
 # and validation does (`option_bounds`).
 Count = Annotated[int, Field(ge=1)]
 
@@ -64,7 +64,7 @@ class PlanningOptions:
 
     The one declaration of each option: its doc (the comment above it), type, default, lower bound
     (`Count`), the server limit above it and its place in the proto (`_option`). The trainer's
-    config extends this class (trainer_client/config.py) and enforces the same bounds; a
+    config extends this class (trainer_client/service/config.py) and enforces the same bounds; a
     PlanRequest reads its options as its own attributes; the proto conversion, the plan id and the
     ranks' agreement digest read them field by field (`canonical`).
     """

@@ -1,7 +1,7 @@
 """Shard geometry: which tokens of an execution unit each rank of its CP group holds.
 
 Pure integer arithmetic over padded lengths (batch_planner/padding.py), shared by the trainer client
-(trainer_client/apply.py builds the tensors from it) and the GPU benchmark. docs/design.md,
+(trainer_client/plans/apply.py builds the tensors from it) and the GPU benchmark. docs/design.md,
 "Padding, layouts and statistics":
 
 - zigzag: each *sequence* of the unit is cut into 2c chunks; rank r holds chunks r and 2c-1-r of

@@ -90,8 +90,8 @@ class AheadResult:
 
 
 def make_client(address: str, size: BatchSize, depth: int, scheduler: str = SCHEDULER):
-    from trainer_client.client import BatchPlannerClient
-    from trainer_client.config import PlannerClientConfig
+    from trainer_client.service.client import BatchPlannerClient
+    from trainer_client.service.config import PlannerClientConfig
     from batch_planner.request import SchedulerKind
 
     config = PlannerClientConfig(

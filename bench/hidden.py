@@ -47,8 +47,8 @@ API = "trainer_client.BatchPlannerClient: prefetch(step + 1, lengths) then plan_
 def make_client(address: str, size: BatchSize):
     """The trainer client as one rank of a `size.ranks`-rank job, service only (no fallback, so
     every plan measured comes from the server)."""
-    from trainer_client.client import BatchPlannerClient
-    from trainer_client.config import PlannerClientConfig
+    from trainer_client.service.client import BatchPlannerClient
+    from trainer_client.service.config import PlannerClientConfig
 
     config = PlannerClientConfig(
         planner_endpoint=address,

@@ -90,7 +90,7 @@ CORE_RATIO_BAR, RPC_RATIO_BAR, ADDED_P50_BAR = 1.05, 1.15, 1e-3
 # The job name travels in the request metadata as well as in the body (make_request's job), as the
 # trainer client sends it; a server that does not read the metadata ignores it.
 METADATA = job_metadata("bench")
-PLAN_FORM = pb.PLAN_FORM_COLUMNS  # what the trainer client asks for (trainer_client/plan_source.py)
+PLAN_FORM = pb.PLAN_FORM_COLUMNS  # what the trainer client asks for (trainer_client/service/plan_source.py)
 
 
 @dataclass(frozen=True)

@@ -82,8 +82,8 @@ class Rate:
 
 
 def make_client(address: str, size: BatchSize, scheduler: SchedulerKind):
-    from trainer_client.client import BatchPlannerClient
-    from trainer_client.config import PlannerClientConfig
+    from trainer_client.service.client import BatchPlannerClient
+    from trainer_client.service.config import PlannerClientConfig
 
     config = PlannerClientConfig(
         planner_endpoint=address, max_seqlen_per_dp_cp_rank=MAX_SEQLEN_PER_DP_CP_RANK,

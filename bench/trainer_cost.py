@@ -4,21 +4,21 @@ and memory.
     python -m bench.trainer_cost --out docs/bench
 
 In process, on CPU, with trainer_client's apply and restore (the code a trainer rank runs):
-- `unbind`: `trainer_client.batch.unbind_batch` on the global batch (jagged NestedTensor
+- `unbind`: `trainer_client.plans.batch.unbind_batch` on the global batch (jagged NestedTensor
   `input_ids` and `labels`, int64): done once per step on every rank;
 - `apply`: `micro_batches_for_rank(plan, global_batch, rank)` for one rank: this rank's shards,
   position ids, padding mask, cu_seqlens. One run per rank of the plan, so the spread is over ranks;
   measured with torch's default intra-op threads and with one thread, rank by rank side by side
   (on this busy 2-core machine, small tensor ops with 2 threads lose much time to waiting);
-- `check`: what makes sure the batch is the one the plan was made for (trainer_client/batch_check.py):
+- `check`: what makes sure the batch is the one the plan was made for (trainer_client/plans/batch_check.py):
   `unbind` keeps the batch's lengths as int64 bytes (from the lengths tensor it reads anyway; timed
   alone, right after reading it as `unbind` does), and `BatchPlannerClient.micro_batches` compares
   them with the plan's recorded lengths (timed on every rank right before that rank's apply, default
   threads). Reported as a ratio to the apply: checks plus keys over applies, summed over the ranks;
-- `restore`: `trainer_client.outputs.restore_outputs` on one output per sample (a float32 tensor of
+- `restore`: `trainer_client.plans.outputs.restore_outputs` on one output per sample (a float32 tensor of
   the sample's length, e.g. per-token log-probs), without torch.distributed: the ordering and
   checking only, not the all-gather between ranks;
-- `calibration`: the closed-loop calibration's own cost on this rank (trainer_client/calibration.py):
+- `calibration`: the closed-loop calibration's own cost on this rank (trainer_client/service/calibration.py):
   timing every unit of one step (`client.timed(unit)` around an empty body, with the monotonic
   clock: the unit's features and two clock reads; on a GPU two CUDA event records instead), and
   one refit of the cost model over a full window (the default 50 steps of this rank's units; the
@@ -99,8 +99,8 @@ def calibration_cost(plan, global_batch, runs: int) -> tuple[list[float], list[f
     import random
 
     from batch_planner.request import PlanningOptions
-    from trainer_client.apply import micro_batches_for_rank
-    from trainer_client.calibration import Calibrator
+    from trainer_client.plans.apply import micro_batches_for_rank
+    from trainer_client.service.calibration import Calibrator
 
     units = micro_batches_for_rank(plan, global_batch, 0)
     window = 50
@@ -153,10 +153,10 @@ def check_seconds(planned, plan, global_batch) -> float:
 
 
 def run(out: Path, smoke: bool = False) -> Report[CostRow]:
-    from trainer_client.apply import micro_batches_for_rank
-    from trainer_client.batch import unbind_batch
-    from trainer_client.batch_check import PlannedBatches
-    from trainer_client.outputs import restore_outputs
+    from trainer_client.plans.apply import micro_batches_for_rank
+    from trainer_client.plans.batch import unbind_batch
+    from trainer_client.plans.batch_check import PlannedBatches
+    from trainer_client.plans.outputs import restore_outputs
 
     size = SMOKE_SIZE if smoke else SIZE
     request = make_request(DISTRIBUTION, size, scheduler=SchedulerKind.DYNAMIC_CP)  # the main path: packed units

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from trainer_client.config import PlannerClientConfig
+from trainer_client.service.config import PlannerClientConfig
 from trainer_client.dropin import (
     DataGroups, DerivedSettings, DropIn, LocalBatch, Patches, PlannedStep, Registry, StepPlanner, TableSource,
     given_planner_settings, model_inputs, planner_config, rank_units, register_dropin,

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from batch_planner.distributions import sample_lengths  # noqa: E402
 from trainer_client import BatchPlannerClient, PlannerClientConfig  # noqa: E402
-from trainer_client.apply import micro_batches_for_rank  # noqa: E402
-from trainer_client.batch import unbind_batch  # noqa: E402
+from trainer_client.plans.apply import micro_batches_for_rank  # noqa: E402
+from trainer_client.plans.batch import unbind_batch  # noqa: E402
 
 VOCAB = 512
 

@@ -2,7 +2,7 @@
 each is also the builtin it has always been (ValueError, RuntimeError), so an existing `except
 ValueError` keeps catching it. The hierarchy: docs/trainer-client.md, "Errors".
 
-Every one of them travels between ranks (`trainer_client.together`): pickled with its message and
+Every one of them travels between ranks (`trainer_client.plans.together`): pickled with its message and
 attributes whatever its constructor takes, so that every rank of a group raises the same error.
 """
 

@@ -1,5 +1,5 @@
 """Closed-loop calibration on one GPU: a real decoder layer's units, timed and fitted online by the
-trainer client's own calibration (trainer_client/calibration.py), predict held-out units.
+trainer client's own calibration (trainer_client/service/calibration.py), predict held-out units.
 
     measure (GPU):  python -m bench.gpu.calibration_online --out calibration_online.json
 
@@ -64,7 +64,7 @@ def run_shape(name: str, layers: int, gc_mode: str, args, rng: random.Random) ->
 
     from bench.gpu.layer_timing import build_stack, rotary
     from batch_planner.cost_fit import price_vector
-    from trainer_client.calibration import Calibrator, features_of
+    from trainer_client.service.calibration import Calibrator, features_of
 
     profile = MODEL_PROFILES[name]
     stack = build_stack(profile, layers)

@@ -69,8 +69,8 @@ def test_the_kernels_are_cached_on_disk_and_loaded_by_the_next_process(tmp_path)
 
 def test_the_trainer_clients_fallback_compiles_when_it_starts(tmp_path):
     code = (
-        "from trainer_client.config import PlannerClientConfig; from trainer_client.metrics import TrainerMetrics; "
-        "from trainer_client.plan_source import PlanSource; from batch_planner.exact import compiled_dynamic_cp as c; "
+        "from trainer_client.service.config import PlannerClientConfig; from trainer_client.service.metrics import TrainerMetrics; "
+        "from trainer_client.service.plan_source import PlanSource; from batch_planner.exact import compiled_dynamic_cp as c; "
         "PlanSource(PlannerClientConfig(max_seqlen_per_dp_cp_rank=4096, context_parallel_size=2), TrainerMetrics()); "
         "print(len(c._pack.signatures))"
     )

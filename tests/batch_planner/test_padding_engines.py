@@ -12,7 +12,7 @@ The engines, by the drop-ins that feed them:
   Engine as above; contiguous to attention that reads contiguous shards itself (verl picks it for
   DeepSeek-V4's), which needs the buffer to split into CP equal intervals of whole TP multiples.
   Where verl's own `min_local_rows` top-up cannot keep a zigzag sequence a multiple of 2 x CP, the
-  refusal table refuses the combination before the first step (trainer_client/compatibility.py).
+  refusal table refuses the combination before the first step (trainer_client/refusals/compatibility.py).
 
 Every shard equals the one Megatron-Core's own layout code cuts (`_build_thd_layout_segments`, the
 route it converts between layouts with; for zigzag the DualChunkSwap rows Transformer Engine's
@@ -33,8 +33,8 @@ from batch_planner.errors import BatchNotPlannableError
 from batch_planner.padding import group_padded_lengths
 from batch_planner.request import CpLayout, PaddingRule
 from batch_planner.shards import padded_unit_shard
-from trainer_client.compatibility import check
-from trainer_client.config import PlannerClientConfig
+from trainer_client.refusals.compatibility import check
+from trainer_client.service.config import PlannerClientConfig
 from trainer_client.errors import UnsupportedCombinationError
 
 routes = pytest.importorskip(
@@ -131,8 +131,8 @@ def test_the_plans_padded_tokens_are_the_padding_the_trainer_applies(case):
     its cost) are the padded lengths `micro_batches_for_rank` gives the group's samples."""
     from batch_planner.planner import plan_batch
     from batch_planner.request import CapacityBound, PlanRequest, SchedulerKind
-    from trainer_client.apply import micro_batches_for_rank
-    from trainer_client.batch import GlobalBatch, JaggedField
+    from trainer_client.plans.apply import micro_batches_for_rank
+    from trainer_client.plans.batch import GlobalBatch, JaggedField
 
     lengths, (dp, cp), tp, layout, rule, min_local_rows, scheduler = case
     if rule is PaddingRule.MEGATRON_CORE or scheduler == "hybrid_cp" or refused_by_the_table(layout, tp, min_local_rows):

@@ -188,8 +188,8 @@ def test_the_fallback_on_upstreams_own_code_cuts_the_loop_off_and_serves_the_sam
 
 
 def _client(request: PlanRequest, endpoint: str, **options):
-    from trainer_client.client import BatchPlannerClient
-    from trainer_client.config import PlannerClientConfig
+    from trainer_client.service.client import BatchPlannerClient
+    from trainer_client.service.config import PlannerClientConfig
 
     config = PlannerClientConfig(
         planner_endpoint=endpoint, tls=False, scheduler=request.scheduler, context_parallel_size=request.context_parallel_size,

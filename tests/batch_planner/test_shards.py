@@ -11,8 +11,8 @@ from tensordict import TensorDict
 from batch_planner.plan import CpGroup, MicroBatch, Plan
 from batch_planner.request import CapacityBound, CpLayout, SchedulerKind
 from batch_planner.shards import ShardRange, unit_shard
-from trainer_client.apply import micro_batches_for_rank
-from trainer_client.token_outputs import restore_token_outputs, token_pieces
+from trainer_client.plans.apply import micro_batches_for_rank
+from trainer_client.plans.token_outputs import restore_token_outputs, token_pieces
 
 Z, C = CpLayout.ZIGZAG, CpLayout.CONTIGUOUS
 

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from planner_server.metrics import PlannerMetrics
 from tests.support.deploy_tools import ALERTS, DASHBOARD, ROOT, find_tool, run
-from trainer_client.metrics import TrainerMetrics
+from trainer_client.service.metrics import TrainerMetrics
 
 # Grafana's variables, replaced by what they stand for so promtool can parse the expressions.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$training_job": ".*"}

@@ -199,7 +199,7 @@ def test_the_example_registers_itself_and_the_table_checks_its_source():
     its own module, the core untouched, and the table checks it (its settings pass; a bad scheduler
     in the planner settings is still refused by the core rows)."""
     from examples import titan_style_dropin
-    from trainer_client.compatibility import CORE_SOURCES, check, known_sources
+    from trainer_client.refusals.compatibility import CORE_SOURCES, check, known_sources
     from trainer_client.dropin import dropin, register_dropin
     from trainer_client.errors import UsageError
 

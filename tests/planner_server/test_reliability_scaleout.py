@@ -15,9 +15,9 @@ from batch_planner.convert import request_to_proto
 from batch_planner.request import PlanRequest
 from tests.support.planner_process import start_planner
 from tests.support.reliability_support import LoopbackDns, metric, wait_until
-from trainer_client.config import PlannerClientConfig
-from trainer_client.metrics import TrainerMetrics
-from trainer_client.rpc_client import PlannerRpcClient
+from trainer_client.service.config import PlannerClientConfig
+from trainer_client.service.metrics import TrainerMetrics
+from trainer_client.service.rpc_client import PlannerRpcClient
 
 REQUEST = request_to_proto(PlanRequest.of((4096, 2048, 1024, 512, 512, 256, 128, 64), 4, 2, 4096))
 

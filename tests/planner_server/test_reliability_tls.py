@@ -113,9 +113,9 @@ def test_half_configured_tls_refuses_to_start_instead_of_serving_plaintext(pki, 
 # --- the trainer client's TLS setting against the server's ----------------------------
 
 def plan_source(address: str, **settings):
-    from trainer_client.config import PlannerClientConfig
-    from trainer_client.metrics import TrainerMetrics
-    from trainer_client.plan_source import PlanSource
+    from trainer_client.service.config import PlannerClientConfig
+    from trainer_client.service.metrics import TrainerMetrics
+    from trainer_client.service.plan_source import PlanSource
 
     config = PlannerClientConfig(planner_endpoint=address, max_seqlen_per_dp_cp_rank=4096, **settings)
     return PlanSource(config, TrainerMetrics())
@@ -137,7 +137,7 @@ def test_a_client_with_only_the_endpoint_set_uses_the_charts_default_plaintext_s
 
 
 def test_a_tls_client_against_a_plaintext_server_raises_with_the_fix(planner, pki):
-    from trainer_client.rpc_client import TlsMismatchError
+    from trainer_client.service.rpc_client import TlsMismatchError
 
     source = plan_source(planner.address, tls=True, tls_ca_file=str(pki.ca_cert))
     try:
@@ -148,7 +148,7 @@ def test_a_tls_client_against_a_plaintext_server_raises_with_the_fix(planner, pk
 
 
 def test_a_plaintext_client_against_a_tls_server_raises_with_the_fix(servers):
-    from trainer_client.rpc_client import TlsMismatchError
+    from trainer_client.service.rpc_client import TlsMismatchError
 
     source = plan_source(servers["tls"].address)
     try:

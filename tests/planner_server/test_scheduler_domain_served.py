@@ -78,7 +78,7 @@ def test_reproducers_through_the_server_get_the_in_process_answer(stub, name, re
 def test_the_trainer_client_raises_the_same_clear_error_at_once(planner, name, request_, code, field, with_service):
     """Without a service the client plans in process: validation refuses before any scheduler
     runs; with one, the refusal is not retried and not planned in process again (REJECT)."""
-    from trainer_client.rpc_client import PlanRejectedError
+    from trainer_client.service.rpc_client import PlanRejectedError
 
     _available(request_)
     expected = _answer(request_)

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from planner_server.metrics import PlannerMetrics
-from trainer_client.metrics import TrainerMetrics
+from trainer_client.service.metrics import TrainerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTED = re.compile(r"`(batch_planner_[a-z_]+)(?:\{([a-z_,]*)\})?`")

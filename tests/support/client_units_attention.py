@@ -1,5 +1,5 @@
 """The trainer client's own micro-batches through a model whose tokens interact: what
-`micro_batches_for_rank` (trainer_client/apply.py: batch_planner/padding.py's padding and
+`micro_batches_for_rank` (trainer_client/plans/apply.py: batch_planner/padding.py's padding and
 batch_planner/shards.py's shards, the path of `BatchPlannerClient.micro_batches` and of the Bridge
 drop-in) hands a Megatron-Core GPTModel, against the same model over each whole sample alone.
 
@@ -47,7 +47,7 @@ def unit_batch(samples: list[Sample]) -> dict[str, torch.Tensor]:
 
 def client_units_rank(engine: str, variants: list[tuple[str, str]], rank: int) -> dict:
     """One rank: for each (layout, plant) of `variants`, the plan, its units from
-    trainer_client.apply, the packed run and the reference; records by "layout-plant"."""
+    trainer_client.plans.apply, the packed run and the reference; records by "layout-plant"."""
     from tests.support.megatron_init import initialize_dpxcp_groups
 
     initialize_dpxcp_groups(context_parallel_size=2)
@@ -65,9 +65,9 @@ def _variant(engine: str, layout: str, plant: str) -> dict:
     from tests.support.attention_model import AttentionModelConfig, attention_gpt_model
     from tests.support.attention_parity import RankShard, packed_loss_and_grads, reference_loss_and_grads, worst_differences
     from tests.support.megatron_init import parallel_state_cp_group
-    from trainer_client import apply
+    from trainer_client.plans import apply
     from trainer_client.dropin import model_inputs
-    from trainer_client.megatron import megatron_cp_group_resolver
+    from trainer_client.plans.megatron import megatron_cp_group_resolver
 
     samples = example_samples(LENGTHS)
     # contiguous: static CP1 in the model's config, as upstream allows contiguous for standard

@@ -308,7 +308,7 @@ def wait_for_metric(server, name: str, check, what: str, timeout: float = 30.0, 
 def client_counts(metrics) -> dict[str, int]:
     """A trainer client's (its TrainerMetrics) plans from the service, and its Plan calls sent again
     within a plan: hedged after a stall (a busy machine's slow answer) or failed over, at most one a
-    plan (trainer_client/rpc_client.py). The server may answer both calls of such a plan before the
+    plan (trainer_client/service/rpc_client.py). The server may answer both calls of such a plan before the
     client cancels the other, so it can count up to `sent_again` requests more than plans."""
     from prometheus_client import generate_latest
 

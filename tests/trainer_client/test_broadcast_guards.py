@@ -1,4 +1,4 @@
-"""`share_over_tp` (trainer_client/broadcast.py) on 2 real gloo ranks as one TP group: a TP rank whose
+"""`share_over_tp` (trainer_client/service/broadcast.py) on 2 real gloo ranks as one TP group: a TP rank whose
 batch was refused before planning (no request) hands on its own refusal; one that passes no
 refusal either gets a UsageError naming the call to hand on, not an `assert` (which `python -O`
 drops, returning None where every caller expects a plan or an error)."""
@@ -13,7 +13,7 @@ WORLD = 2
 
 
 def _rank(rank: int, store_path: str, out: str) -> None:
-    from trainer_client.broadcast import share_over_tp
+    from trainer_client.service.broadcast import share_over_tp
     from trainer_client.errors import PlanRejectedError
 
     init_gloo(rank, WORLD, store_path)

@@ -21,11 +21,11 @@ from tests.support.cost_support import group_seconds
 from batch_planner.cost_spec import COEFFICIENT_BOUNDS, COEFFICIENT_NAMES, CostModel, CostModelSpec
 from batch_planner.planner import plan_batch
 from batch_planner.request import CpLayout, PlanRequest, SchedulerKind
-from trainer_client.apply import micro_batches_for_rank
-from trainer_client.batch import unbind_batch
+from trainer_client.plans.apply import micro_batches_for_rank
+from trainer_client.plans.batch import unbind_batch
 from batch_planner.cost_fit import fit_cost_model, price_vector
-from trainer_client.calibration import Calibrator, features_of
-from trainer_client.metrics import TrainerMetrics
+from trainer_client.service.calibration import Calibrator, features_of
+from trainer_client.service.metrics import TrainerMetrics
 
 HIDDEN = CostModel(
     seconds_per_token=2e-6, seconds_per_attention_token_pair=1e-9, cp_seconds_per_micro_batch=3e-3,
@@ -233,7 +233,7 @@ def test_preset_until_enough_units_then_the_fit_from_a_step_not_prefetched(caplo
     reports = _run_steps(calibrator, 2)  # 24 distinct units: not yet
     assert [r.fit.result for r in reports] == ["insufficient_data", "insufficient_data"]
     assert calibrator.options_for(5).cost_model is None and calibrator.model == CostModel()
-    with caplog.at_level(logging.INFO, logger="trainer_client.calibration"):
+    with caplog.at_level(logging.INFO, logger="trainer_client.service.calibration"):
         (report,) = _run_steps(calibrator, 1, first=2)
     assert report.fit.result == "updated" and report.effective_step == 4  # step 3 may be prefetched
     assert calibrator.options_for(3).cost_model is None
@@ -251,7 +251,7 @@ def test_a_failed_fit_keeps_the_previous_model(monkeypatch):
     good = calibrator.model
     assert good != CostModel()
     _within(good, HIDDEN, 0.1)
-    import trainer_client.calibration as calibration
+    import trainer_client.service.calibration as calibration
 
     for result in ("not_converged", "out_of_bounds"):
         monkeypatch.setattr(calibration, "fit_cost_model", lambda *a, result=result, **k: calibration.FitResult(result, reason="test"))
@@ -310,7 +310,7 @@ def test_a_new_model_that_changes_the_served_winner_is_logged(caplog):
         return Plan("id", SchedulerKind.DYNAMIC_CP, "X", "0", 4, 1, CpLayout.ZIGZAG, CapacityBound.PER_RANK_SUM, (),
                     candidates=candidates)
 
-    with caplog.at_level(logging.INFO, logger="trainer_client.calibration"):
+    with caplog.at_level(logging.INFO, logger="trainer_client.service.calibration"):
         calibrator.begin_step(0, plan("static_cp1"))
         calibrator.begin_step(1, plan("dynamic_cp max_seqlen=4096"))  # same model: batches differ, no line
         assert "changed the served plan" not in caplog.text
@@ -326,7 +326,7 @@ def test_ranks_that_hold_different_models_all_adopt_rank_zeros(caplog):
     calibrator.begin_step(0)
     calibrator._adopt(HIDDEN, 2)
     other = CostModel(**{n: getattr(HIDDEN, n) * 1.01 for n in COEFFICIENT_NAMES})
-    from trainer_client.calibration import model_digest
+    from trainer_client.service.calibration import model_digest
 
     everyone = [([0], [], model_digest(other), [getattr(other, n) for n in COEFFICIENT_NAMES]),
                 ([0], [], model_digest(HIDDEN), [getattr(HIDDEN, n) for n in COEFFICIENT_NAMES])]

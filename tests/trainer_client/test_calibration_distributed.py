@@ -54,7 +54,7 @@ def stand_in_kernel(hidden: CostModel, unit, rng: random.Random) -> float:
     """Stand-in for a GPU kernel: the seconds its CUDA events would report, the hidden cost of the
     unit's features times log-normal noise (2%); one unit in 100 stalls (x4), as a straggler would."""
     from batch_planner.cost_fit import price_vector
-    from trainer_client.calibration import features_of
+    from trainer_client.service.calibration import features_of
 
     seconds = price_vector(hidden, features_of(unit)) * math.exp(rng.gauss(0.0, 0.02))
     if rng.random() < 1 / 100:
@@ -64,7 +64,7 @@ def stand_in_kernel(hidden: CostModel, unit, rng: random.Random) -> float:
 
 def _run_job(name: str, hidden: CostModel, endpoint: str, rank: int) -> dict:
     from trainer_client import BatchPlannerClient, PlannerClientConfig
-    from trainer_client.calibration import model_digest
+    from trainer_client.service.calibration import model_digest
 
     config = PlannerClientConfig(
         planner_endpoint=endpoint, tls=False, max_seqlen_per_dp_cp_rank=MAX_PER_RANK, job=name, fallback=False,

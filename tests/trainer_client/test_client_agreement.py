@@ -13,7 +13,7 @@ from batch_planner.identity import canonical_request
 from batch_planner.planner import plan_batch
 from batch_planner.request import PaddingRule, PlanningOptions, PlanRequest, SchedulerKind
 from tests.support.launch import init_gloo, read_rank_results, run_ranks, write_rank_result
-from trainer_client.broadcast import canonical_digest
+from trainer_client.service.broadcast import canonical_digest
 
 LENGTHS = (4096, 2048, 1024, 512, 512, 256, 128, 64)
 
@@ -48,8 +48,8 @@ def _rank_main(rank: int, store_path: str, out_dir: str, outcome_of) -> None:
 
 
 def _agreement_of_different_batches(rank: int) -> str:
-    from trainer_client.broadcast import PlanMismatchError, agree_on_plan
-    from trainer_client.config import WhoAsks
+    from trainer_client.service.broadcast import PlanMismatchError, agree_on_plan
+    from trainer_client.service.config import WhoAsks
 
     request = _request(None if rank == 0 else 2)  # the only difference between the ranks
     # The asking rank's plan (any plan: the digest of each rank's own request is what differs).
@@ -68,9 +68,9 @@ def test_two_ranks_differing_only_in_micro_batch_group_size_refuse_to_agree(tmp_
 
 
 def _plan_step_whose_leader_fails(rank: int) -> str:
-    import trainer_client.plan_source as plan_source
+    import trainer_client.service.plan_source as plan_source
     from trainer_client import BatchPlannerClient, PlannerClientConfig
-    from trainer_client.plan_source import PlannerUnavailableError
+    from trainer_client.service.plan_source import PlannerUnavailableError
 
     def broken_plan_batch(request, **_):
         raise RuntimeError("a bug in the fallback")

@@ -11,9 +11,9 @@ from batch_planner.padding import padded_length
 from batch_planner.planner import plan_batch
 from batch_planner.request import CpLayout, PlanRequest
 from batch_planner.shards import unit_shard
-from trainer_client.apply import micro_batches_for_rank
-from trainer_client.batch import BatchMismatchError, unbind_batch
-from trainer_client.outputs import OutputRestoreError, order_outputs
+from trainer_client.plans.apply import micro_batches_for_rank
+from trainer_client.plans.batch import BatchMismatchError, unbind_batch
+from trainer_client.plans.outputs import OutputRestoreError, order_outputs
 
 # With 4 ranks of 1,024 tokens: 3,000 needs CP4, 1,500-1,800 CP2, the rest CP1.
 LENGTHS = (3000, 1500, 1800, 700, 500, 301, 900, 97, 1000, 64, 333, 1)

@@ -19,9 +19,9 @@ from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
 from tests.support.megatron_builds import best_local_scheduler
 from trainer_client import BatchMismatchError, BatchPlannerClient, ConfigError, PlannerClientConfig
-from trainer_client.batch_check import check_batch_is_planned
-from trainer_client.outputs import OutputRestoreError
-from trainer_client.rpc_client import PlanRejectedError
+from trainer_client.plans.batch_check import check_batch_is_planned
+from trainer_client.plans.outputs import OutputRestoreError
+from trainer_client.service.rpc_client import PlanRejectedError
 
 # With 4 ranks of 1,024 tokens: 3,000 needs CP4, 1,500-1,800 CP2, the rest CP1.
 LENGTHS = (3000, 1500, 1800, 700, 500, 301, 900, 97, 1000, 64, 333, 1)

@@ -28,7 +28,7 @@ def _run_rank(rank: int, store_path: str, endpoint: str, out_dir: str) -> None:
     from megatron.core import parallel_state
 
     from trainer_client import BatchMismatchError, BatchPlannerClient, PlannerClientConfig
-    from trainer_client.rpc_client import PlanRejectedError
+    from trainer_client.service.rpc_client import PlanRejectedError
 
     init_gloo(rank, WORLD, store_path)
     initialize_dpxcp_groups(context_parallel_size=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batch_planner.request import CpLayout, SchedulerKind
-from trainer_client.config import ConfigError, PlannerClientConfig, WhoAsks
+from trainer_client.service.config import ConfigError, PlannerClientConfig, WhoAsks
 
 
 def test_from_dict_converts_enums_and_keeps_defaults():

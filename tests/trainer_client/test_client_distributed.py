@@ -65,8 +65,8 @@ def _run_rank(rank: int, world: int, tp: int, store_path: str, endpoint: str, ou
     from megatron.core import parallel_state
 
     from trainer_client import BatchPlannerClient, PlannerClientConfig
-    from trainer_client.broadcast import PlanMismatchError
-    from trainer_client.outputs import OutputRestoreError
+    from trainer_client.service.broadcast import PlanMismatchError
+    from trainer_client.plans.outputs import OutputRestoreError
 
     init_gloo(rank, world, store_path)
     initialize_dpxcp_groups(context_parallel_size=2, tensor_model_parallel_size=tp)

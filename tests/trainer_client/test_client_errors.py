@@ -26,7 +26,7 @@ SOURCES = sorted(PACKAGE.rglob("*.py"))
 
 # Exceptions of other classes that the client raises on purpose, by (file, class): each with why.
 ALLOWED = {
-    ("trainer_client/config.py", "PydanticCustomError"): (
+    ("trainer_client/service/config.py", "PydanticCustomError"): (
         "raised inside a pydantic validator (`_refuse`), which is pydantic's protocol for a refusal: pydantic "
         "turns it into a ValidationError and PlannerClientConfig turns that into a ConfigError; no caller sees it"
     ),
@@ -263,7 +263,7 @@ def error_classes() -> list[type[PlannerClientError]]:
 
 @pytest.mark.parametrize("cls", error_classes(), ids=lambda cls: cls.__name__)
 def test_every_error_pickles_to_the_same_class_message_and_attributes(cls):
-    """Errors travel between ranks pickled (trainer_client.together): each comes back as itself."""
+    """Errors travel between ranks pickled (trainer_client.plans.together): each comes back as itself."""
     own_init = "__init__" in vars(cls) or any("__init__" in vars(base) for base in cls.__mro__[1:] if issubclass(base, PlannerClientError))
     assert (cls.__name__ in SAMPLE_ARGS) == own_init, f"{cls.__name__}: give its constructor's sample arguments in SAMPLE_ARGS"
     error = cls(*SAMPLE_ARGS.get(cls.__name__, ("rank 3: something the client refused",)))
@@ -274,7 +274,7 @@ def test_every_error_pickles_to_the_same_class_message_and_attributes(cls):
 
 
 def test_an_error_travels_between_ranks_as_itself():
-    from trainer_client.together import _copy, _pickled_error
+    from trainer_client.plans.together import _copy, _pickled_error
 
     for cls in error_classes():
         error = cls(*SAMPLE_ARGS.get(cls.__name__, ("something the client refused",)))
@@ -291,10 +291,10 @@ def test_an_unpicklable_rule_is_left_behind_and_the_rest_travels():
 
 def test_converted_errors_are_still_their_builtins():
     """Some of the raises that were builtins: the new class, still caught as the old builtin."""
-    from trainer_client.ahead import PlanAhead
-    from trainer_client.client import _check_record_step, _require_int
-    from trainer_client.outputs import restore_outputs
-    from trainer_client.token_outputs import restore_token_outputs
+    from trainer_client.service.ahead import PlanAhead
+    from trainer_client.service.client import _check_record_step, _require_int
+    from trainer_client.plans.outputs import restore_outputs
+    from trainer_client.plans.token_outputs import restore_token_outputs
 
     with pytest.raises(errors.ArgumentTypeError, match=r"step: got 1\.5 \(float\)") as caught:
         _require_int("step", 1.5, 0, what="the training step")

@@ -13,10 +13,10 @@ from tests.support.planner_process import start_planner
 from tests.support.reliability_support import wait_until
 from tests.support.megatron_builds import best_local_scheduler
 from trainer_client import BatchPlannerClient, PlannerClientConfig
-from trainer_client.apply import micro_batches_for_rank
-from trainer_client.batch import unbind_batch
-from trainer_client.outputs import order_outputs
-from trainer_client.plan_source import FALLBACK, SERVICE
+from trainer_client.plans.apply import micro_batches_for_rank
+from trainer_client.plans.batch import unbind_batch
+from trainer_client.plans.outputs import order_outputs
+from trainer_client.service.plan_source import FALLBACK, SERVICE
 
 RANKS = 4
 COOLDOWN = 0.3

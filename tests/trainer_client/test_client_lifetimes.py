@@ -52,7 +52,7 @@ def test_a_client_left_open_closes_at_interpreter_exit():
         """
         from tests.support.megatron_builds import best_local_scheduler
         from trainer_client import BatchPlannerClient, PlannerClientConfig
-        from trainer_client.plan_source import PlanSource
+        from trainer_client.service.plan_source import PlanSource
 
         closing = PlanSource.close
         def close(self):

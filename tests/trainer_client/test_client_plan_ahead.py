@@ -12,9 +12,9 @@ from batch_planner.distributions import sample_lengths
 from batch_planner.request import PlanRequest
 from tests.support.megatron_builds import best_local_scheduler
 from trainer_client import BatchPlannerClient, PlannerClientConfig
-from trainer_client.ahead import PlanAhead
-from trainer_client.config import MAX_PLAN_AHEAD_DEPTH, ConfigError
-from trainer_client.plan_source import SERVICE, SourcedPlan
+from trainer_client.service.ahead import PlanAhead
+from trainer_client.service.config import MAX_PLAN_AHEAD_DEPTH, ConfigError
+from trainer_client.service.plan_source import SERVICE, SourcedPlan
 
 WAIT_S = 30.0  # the longest any event below may take; never reached when the code is right
 

@@ -1,4 +1,4 @@
-"""trainer_client/plan_source.py: an answer from the service that is not a readable PlanResponse
+"""trainer_client/service/plan_source.py: an answer from the service that is not a readable PlanResponse
 (bytes protobuf cannot parse, columns that do not fit together) or whose plan cannot be applied to
 the request's batch (another DPxCP size, groups that do not tile the ranks, a sample missing, twice
 or out of range) fails like the call: the step is planned in-process and counted as
@@ -18,9 +18,9 @@ from batch_planner.convert import plan_to_proto
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
 from batch_planner.v1 import planner_pb2 as pb
-from trainer_client.config import PlannerClientConfig
-from trainer_client.metrics import TrainerMetrics
-from trainer_client.plan_source import FALLBACK, MALFORMED_RESPONSE, SERVICE, PlannerUnavailableError, PlanSource
+from trainer_client.service.config import PlannerClientConfig
+from trainer_client.service.metrics import TrainerMetrics
+from trainer_client.service.plan_source import FALLBACK, MALFORMED_RESPONSE, SERVICE, PlannerUnavailableError, PlanSource
 
 REQUEST = PlanRequest.of((4096, 2048, 1024, 512, 512, 256, 128, 64), 4, 2, 4096, job="plan-source")
 

@@ -17,9 +17,9 @@ import pytest
 from batch_planner.convert import JOB_METADATA_KEY
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
-from trainer_client.config import PlannerClientConfig
-from trainer_client.metrics import TrainerMetrics
-from trainer_client.rpc_client import PlannerRpcClient, PlanRejectedError, ServiceFailedError, hedge_delay
+from trainer_client.service.config import PlannerClientConfig
+from trainer_client.service.metrics import TrainerMetrics
+from trainer_client.service.rpc_client import PlannerRpcClient, PlanRejectedError, ServiceFailedError, hedge_delay
 
 REQUEST = pb.PlanRequest(job="retry-test")
 
@@ -156,7 +156,7 @@ def test_answered_calls_set_the_hedge_delay(scripted):
 
 def test_one_replicas_failure_plans_this_step_in_process_and_starts_no_cooldown(scripted):
     from batch_planner.request import PlanRequest
-    from trainer_client.plan_source import FALLBACK, PlanSource
+    from trainer_client.service.plan_source import FALLBACK, PlanSource
 
     planner, client = scripted(["hang"], deadline_seconds=0.5, hedge_after_seconds=0)
     source = PlanSource(client.config, client.metrics)

@@ -11,8 +11,8 @@ from batch_planner.distributions import sample_lengths
 from batch_planner.planner import plan_batch
 from tests.support.megatron_builds import best_local_scheduler
 from trainer_client import BatchPlannerClient, PlannerClientConfig
-from trainer_client.plan_source import FALLBACK, SERVICE
-from trainer_client.rpc_client import PlanRejectedError
+from trainer_client.service.plan_source import FALLBACK, SERVICE
+from trainer_client.service.rpc_client import PlanRejectedError
 from tests.support.reliability_support import wait_until
 from tests.support.launch import free_port
 

@@ -1,4 +1,4 @@
-"""What the refusal table (trainer_client/compatibility.py) refuses before it reads a row: a scheduler
+"""What the refusal table (trainer_client/refusals/compatibility.py) refuses before it reads a row: a scheduler
 or CP layout name that is none is refused with the project's own errors (a planner config's as a
 setting, ConfigError; a plan's as an argument, InvalidArgumentError), naming where it was read, the
 value and what is allowed. `schedulers_the_trainer_runs` raises the first refusal when no scheduler
@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 from batch_planner.request import CpLayout, SchedulerKind
-from trainer_client.compatibility import (
+from trainer_client.refusals.compatibility import (
     InstalledMegatron, UnsupportedCombinationError, check, check_dynamic_cp_support, schedulers_the_trainer_runs,
 )
-from trainer_client.config import PlannerClientConfig
+from trainer_client.service.config import PlannerClientConfig
 from trainer_client.errors import ConfigError, InvalidArgumentError, PlannerClientError
 from trainer_client.megatron_bridge import BRIDGE_SCHEDULERS  # and, imported, the `bridge` source registered
 

@@ -1,5 +1,5 @@
 """Every "fail together" call site, on 4 real gloo ranks, with one rank failing: every rank raises an
-error of the same class carrying the failed rank's message (trainer_client.together), and none
+error of the same class carrying the failed rank's message (trainer_client.plans.together), and none
 waits for ever in a collective the failed rank never entered. A case that returns its error
 instead of raising it (`share_over_tp`, which hands it on to its DPxCP group) is checked the same
 way on what it returns; `agree_on_step`'s agreed error is what the step planner raises later."""
@@ -39,14 +39,14 @@ def _plan():
 
 def _cases(rank: int):
     """(name, a call every rank makes, in which rank FAILING, or rank 0, fails)."""
-    from trainer_client.broadcast import agree_on_plan, share_over_tp
-    from trainer_client.config import WhoAsks
+    from trainer_client.service.broadcast import agree_on_plan, share_over_tp
+    from trainer_client.service.config import WhoAsks
     from trainer_client.dropin import Agreement, LocalBatch, StepPlanner, agree_on_read, agree_on_step
     from trainer_client.errors import DropInInputError, PlannerUnavailableError, PlanRejectedError
-    from trainer_client.megatron import DataGroups
-    from trainer_client.outputs import restore_outputs
-    from trainer_client.together import fail_together
-    from trainer_client.token_outputs import restore_token_outputs
+    from trainer_client.plans.megatron import DataGroups
+    from trainer_client.plans.outputs import restore_outputs
+    from trainer_client.plans.together import fail_together
+    from trainer_client.plans.token_outputs import restore_token_outputs
 
     world = dist.group.WORLD
     failing = rank == FAILING

@@ -1,4 +1,4 @@
-"""The unsupported-combination rules (trainer_client/compatibility.py, RULES): every rule any
+"""The unsupported-combination rules (trainer_client/refusals/compatibility.py, RULES): every rule any
 trainer's configs reach refuses an example of its own, naming the option and the fix (the rows read
 only from a drop-in's own source: tests/trainer_client/megatron_lm/test_megatron_dropin_units.py and tests/trainer_client/megatron_bridge); supported
 combinations pass (the docs' tables: tests/trainer_client/test_refusal_docs.py). Megatron-Core's real
@@ -18,7 +18,7 @@ from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest, SchedulerKind
 from tests.support.megatron_builds import best_local_scheduler
 from trainer_client import BatchPlannerClient, PlannerClientConfig
-from trainer_client.compatibility import RULES, InstalledMegatron, UnsupportedCombinationError, check, check_dynamic_cp_support
+from trainer_client.refusals.compatibility import RULES, InstalledMegatron, UnsupportedCombinationError, check, check_dynamic_cp_support
 
 # Bridge's drop-in registers the `bridge` source (and its places of the FSDP row), which some tests below hand `check`.
 import trainer_client.megatron_bridge  # noqa: F401

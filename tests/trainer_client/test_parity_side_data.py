@@ -12,11 +12,11 @@ from tensordict import TensorDict
 from batch_planner.distributions import sample_lengths
 from batch_planner.planner import plan_batch
 from batch_planner.request import CpLayout, PlanRequest
-from trainer_client.apply import micro_batches_for_rank
-from trainer_client.batch import unbind_batch
-from trainer_client.outputs import OutputRestoreError, order_outputs
-from trainer_client.side_data import RouterReplayAlignmentError, align_router_replay, attach_router_replay
-from trainer_client.token_outputs import restore_token_outputs, token_pieces
+from trainer_client.plans.apply import micro_batches_for_rank
+from trainer_client.plans.batch import unbind_batch
+from trainer_client.plans.outputs import OutputRestoreError, order_outputs
+from trainer_client.plans.side_data import RouterReplayAlignmentError, align_router_replay, attach_router_replay
+from trainer_client.plans.token_outputs import restore_token_outputs, token_pieces
 from tests.support.batches import token_batch
 
 LAYERS, TOPK = 3, 2

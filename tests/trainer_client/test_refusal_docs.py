@@ -1,4 +1,4 @@
-"""The refusal tables of docs/ are generated from what the drop-ins register (trainer_client/refusal_docs.py):
+"""The refusal tables of docs/ are generated from what the drop-ins register (trainer_client/refusals/refusal_docs.py):
 every marked table equals the generated one, and the check itself fails on a table that drifted."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from trainer_client import refusal_docs
+from trainer_client.refusals import refusal_docs
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def test_every_generated_table_in_the_docs_is_the_registered_table():
-    assert refusal_docs.drifted(DOCS) == [], "a refusal table drifted: run python -m trainer_client.refusal_docs"
+    assert refusal_docs.drifted(DOCS) == [], "a refusal table drifted: run python -m trainer_client.refusals.refusal_docs"
 
 
 def test_the_docs_hold_the_whole_table_and_bridges_own():

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 import trainer_client.megatron_bridge  # noqa: F401  (registers the `bridge` drop-in)
-from trainer_client import compatibility
-from trainer_client.compatibility import Place, Rule, TableSource, check, is_set, known_sources, table
-from trainer_client.derived import DerivedSettings
+from trainer_client.refusals import compatibility
+from trainer_client.refusals.compatibility import Place, Rule, TableSource, check, is_set, known_sources, table
+from trainer_client.dropin.derived import DerivedSettings
 from trainer_client.dropin import DropIn, dropin, register_dropin, registered_dropins, spec
 from trainer_client.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedCombinationError, UsageError
 

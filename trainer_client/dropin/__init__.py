@@ -9,8 +9,8 @@ from trainer_client.dropin.model_inputs import ModelInputs, model_inputs, packed
 from trainer_client.dropin.patches import Patches, VersionGate
 from trainer_client.dropin.registry import Registry
 from trainer_client.dropin.routing import Traffic, route_samples, sample_id_groups
-from trainer_client.compatibility import Place, Rule, TableSource
-from trainer_client.derived import NOT_FIXED, DerivedSettings
+from trainer_client.refusals.compatibility import Place, Rule, TableSource
+from trainer_client.dropin.derived import NOT_FIXED, DerivedSettings
 from trainer_client.dropin.settings import CONFIG_ENV, given_planner_settings, merged_settings, planner_config
 from trainer_client.dropin.spec import DropIn, dropin, register_dropin, registered_dropins
 from trainer_client.dropin.stages import StageData
@@ -25,8 +25,8 @@ from trainer_client.dropin.step_input import (
 from trainer_client.dropin.step_planner import Agreement, PlannedStep, StepPlanner
 from trainer_client.dropin.units import rank_units
 from trainer_client.errors import DropInInputError
-from trainer_client.megatron import DataGroups
-from trainer_client.micro_batch import RankMicroBatch
+from trainer_client.plans.megatron import DataGroups
+from trainer_client.plans.micro_batch import RankMicroBatch
 
 __all__ = [
     "Agreement", "CONFIG_ENV", "DataGroups", "DerivedSettings", "DropIn", "DropInInputError", "GlobalLayout", "LocalBatch",

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from batch_planner.cp_groups import megatron_cp_group_sizes
 from trainer_client.errors import InvalidArgumentError, ProcessGroupError
-from trainer_client.megatron import CpGroupResolver, DataGroups
+from trainer_client.plans.megatron import CpGroupResolver, DataGroups
 
 
 @dataclass(frozen=True)

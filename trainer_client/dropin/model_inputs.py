@@ -14,7 +14,7 @@ import torch
 
 from trainer_client.dropin.device import model_device
 from trainer_client.errors import UsageError
-from trainer_client.micro_batch import RankMicroBatch
+from trainer_client.plans.micro_batch import RankMicroBatch
 
 # The PackedSeqParams fields that hold tensors (q and kv share theirs: moved once each).
 _CU_SEQLENS_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")

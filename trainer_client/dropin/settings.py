@@ -8,9 +8,11 @@ import logging
 import os
 from typing import Any
 
-from trainer_client.config import ConfigError, PlannerClientConfig
-from trainer_client.derived import DerivedSettings
+from batch_planner.request import PaddingRule, SchedulerKind
+from trainer_client.dropin.derived import DerivedSettings
 from trainer_client.errors import ArgumentTypeError
+from trainer_client.plans import megatron as mcore
+from trainer_client.service.config import ConfigError, PlannerClientConfig
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +29,7 @@ def merged_settings(given: dict[str, Any], derived: DerivedSettings, trainer: st
     """The user's planner settings with the values the trainer runs (`derived`, read from the
     trainer's own config) put in: a key set in both must have one value (ConfigError names both)."""
     if not isinstance(derived, DerivedSettings):
-        raise ArgumentTypeError(f"derived: got a {type(derived).__name__}; expected trainer_client.derived.DerivedSettings")
+        raise ArgumentTypeError(f"derived: got a {type(derived).__name__}; expected trainer_client.dropin.DerivedSettings")
     fixed = derived.fixed()
     for key, value in fixed.items():
         if key in given and given[key] != value:
@@ -61,3 +63,29 @@ def given_planner_settings(planner: PlannerClientConfig | dict | None) -> dict[s
     if not isinstance(section, dict):
         raise ConfigError(f"${CONFIG_ENV}={path}: section 'batch_planner' must be a mapping of settings, got {type(section).__name__} {section!r:.80}")
     return dict(section)
+
+
+def planner_settings_of(config: Any, scheduler: SchedulerKind, cp_size: int) -> DerivedSettings:
+    """The planner settings a Megatron-Core model config fixes (the Megatron-LM and Bridge drop-ins'
+    derived settings, for `planner_config`): its sizes, the scheduler the trainer runs, and
+    Megatron-Core's padding (its dataset, or the drop-in for it), with no top-up."""
+    derived = DerivedSettings(
+        max_seqlen_per_dp_cp_rank=int(config.max_seqlen_per_dp_cp_rank),
+        context_parallel_size=cp_size,
+        tensor_parallel_size=int(getattr(config, "tensor_model_parallel_size", 1) or 1),
+        scheduler=scheduler,
+        padding=PaddingRule.MEGATRON_CORE,
+        min_local_rows=None,
+    )
+    if getattr(config, "cp_partition_mode", None) is not None:
+        # The layout Megatron-Core cuts and reads the shards in (dev build; 0.19 reads zigzag only):
+        # the drop-ins' shards and the plan's padding must be of the same one.
+        derived = dataclasses.replace(derived, cp_layout=config.cp_partition_mode)
+    if scheduler is SchedulerKind.DYNAMIC_CP:
+        derived = dataclasses.replace(derived, min_cp_size=getattr(config, "min_dynamic_context_parallel_size", None))
+    if scheduler is SchedulerKind.STATIC_PACKING:
+        derived = dataclasses.replace(derived, max_seqs_per_micro_batch=mcore.max_real_seqs_per_micro_batch(config))
+    if getattr(config, "virtual_pipeline_model_parallel_size", None) is not None:
+        # Megatron-Core's packing schedulers group micro-batches per virtual stage (its wrap_data_iterator).
+        derived = dataclasses.replace(derived, micro_batch_group_size=getattr(config, "microbatch_group_size_per_vp_stage", None))
+    return derived

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from trainer_client.compatibility import TableSource, register_source
-from trainer_client.derived import DerivedSettings
+from trainer_client.refusals.compatibility import TableSource, register_source
+from trainer_client.dropin.derived import DerivedSettings
 from trainer_client.dropin.patches import VersionGate
 from trainer_client.errors import ArgumentTypeError, InvalidArgumentError, UsageError
 
@@ -41,7 +41,7 @@ class DropIn:
 
     def __post_init__(self) -> None:
         if not isinstance(self.refusals, TableSource):
-            raise ArgumentTypeError(f"refusals: got a {type(self.refusals).__name__}; expected a trainer_client.compatibility.TableSource")
+            raise ArgumentTypeError(f"refusals: got a {type(self.refusals).__name__}; expected a trainer_client.refusals.compatibility.TableSource")
         object.__setattr__(self, "readers", tuple(self.readers))
         called = {"settings": self.settings, "enable": self.enable, "disable": self.disable,
                   **{f"readers[{i}]": reader for i, reader in enumerate(self.readers)}}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_client import megatron as mcore
+from trainer_client.plans import megatron as mcore
 from trainer_client.dropin.step_input import LENGTH_KEYS
 
 FIRST_STAGE_KEYS = ("tokens", "position_ids")

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from trainer_client import megatron as mcore
+from trainer_client.plans import megatron as mcore
 from trainer_client.errors import DropInInputError, PlanMismatchError
-from trainer_client.together import fail_together
+from trainer_client.plans.together import fail_together
 # Keys of a packed sample that describe it rather than hold one value per token.
 HYBRID_METADATA_KEYS = ("cu_seqlens", "batch_idx", "max_seqlen")
 LENGTH_KEYS = ("original_seq_len", "padded_seq_len")

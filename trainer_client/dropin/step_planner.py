@@ -14,15 +14,15 @@ from typing import Any, Callable
 import torch
 
 from batch_planner.plan import Plan
-from trainer_client import megatron as mcore
-from trainer_client.client import BatchPlannerClient
-from trainer_client.compatibility import check
-from trainer_client.config import PlannerClientConfig
-from trainer_client.distributed import is_distributed
+from trainer_client.plans import megatron as mcore
+from trainer_client.service.client import BatchPlannerClient
+from trainer_client.refusals.compatibility import check
+from trainer_client.service.config import PlannerClientConfig
+from trainer_client.plans.distributed import is_distributed
 from trainer_client.dropin.routing import Traffic, route_samples, sample_id_groups
 from trainer_client.dropin.step_input import GlobalLayout, LocalBatch, ReadStep, agree_on_read, agree_on_step
 from trainer_client.errors import DropInInputError, PlanMismatchError, PlanRejectedError, UsageError
-from trainer_client.together import fail_together
+from trainer_client.plans.together import fail_together
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class Agreement:
 @dataclass
 class StepPlanner:
     """Reads step k+1 while step k is handed out, plans it ahead, and routes step k's samples,
-    after checking that the plan is the one made for them (trainer_client/batch_check.py)."""
+    after checking that the plan is the one made for them (trainer_client/plans/batch_check.py)."""
 
     read_local: Callable[[], LocalBatch]  # raises StopIteration at the end of the data
     groups: mcore.DataGroups

@@ -1,4 +1,4 @@
-"""A planned step as execution units (`RankMicroBatch`, trainer_client/apply.py): the format of a
+"""A planned step as execution units (`RankMicroBatch`, trainer_client/plans/apply.py): the format of a
 drop-in whose trainer runs one packed THD micro-batch per planned group with its own CP group
 (Bridge's, and any loop that takes `PackedSeqParams` or plain cu_seqlens: their model inputs are
 trainer_client/dropin/model_inputs.py's). Megatron-LM's drop-in hands the engine
@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from trainer_client.apply import micro_batches_for_rank
-from trainer_client.batch import GlobalBatch, JaggedField
+from trainer_client.plans.apply import micro_batches_for_rank
+from trainer_client.plans.batch import GlobalBatch, JaggedField
 from trainer_client.dropin.step_input import GlobalLayout
 from trainer_client.dropin.step_planner import PlannedStep
-from trainer_client.micro_batch import RankMicroBatch
+from trainer_client.plans.micro_batch import RankMicroBatch
 
 
 def rank_units(step: PlannedStep, dp_cp_rank: int, cp_group_for: Any, *, packed_seq_params: bool = True) -> list[RankMicroBatch]:

@@ -6,7 +6,7 @@
     pretrain(cfg, forward_step)
 """
 
-from trainer_client.compatibility import rules_of
+from trainer_client.refusals.compatibility import rules_of
 from trainer_client.dropin.spec import register_dropin
 from trainer_client.megatron_bridge.enable import active, disable, enable, get_batch, get_packed_seq_params
 from trainer_client.megatron_bridge.micro_batches import TOKEN_FIELDS, PlannedMicroBatches, unpack_micro_batch

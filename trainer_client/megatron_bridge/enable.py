@@ -11,8 +11,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer_client import megatron as mcore
-from trainer_client.config import PlannerClientConfig
+from trainer_client.plans import megatron as mcore
+from trainer_client.service.config import PlannerClientConfig
 from trainer_client.dropin.patches import Patches
 from trainer_client.dropin.registry import Registry
 from trainer_client.megatron_bridge.micro_batches import PlannedMicroBatches, PlannedPackedSeq, bridge_batch

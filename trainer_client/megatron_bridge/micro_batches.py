@@ -1,5 +1,5 @@
 """Bridge's micro-batches in (docs/megatron-bridge.md, "Input"), this rank's execution units of the plan
-out (trainer_client/apply.py), built from the samples routed to this rank and turned into what Bridge's
+out (trainer_client/plans/apply.py), built from the samples routed to this rank and turned into what Bridge's
 `get_batch` returns."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from trainer_client.dropin.step_input import LocalBatch, check_packed_sample
 from trainer_client.dropin.model_inputs import model_inputs
 from trainer_client.errors import DropInInputError
-from trainer_client.micro_batch import RankMicroBatch
+from trainer_client.plans.micro_batch import RankMicroBatch
 
 # The per-token fields Bridge's gpt_step reads from a micro-batch.
 TOKEN_FIELDS = ("tokens", "labels", "loss_mask", "position_ids")

@@ -8,7 +8,7 @@ from functools import partial
 from typing import Any
 
 from batch_planner.request import SchedulerKind
-from trainer_client.compatibility import (
+from trainer_client.refusals.compatibility import (
     ABSENT, MEGATRON_SCHEDULER_NAMES, PACKING_SCHEDULERS, Inputs, Place, Rule, TableSource, is_false, is_set, kind_name,
     layout_name, packing_scheduler_name,
 )

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from batch_planner.request import SchedulerKind
-from trainer_client import megatron as mcore
+from trainer_client.plans import megatron as mcore
 from trainer_client.dropin.device import model_device
 from trainer_client.dropin.step_planner import PlannedStep, StepPlanner
 from trainer_client.dropin.units import rank_units
 from trainer_client.megatron_bridge.micro_batches import PlannedMicroBatches, read_local_batch
 from trainer_client.megatron_bridge.settings import BridgeSettings
-from trainer_client.micro_batch import RankMicroBatch
+from trainer_client.plans.micro_batch import RankMicroBatch
 
 
 @dataclass

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from batch_planner.request import SchedulerKind
-from trainer_client import megatron as mcore
-from trainer_client.compatibility import MEGATRON_SCHEDULER_NAMES, check, packing_scheduler_name
-from trainer_client.config import ConfigError, PlannerClientConfig
-from trainer_client.dropin.settings import given_planner_settings, planner_config
+from trainer_client.refusals.compatibility import MEGATRON_SCHEDULER_NAMES, check, packing_scheduler_name
+from trainer_client.service.config import ConfigError, PlannerClientConfig
+from trainer_client.dropin.settings import given_planner_settings, planner_config, planner_settings_of
 from trainer_client.megatron_bridge.refusals import BRIDGE_SCHEDULERS, SOURCE
 
 
@@ -29,7 +28,7 @@ class BridgeSettings:
         model = cfg.model
         scheduler = scheduler_of(model, given.get("scheduler"))
         cp_size = int(getattr(model, "context_parallel_size", 1) or 1)
-        return cls(scheduler, planner_config(given, mcore.planner_settings_of(model, scheduler, cp_size), "Megatron"), model)
+        return cls(scheduler, planner_config(given, planner_settings_of(model, scheduler, cp_size), "Megatron"), model)
 
 
 def scheduler_of(model: Any, given: Any = None) -> SchedulerKind:

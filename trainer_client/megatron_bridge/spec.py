@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer_client import megatron as mcore
+from trainer_client.dropin.settings import planner_settings_of
 from trainer_client.dropin.spec import DropIn
 from trainer_client.megatron_bridge.enable import SCHEDULE_MODULES, STEP_MODULE, disable, enable, get_batch, get_packed_seq_params
 from trainer_client.megatron_bridge.micro_batches import read_local_batch
@@ -13,7 +13,7 @@ from trainer_client.megatron_bridge.version import GATE
 BRIDGE = DropIn(
     refusals=REFUSALS,
     package="trainer_client.megatron_bridge",
-    settings=mcore.planner_settings_of,
+    settings=planner_settings_of,
     readers=(read_local_batch,),
     hooks={
         **{f"{module}:get_forward_backward_func": PlannedForwardBackward for module in SCHEDULE_MODULES},

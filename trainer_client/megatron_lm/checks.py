@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from batch_planner.request import SchedulerKind
-from trainer_client import megatron as mcore
-from trainer_client.compatibility import check
-from trainer_client.config import PlannerClientConfig
-from trainer_client.dropin.settings import given_planner_settings, planner_config
+from trainer_client.plans import megatron as mcore
+from trainer_client.refusals.compatibility import check
+from trainer_client.service.config import PlannerClientConfig
+from trainer_client.dropin.settings import given_planner_settings, planner_config, planner_settings_of
 from trainer_client.dropin.step_input import LocalBatch
 from trainer_client.dropin.step_planner import StepPlanner
 from trainer_client.megatron_lm.refusals import SOURCE
@@ -31,7 +31,7 @@ def start_planner(
 
 def megatron_planner_config(config: Any, scheduler: SchedulerKind, cp_size: int, planner: Any = None) -> PlannerClientConfig:
     """The planner settings given (`planner=`, else `$BATCH_PLANNER_CONFIG`) with what the model's config fixes."""
-    return planner_config(given_planner_settings(planner), mcore.planner_settings_of(config, scheduler, cp_size), "Megatron")
+    return planner_config(given_planner_settings(planner), planner_settings_of(config, scheduler, cp_size), "Megatron")
 
 
 def check_model(config: Any, settings: PlannerClientConfig) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from batch_planner.request import SchedulerKind
-from trainer_client import megatron as mcore
-from trainer_client.client import BatchPlannerClient
-from trainer_client.config import PlannerClientConfig
+from trainer_client.plans import megatron as mcore
+from trainer_client.service.client import BatchPlannerClient
+from trainer_client.service.config import PlannerClientConfig
 from trainer_client.dropin.step_input import LocalBatch, raise_on_bad_packed_sample
 from trainer_client.dropin.step_planner import PlannedStep, StepPlanner
 from trainer_client.megatron_lm.checks import start_planner

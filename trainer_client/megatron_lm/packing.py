@@ -12,8 +12,8 @@ from typing import Any, Iterator
 import torch
 
 from batch_planner.request import SchedulerKind
-from trainer_client import megatron as mcore
-from trainer_client.compatibility import MEGATRON_SCHEDULER_NAMES, Changed, check
+from trainer_client.plans import megatron as mcore
+from trainer_client.refusals.compatibility import MEGATRON_SCHEDULER_NAMES, Changed, check
 from trainer_client.dropin.device import data_device, model_device
 from trainer_client.dropin.registry import Registry
 from trainer_client.dropin.stages import StageData

@@ -5,7 +5,7 @@ drop-in (trainer_client/megatron_lm/__init__.py)."""
 
 from __future__ import annotations
 
-from trainer_client.compatibility import ABSENT, MEGATRON_SCHEDULER_NAMES, Place, Rule, TableSource
+from trainer_client.refusals.compatibility import ABSENT, MEGATRON_SCHEDULER_NAMES, Place, Rule, TableSource
 
 SOURCE = "megatron_lm"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer_client import megatron as mcore
+from trainer_client.dropin.settings import planner_settings_of
 from trainer_client.dropin.spec import DropIn
 from trainer_client.megatron_lm.enable import DROP_INS, TRAINING_MODULE, disable, enable
 from trainer_client.megatron_lm.hybrid_cp import HybridCPDataLoaderWrapper
@@ -13,7 +13,7 @@ from trainer_client.megatron_lm.version import GATE
 MEGATRON_LM = DropIn(
     refusals=REFUSALS,
     package="trainer_client.megatron_lm",
-    settings=mcore.planner_settings_of,
+    settings=planner_settings_of,
     readers=(HybridCPDataLoaderWrapper._read_local, PackingDropIn.read_local),
     hooks={f"{TRAINING_MODULE}:{name}": hook for name, hook in DROP_INS.items()},
     gate=GATE,

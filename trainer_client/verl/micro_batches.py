@@ -11,7 +11,7 @@ from tensordict import TensorDict
 from batch_planner.padding import group_padded_lengths
 from batch_planner.plan import MicroBatch
 from batch_planner.request import CpLayout, PaddingRule
-from trainer_client.apply import shard_padding_mask
+from trainer_client.plans.apply import shard_padding_mask
 
 
 def rank_micro_batches(

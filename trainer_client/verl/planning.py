@@ -11,8 +11,8 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
-from trainer_client.client import BatchPlannerClient
-from trainer_client.config import PlannerClientConfig
+from trainer_client.service.client import BatchPlannerClient
+from trainer_client.service.config import PlannerClientConfig
 from trainer_client.dropin.registry import Registry
 
 # One client per DPxCP group and config: verl builds a new DynamicCPScheduler for every

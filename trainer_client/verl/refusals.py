@@ -6,7 +6,7 @@ with each step's plan (the plans it cannot run). Registered with the drop-in
 from __future__ import annotations
 
 from batch_planner.request import SchedulerKind
-from trainer_client.compatibility import Inputs, Place, Rule, TableSource, kind_name
+from trainer_client.refusals.compatibility import Inputs, Place, Rule, TableSource, kind_name
 from trainer_client.errors import UnrunnablePlanError
 
 SOURCE = "verl"

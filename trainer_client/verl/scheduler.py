@@ -11,11 +11,11 @@ import torch
 from tensordict import TensorDict
 
 from batch_planner.request import CpLayout
-from trainer_client.compatibility import check
-from trainer_client.config import PlannerClientConfig
+from trainer_client.refusals.compatibility import check
+from trainer_client.service.config import PlannerClientConfig
 from trainer_client.errors import DropInInputError, ConfigError, InvalidArgumentError
 from trainer_client.verl.micro_batches import rank_micro_batches
-from trainer_client.client import BatchPlannerClient
+from trainer_client.service.client import BatchPlannerClient
 from trainer_client.verl.planning import planner_for
 from trainer_client.verl.refusals import SOURCE
 from trainer_client.verl.settings import planner_settings, verl_planner_config

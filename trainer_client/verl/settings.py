@@ -10,9 +10,9 @@ import os
 from typing import Any
 
 from batch_planner.request import CpLayout, PaddingRule, SchedulerKind
-from trainer_client.compatibility import check
-from trainer_client.config import PlannerClientConfig
-from trainer_client.derived import DerivedSettings
+from trainer_client.refusals.compatibility import check
+from trainer_client.service.config import PlannerClientConfig
+from trainer_client.dropin.derived import DerivedSettings
 from trainer_client.dropin.settings import CONFIG_ENV, given_planner_settings, merged_settings
 from trainer_client.verl.refusals import SOURCE, VERL_SCHEDULERS
 

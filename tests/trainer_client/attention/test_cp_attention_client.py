@@ -1,4 +1,4 @@
-"""The trainer client's micro-batches (trainer_client/apply.py) through the attention model with the
+"""The trainer client's micro-batches (trainer_client/plans/apply.py) through the attention model with the
 CPU stand-in for Transformer Engine's THD/CP attention, on four gloo ranks (tests/support/client_units_attention.py):
 every layout, lengths that are not multiples of 2 x CP, padding in every CP group. The step's loss,
 every real token's loss and every gradient equal whole samples run alone; a shard rotated by one

@@ -14,8 +14,8 @@ import torch
 
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
-from trainer_client.apply import micro_batches_for_rank
-from trainer_client.batch import GlobalBatch, JaggedField
+from trainer_client.plans.apply import micro_batches_for_rank
+from trainer_client.plans.batch import GlobalBatch, JaggedField
 from trainer_client.dropin import ModelInputs, model_inputs, packed_seq_params_on
 from trainer_client.errors import UsageError
 

@@ -11,7 +11,7 @@ import logging
 import pytest
 
 from batch_planner.request import CpLayout, SchedulerKind
-from trainer_client.config import PlannerClientConfig
+from trainer_client.service.config import PlannerClientConfig
 from trainer_client.dropin import CONFIG_ENV, NOT_FIXED, DerivedSettings, given_planner_settings, merged_settings, planner_config
 from trainer_client.errors import ArgumentTypeError, ConfigError
 

@@ -366,7 +366,7 @@ def stop_planner(pid: int, port: int) -> None:
 
 def full_batch(samples: list[dict[str, torch.Tensor]]):
     """The oracle: the whole step as one GlobalBatch (what every rank would hold without routing)."""
-    from trainer_client.batch import GlobalBatch, JaggedField
+    from trainer_client.plans.batch import GlobalBatch, JaggedField
 
     lengths = tuple(int(s["tokens"].shape[0]) for s in samples)
     starts = tuple(int(x) for x in torch.tensor((0, *lengths[:-1])).cumsum(0))

@@ -191,9 +191,9 @@ def test_packed_and_row_micro_batches_unpack_to_their_sequences():
 
 
 def test_docs_list_the_refusals_of_the_code():
-    """docs/megatron-bridge.md's table is the one generated from BRIDGE_RULES (trainer_client/refusal_docs.py)."""
+    """docs/megatron-bridge.md's table is the one generated from BRIDGE_RULES (trainer_client/refusals/refusal_docs.py)."""
     from trainer_client.megatron_bridge import BRIDGE_RULES
-    from trainer_client.refusal_docs import own_table
+    from trainer_client.refusals.refusal_docs import own_table
 
     table = own_table("trainer_client.megatron_bridge")
     assert table.count("\n") - 1 == len(BRIDGE_RULES)

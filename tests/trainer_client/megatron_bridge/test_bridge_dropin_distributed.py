@@ -63,7 +63,7 @@ def _train_and_evaluate(rank: int, world: int, store_path: str, out_dir: str, tp
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     from batch_planner.planner import plan_batch
-    from trainer_client.apply import micro_batches_for_rank
+    from trainer_client.plans.apply import micro_batches_for_rank
     from trainer_client.megatron_bridge import active, enable
 
     planner = {"planner_endpoint": endpoint, "deadline_seconds": 20.0, "fallback_cooldown_seconds": 0.0}
@@ -239,7 +239,7 @@ def _train_pipeline(rank: int, world: int, store_path: str, out_dir: str, endpoi
     from megatron.bridge.training import train as bridge_train
     from megatron.core.rerun_state_machine import RerunDataIterator
 
-    from trainer_client.apply import micro_batches_for_rank
+    from trainer_client.plans.apply import micro_batches_for_rank
     from trainer_client.megatron_bridge import active, disable, enable
 
     assert enable(cfg, planner={"planner_endpoint": endpoint, "deadline_seconds": 20.0, "job": f"bridge-pipeline-{vpp}"})

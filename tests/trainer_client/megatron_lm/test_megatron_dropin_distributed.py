@@ -33,7 +33,7 @@ def _init(rank: int, world: int, store_path: str, tp: int, cp: int) -> None:
 
 
 def _groups():
-    from trainer_client.megatron import DataGroups
+    from trainer_client.plans.megatron import DataGroups
 
     return DataGroups.of()
 

@@ -76,7 +76,7 @@ def _rank(rank: int, store_path: str, endpoint: str, out_dir: str, seeds: list[i
     warnings.simplefilter("ignore")
     from megatron.core import parallel_state
 
-    from trainer_client.megatron import DataGroups
+    from trainer_client.plans.megatron import DataGroups
     from trainer_client.megatron_lm import closing_wrapped, last_planned_step, wrap_data_iterator
 
     init_gloo(rank, DP * CP, store_path)

@@ -11,7 +11,7 @@ import torch
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest, SchedulerKind
 from tests.support.dropin_support import megatron_config
-from trainer_client.config import ConfigError, PlannerClientConfig
+from trainer_client.service.config import ConfigError, PlannerClientConfig
 from trainer_client.dropin import check_packed_sample, sample_id_groups
 from trainer_client.megatron_lm.checks import megatron_planner_config as planner_config_for
 
@@ -83,11 +83,11 @@ def test_batch_size_ramp_up_is_refused_by_the_refusal_table_and_virtual_stages_a
     of the one table that Bridge reads at its own path; virtual pipeline stages it runs (one iterator
     per virtual stage), so no row of its own refuses them."""
     import trainer_client.megatron_bridge  # noqa: F401  (registers Bridge's places of the core's rows)
-    from trainer_client.compatibility import RULES, UnsupportedCombinationError, table
+    from trainer_client.refusals.compatibility import RULES, UnsupportedCombinationError, table
     from trainer_client.dropin.stages import StageData
     from trainer_client.megatron_lm.packing import PackingDropIn
 
-    from trainer_client.compatibility import check
+    from trainer_client.refusals.compatibility import check
 
     wrapper = PackingDropIn(None, megatron_config(), 2, None, SchedulerKind.DYNAMIC_CP, StageData(frozenset(), None))
     # The step's one check of the table happens in StepPlanner.next_step, with the plan; this planner
@@ -107,7 +107,7 @@ def test_a_rope_model_is_refused_before_the_first_step_where_megatron_core_rotat
     over the micro-batch's group, and the drop-ins start."""
     from types import SimpleNamespace
 
-    from trainer_client.compatibility import InstalledMegatron, UnsupportedCombinationError
+    from trainer_client.refusals.compatibility import InstalledMegatron, UnsupportedCombinationError
     from trainer_client.megatron_lm import HybridCPDataLoaderWrapper, wrap_data_iterator
     from trainer_client.megatron_lm.checks import check_model
 
@@ -138,7 +138,7 @@ def test_an_mtp_model_is_refused_before_the_first_step_where_megatron_core_rolls
     group (tests/trainer_client/megatron_lm/test_megatron_dropin_pipeline.py runs MTP through the drop-in), and the drop-ins start."""
     from types import SimpleNamespace
 
-    from trainer_client.compatibility import InstalledMegatron, UnsupportedCombinationError
+    from trainer_client.refusals.compatibility import InstalledMegatron, UnsupportedCombinationError
     from trainer_client.megatron_lm import HybridCPDataLoaderWrapper, wrap_data_iterator
     from trainer_client.megatron_lm.checks import check_model
 

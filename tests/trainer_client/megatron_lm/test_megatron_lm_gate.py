@@ -28,7 +28,7 @@ enable_module = importlib.import_module("trainer_client.megatron_lm.enable")  # 
 
 ROOT = Path(trainer_client.__file__).resolve().parents[1]
 # Where the drop-in reaches Megatron-Core: its own package and the one module all drop-ins share.
-DROP_IN_SOURCES = [ROOT / "trainer_client" / "megatron.py", *sorted((ROOT / "trainer_client" / "megatron_lm").glob("*.py"))]
+DROP_IN_SOURCES = [ROOT / "trainer_client" / "plans" / "megatron.py", *sorted((ROOT / "trainer_client" / "megatron_lm").glob("*.py"))]
 class _GroupOfSize:
     """A process group's size, all the model's refusals read before the gate (no group is used)."""
 

@@ -1,4 +1,4 @@
-"""The trainer client's micro-batches (trainer_client/apply.py: the planner's padding and shards,
+"""The trainer client's micro-batches (trainer_client/plans/apply.py: the planner's padding and shards,
 the Bridge drop-in's path) through Transformer Engine's THD/CP attention on a GPU: four ranks on one
 GPU (DP2 x CP2, the dev build's dynamic-CP groups), a GPTModel on Megatron-Core's Transformer Engine
 layer spec in bf16, one dynamic-CP step with CP1, CP2 and CP4 groups, lengths that are not

@@ -17,11 +17,11 @@ from verl.utils.dynamic_cp_scheduler import DCP_GROUP_LEADER, DCP_LOCAL_NUM_TOKE
 from batch_planner.request import CpLayout, SchedulerKind
 from tests.support.planner_process import ROOT, planner_env
 from tests.trainer_client.verl.support import mini_batch
-from trainer_client.config import ConfigError
+from trainer_client.service.config import ConfigError
 from trainer_client.errors import InvalidArgumentError, UnrunnablePlanError, UnsupportedCombinationError
 from trainer_client.verl import DynamicCPScheduler
 from trainer_client.verl.micro_batches import rank_micro_batches
-from trainer_client.apply import shard_padding_mask
+from trainer_client.plans.apply import shard_padding_mask
 from trainer_client.verl.settings import planner_settings, verl_planner_config
 
 
@@ -119,7 +119,7 @@ def test_scheduler_rejects_invalid_topology(kwargs, field):
 def _verl_step_check(micro_batches):
     from types import SimpleNamespace
 
-    from trainer_client.compatibility import check
+    from trainer_client.refusals.compatibility import check
 
     check({"verl": {"tp_size": 1, "cp_layout": "zigzag"}, "plan": SimpleNamespace(micro_batches=micro_batches)})
 
@@ -265,8 +265,8 @@ def test_verls_padding_is_verls_own(lengths, cp_size, tp_size, layout, min_local
 
     from batch_planner.padding import group_padded_lengths
     from batch_planner.request import PaddingRule
-    from trainer_client.compatibility import check
-    from trainer_client.config import PlannerClientConfig
+    from trainer_client.refusals.compatibility import check
+    from trainer_client.service.config import PlannerClientConfig
     from trainer_client.errors import UnsupportedCombinationError
 
     try:

@@ -14,11 +14,11 @@ import torch.distributed as dist
 
 from batch_planner.errors import InvalidRequestError
 from batch_planner.validation import sequence_lengths_of
-from trainer_client.distributed import is_distributed
+from trainer_client.plans.distributed import is_distributed
 from trainer_client.errors import ArgumentTypeError, InvalidArgumentError
-from trainer_client.micro_batch import RankMicroBatch
-from trainer_client.outputs import OutputRestoreError
-from trainer_client.together import fail_together, naming_rank
+from trainer_client.plans.micro_batch import RankMicroBatch
+from trainer_client.plans.outputs import OutputRestoreError
+from trainer_client.plans.together import fail_together, naming_rank
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,9 @@ from batch_planner.cost_fit import FitResult, fit_cost_model, price_vector
 from batch_planner.cost_spec import COEFFICIENT_NAMES, CostModel, CostModelSpec
 from batch_planner.plan import Plan
 from batch_planner.request import PlanningOptions
-from trainer_client.distributed import is_distributed
+from trainer_client.plans.distributed import is_distributed
 from trainer_client.errors import UsageError
-from trainer_client.together import fail_together
+from trainer_client.plans.together import fail_together
 
 log = logging.getLogger(__name__)
 

@@ -20,29 +20,29 @@ from batch_planner.errors import InvalidRequestError
 from batch_planner.plan import Plan
 from batch_planner.request import PlanningOptions, PlanRequest, SchedulerKind
 from batch_planner.validation import sequence_lengths_of
-from trainer_client.ahead import PLAN_CACHE_SIZE, Fetched, PlanAhead
-from trainer_client.apply import micro_batches_for_rank
-from trainer_client.batch import GlobalBatch, unbind_batch
-from trainer_client.batch_check import PlannedBatches
-from trainer_client.megatron import (
+from trainer_client.service.ahead import PLAN_CACHE_SIZE, Fetched, PlanAhead
+from trainer_client.plans.apply import micro_batches_for_rank
+from trainer_client.plans.batch import GlobalBatch, unbind_batch
+from trainer_client.plans.batch_check import PlannedBatches
+from trainer_client.plans.megatron import (
     CpGroupResolver,
     dp_cp_group,
     megatron_cp_group_resolver,
     parallel_state_initialized,
 )
-from trainer_client.micro_batch import RankMicroBatch
-from trainer_client.broadcast import RankError, agree_on_plan, canonical_digest, share_over_tp
-from trainer_client.calibration import CalibrationReport, Calibrator
-from trainer_client.compatibility import check_dynamic_cp_support, schedulers_the_trainer_runs
-from trainer_client.config import PlannerClientConfig, WhoAsks
-from trainer_client.distributed import is_distributed
+from trainer_client.plans.micro_batch import RankMicroBatch
+from trainer_client.service.broadcast import RankError, agree_on_plan, canonical_digest, share_over_tp
+from trainer_client.service.calibration import CalibrationReport, Calibrator
+from trainer_client.refusals.compatibility import check_dynamic_cp_support, schedulers_the_trainer_runs
+from trainer_client.service.config import PlannerClientConfig, WhoAsks
+from trainer_client.plans.distributed import is_distributed
 from trainer_client.errors import ArgumentTypeError, InvalidArgumentError
-from trainer_client.metrics import TrainerMetrics
-from trainer_client.outputs import restore_outputs
-from trainer_client.plan_source import PlannerUnavailableError, PlanSource
-from trainer_client.rpc_client import PlanRejectedError
-from trainer_client.together import fail_together
-from trainer_client.token_outputs import TokenPiece, restore_token_outputs
+from trainer_client.service.metrics import TrainerMetrics
+from trainer_client.plans.outputs import restore_outputs
+from trainer_client.service.plan_source import PlannerUnavailableError, PlanSource
+from trainer_client.service.rpc_client import PlanRejectedError
+from trainer_client.plans.together import fail_together
+from trainer_client.plans.token_outputs import TokenPiece, restore_token_outputs
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class BatchPlannerClient:
         self.last_source: str | None = None
         # The lengths and step of the plans handed out, so that micro_batches checks the batch.
         self.planned_batches = PlannedBatches(keep=config.plan_ahead_depth + 2)
-        # Closed-loop calibration (trainer_client/calibration.py): None when config.calibration is off.
+        # Closed-loop calibration (trainer_client/service/calibration.py): None when config.calibration is off.
         self.calibration = Calibrator(
             self._options, config.calibration_window_steps, config.calibration_min_observations,
             config.calibration_update_interval_steps, config.plan_ahead_depth, self.metrics, group,

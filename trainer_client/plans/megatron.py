@@ -1,14 +1,13 @@
 """The one place the trainer client touches `megatron.core`, imported lazily (the planner-only parts
 of the client work without it): `PackedSeqParams`, the process groups and per-size DPxCP groups, the
-data-iterator helpers the drop-ins call, the rerun state, and what the installed build and its
-Transformer Engine can do. The two builds: docs/design.md ("Megatron-Core builds: what each offers").
+data-iterator helpers the drop-ins call, the rerun state, and what the installed build can do.
+The two builds: docs/design.md ("Megatron-Core builds: what each offers").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.metadata
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -16,16 +15,11 @@ import torch
 import torch.distributed as dist
 
 from batch_planner.plan import Plan
-from batch_planner.request import CpLayout, PaddingRule, SchedulerKind
-from trainer_client.derived import DerivedSettings
+from batch_planner.request import CpLayout
 from trainer_client.errors import InvalidArgumentError, ProcessGroupError
 
 # size -> this rank's process group for that CP size (None: the build runs that size without one)
 CpGroupResolver = Callable[[int], "dist.ProcessGroup | None"]
-
-# Transformer Engine's attention takes a CP group for THD input (cp_comm_type, set_context_parallel_group
-# with per-call groups) from this version on; Megatron-Core's TEDotProductAttention checks the same.
-MIN_TE_VERSION_FOR_THD_CP = (1, 10)
 
 
 def packed_seq_params(cu_seqlens, cu_seqlens_padded, max_seqlen: int, local_cp_size: int, cp_group, layout: CpLayout):
@@ -231,46 +225,9 @@ def broadcast_scalars(values: list, tp_group, device) -> list:
     return broadcast(values, tp_group, device)
 
 
-def planner_settings_of(config: Any, scheduler: SchedulerKind, cp_size: int) -> DerivedSettings:
-    """The planner settings a Megatron-Core model config fixes (the Megatron-LM and Bridge drop-ins'
-    derived settings, trainer_client.dropin.settings.planner_config): its sizes, the scheduler the
-    trainer runs, and Megatron-Core's padding (its dataset, or the drop-in for it), with no top-up."""
-    derived = DerivedSettings(
-        max_seqlen_per_dp_cp_rank=int(config.max_seqlen_per_dp_cp_rank),
-        context_parallel_size=cp_size,
-        tensor_parallel_size=int(getattr(config, "tensor_model_parallel_size", 1) or 1),
-        scheduler=scheduler,
-        padding=PaddingRule.MEGATRON_CORE,
-        min_local_rows=None,
-    )
-    if getattr(config, "cp_partition_mode", None) is not None:
-        # The layout Megatron-Core cuts and reads the shards in (dev build; 0.19 reads zigzag only):
-        # the drop-ins' shards and the plan's padding must be of the same one.
-        derived = dataclasses.replace(derived, cp_layout=config.cp_partition_mode)
-    if scheduler is SchedulerKind.DYNAMIC_CP:
-        derived = dataclasses.replace(derived, min_cp_size=getattr(config, "min_dynamic_context_parallel_size", None))
-    if scheduler is SchedulerKind.STATIC_PACKING:
-        derived = dataclasses.replace(derived, max_seqs_per_micro_batch=max_real_seqs_per_micro_batch(config))
-    if getattr(config, "virtual_pipeline_model_parallel_size", None) is not None:
-        # Megatron-Core's packing schedulers group micro-batches per virtual stage (its wrap_data_iterator).
-        derived = dataclasses.replace(derived, micro_batch_group_size=getattr(config, "microbatch_group_size_per_vp_stage", None))
-    return derived
-
-
 def max_real_seqs_per_micro_batch(config: Any) -> int | None:
     """The real-sequence cap Megatron-Core's wrap_data_iterator gives the static packing scheduler
     (a private name: the Megatron-LM drop-in's version gate looks it up; Bridge's does not yet)."""
     from megatron.core.datasets.data_schedule import _get_scheduler_max_real_num_seqs
 
     return _get_scheduler_max_real_num_seqs(config)
-
-
-def transformer_engine_version() -> tuple[int, ...] | None:
-    """The installed Transformer Engine's (major, minor), or None when it is not installed."""
-    for name in ("transformer-engine", "transformer_engine", "transformer-engine-torch"):
-        try:
-            version = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
-    return None

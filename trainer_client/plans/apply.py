@@ -15,10 +15,10 @@ from batch_planner.padding import group_padded_lengths
 from batch_planner.plan import CpGroup, Plan
 from batch_planner.request import CapacityBound, CpLayout
 from batch_planner.shards import padded_unit_shard
-from trainer_client.batch import BatchMismatchError, GlobalBatch, JaggedField, unbind_batch
+from trainer_client.plans.batch import BatchMismatchError, GlobalBatch, JaggedField, unbind_batch
 from trainer_client.errors import InvalidArgumentError
-from trainer_client.megatron import CpGroupResolver, packed_seq_params
-from trainer_client.micro_batch import RankMicroBatch
+from trainer_client.plans.megatron import CpGroupResolver, packed_seq_params
+from trainer_client.plans.micro_batch import RankMicroBatch
 
 
 def _arange_ranges(ranges: list[tuple[int, int]]) -> torch.Tensor:
@@ -49,7 +49,7 @@ def micro_batches_for_rank(
     """This DPxCP rank's execution units, in plan order.
 
     `cp_group_for(size)` returns the process group of this rank for a CP size, 1 included (see
-    `trainer_client.megatron.megatron_cp_group_resolver`; None where the build has none for that
+    `trainer_client.plans.megatron.megatron_cp_group_resolver`; None where the build has none for that
     size); without it `cp_group` is None and only `cp_group_ranks` say who the partners are.
     `pack_group_samples` defaults to how the plan's scheduler executes. `with_packed_seq_params`:
     each unit carries Megatron-Core's PackedSeqParams (False: None, and Megatron-Core is not imported;

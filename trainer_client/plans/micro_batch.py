@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from trainer_client.batch import GlobalBatch
+from trainer_client.plans.batch import GlobalBatch
 from trainer_client.errors import InvalidArgumentError
 
 

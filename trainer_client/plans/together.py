@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainer_client.distributed import is_distributed
+from trainer_client.plans.distributed import is_distributed
 from trainer_client.errors import ArgumentTypeError, RankFailedError
 
 # How a copy of another rank's error names where it came from: {rank}, that rank in the group;

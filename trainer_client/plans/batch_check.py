@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from batch_planner.plan import Plan
-from trainer_client.batch import BatchMismatchError, lengths_key
+from trainer_client.plans.batch import BatchMismatchError, lengths_key
 
 
 def check_batch_is_planned(planned: Sequence[int], actual: Sequence[int], step: int | None = None) -> None:

@@ -21,9 +21,9 @@ from batch_planner.exact.prepare import prepare
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
 from batch_planner.v1 import planner_pb2 as pb
-from trainer_client.config import PlannerClientConfig
-from trainer_client.metrics import TrainerMetrics
-from trainer_client.rpc_client import PlannerRpcClient, PlanRejectedError, ServiceFailedError
+from trainer_client.service.config import PlannerClientConfig
+from trainer_client.service.metrics import TrainerMetrics
+from trainer_client.service.rpc_client import PlannerRpcClient, PlanRejectedError, ServiceFailedError
 from trainer_client.errors import PlannerUnavailableError
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ import grpc
 from batch_planner.convert import JOB_METADATA_KEY
 from batch_planner.errors import CLIENT_ACTION, ClientAction, ErrorCode
 from batch_planner.v1 import planner_pb2 as pb
-from trainer_client.config import PlannerClientConfig, endpoint_target
-from trainer_client.metrics import TrainerMetrics
+from trainer_client.service.config import PlannerClientConfig, endpoint_target
+from trainer_client.service.metrics import TrainerMetrics
 from trainer_client.errors import ConfigError, PlanRejectedError, ServiceFailedError, TlsMismatchError
 
 

@@ -18,11 +18,11 @@ from batch_planner.plan import Plan
 from batch_planner.identity import canonical_request
 from batch_planner.request import PlanRequest
 from batch_planner.v1 import planner_pb2 as pb
-from trainer_client.batch import lengths_key
-from trainer_client.config import WhoAsks
-from trainer_client.distributed import is_distributed
+from trainer_client.plans.batch import lengths_key
+from trainer_client.service.config import WhoAsks
+from trainer_client.plans.distributed import is_distributed
 from trainer_client.errors import PlanMismatchError, PlannerUnavailableError, PlanRejectedError, UsageError
-from trainer_client.together import fail_together, share_from_first
+from trainer_client.plans.together import fail_together, share_from_first
 
 
 # What a rank may hold instead of a plan; every rank of the group raises it.

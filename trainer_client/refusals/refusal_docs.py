@@ -2,8 +2,8 @@
 marker that names the drop-in packages it shows and an end marker is written from `compatibility.table`
 (tests/trainer_client/test_refusal_docs.py keeps the docs equal to it).
 
-    python -m trainer_client.refusal_docs            # rewrite the tables in docs/
-    python -m trainer_client.refusal_docs --check    # exit 1, naming the files, if a table drifted
+    python -m trainer_client.refusals.refusal_docs            # rewrite the tables in docs/
+    python -m trainer_client.refusals.refusal_docs --check    # exit 1, naming the files, if a table drifted
 
 `<!-- refusal table: PACKAGES (...) -->` is the whole table with those packages' drop-ins, in that
 order; `<!-- refusal table of: PACKAGE (...) -->` the rows that read that package's drop-in's source,
@@ -18,11 +18,11 @@ import re
 import sys
 from pathlib import Path
 
-from trainer_client.compatibility import Rule, registered_by, rules_of, table
+from trainer_client.refusals.compatibility import Rule, registered_by, rules_of, table
 from trainer_client.errors import InvalidArgumentError
 
-ROOT = Path(__file__).resolve().parents[1]
-BEGIN = re.compile(r"<!-- refusal table(?P<own> of)?: (?P<packages>[\w. ]+) \(generated: python -m trainer_client\.refusal_docs\) -->\n")
+ROOT = Path(__file__).resolve().parents[2]
+BEGIN = re.compile(r"<!-- refusal table(?P<own> of)?: (?P<packages>[\w. ]+) \(generated: python -m trainer_client\.refusals\.refusal_docs\) -->\n")
 END = "<!-- end of the generated refusal table -->"
 
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     pages = drifted(args.docs)
     if args.check:
         for page in pages:
-            print(f"{page}: its refusal table drifted from the registered rows; run python -m trainer_client.refusal_docs", file=sys.stderr)
+            print(f"{page}: its refusal table drifted from the registered rows; run python -m trainer_client.refusals.refusal_docs", file=sys.stderr)
         return 1 if pages else 0
     for page in pages:
         page.write_text(generated(page.read_text()))

@@ -6,12 +6,13 @@ hybrid_cp_schedule, multi_latent_attention) read what every trainer gives (`CORE
 registers its own part from its own package (`TableSource`, `register_source`): its source, its rows
 and its paths of the core's settings; `table` is the whole, in the order `check` reads it. Where a rule
 applies and the tables: docs/trainer-client.md ("Unsupported combinations: one table") and the drop-ins'
-pages, generated from what is registered (trainer_client/refusal_docs.py; tests keep them equal).
+pages, generated from what is registered (trainer_client/refusals/refusal_docs.py; tests keep them equal).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import math
 from dataclasses import dataclass
 from functools import cache, cached_property, partial
@@ -26,6 +27,10 @@ MEGATRON_SCHEDULER_NAMES = {"default_dynamic_cp": SchedulerKind.DYNAMIC_CP, "dp_
 # Those that pack a CP group's samples into one THD micro-batch (Megatron-LM's dev drop-in, Bridge's).
 PACKING_SCHEDULERS = tuple(MEGATRON_SCHEDULER_NAMES.values())
 MULTIMODAL_BATCH_FIELDS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "multi_modal_inputs")
+
+# Transformer Engine's attention takes a CP group for THD input (cp_comm_type, set_context_parallel_group
+# with per-call groups) from this version on; Megatron-Core's TEDotProductAttention checks the same.
+MIN_TE_VERSION_FOR_THD_CP = (1, 10)
 
 # What any trainer may hand `check`, by name; a drop-in's own source is known once it is registered
 # (`register_source`, which `trainer_client.dropin.register_dropin` calls) and read by its rows only.
@@ -53,12 +58,22 @@ class InstalledMegatron:
     @classmethod
     def detect(cls) -> InstalledMegatron:
         from batch_planner.schedulers import discover_schedulers
-        from trainer_client.megatron import transformer_engine_version
 
         return cls(
             vpp_aware_scheduler=discover_schedulers()[SchedulerKind.DYNAMIC_CP].available,
             transformer_engine=transformer_engine_version(),
         )
+
+
+def transformer_engine_version() -> tuple[int, ...] | None:
+    """The installed Transformer Engine's (major, minor), or None when it is not installed."""
+    for name in ("transformer-engine", "transformer_engine", "transformer-engine-torch"):
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+    return None
 
 
 @dataclass(frozen=True)
@@ -375,8 +390,6 @@ def _transformer_engine(inputs: Inputs) -> str | None:
 
 
 def _old_transformer_engine(value: Any, inputs: Inputs) -> bool:
-    from trainer_client.megatron import MIN_TE_VERSION_FOR_THD_CP
-
     return value is not None and tuple(int(p) for p in value.split(".")) < MIN_TE_VERSION_FOR_THD_CP
 
 

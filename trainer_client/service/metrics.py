@@ -38,7 +38,7 @@ _METRICS = {
     "tokens_per_second": (Gauge, "batch_planner_client_tokens_per_second", "Real tokens per second of the last step (this rank).", ()),
     "step_time": (Histogram, "batch_planner_client_step_seconds", "Training step time.", (), STEP_BUCKETS),
     "micro_batches": (Gauge, "batch_planner_client_micro_batches", "Micro-batches in the current step's plan.", ()),
-    # Calibration (trainer_client/calibration.py): the same values on every rank of the DPxCP group (from the group's
+    # Calibration (trainer_client/service/calibration.py): the same values on every rank of the DPxCP group (from the group's
     # gathered timings); counters and the error histogram count on the group's first rank only, so a sum over ranks is the group's.
     "calibration_predicted_step": (Gauge, "batch_planner_client_calibration_predicted_step_seconds",
         "The last gathered step's time as the cost model that planned it predicted (timed units).", ()),
@@ -49,7 +49,7 @@ _METRICS = {
     "calibration_coefficients": (Gauge, "batch_planner_client_calibration_coefficient",
         "The cost-model coefficients the job's plan requests carry (seconds), by coefficient.", ("coefficient",)),
     "calibration_dropped": (Counter, "batch_planner_client_calibration_dropped_total",
-        "Measurements dropped and never fitted, by reason (bounded: see trainer_client/calibration.py).", ("reason",)),
+        "Measurements dropped and never fitted, by reason (bounded: see trainer_client/service/calibration.py).", ("reason",)),
     "calibration_fits": (Counter, "batch_planner_client_calibration_fits_total",
         "Calibration fits, by result (updated, insufficient_data, not_converged, out_of_bounds).", ("result",)),
 }

@@ -37,7 +37,7 @@ class GlobalBatch:
     token_fields: dict[str, JaggedField]
     sample_fields: dict[str, torch.Tensor]  # name -> [B, ...]
     # The lengths as int64 bytes (`lengths_key`), so that checking them against a plan's is one
-    # memory comparison (trainer_client/batch_check.py); b"" when not known.
+    # memory comparison (trainer_client/plans/batch_check.py); b"" when not known.
     lengths_bytes: bytes = b""
 
     @property

@@ -1,6 +1,6 @@
 """Restore outputs: gather the CP leaders' per-sample outputs and return them in sample order
 (docs/trainer-client.md, "Per-sample side data travels with its sample"). A rank's problem travels
-in the gather, so every rank raises it (`trainer_client.together`).
+in the gather, so every rank raises it (`trainer_client.plans.together`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer_client.distributed import is_distributed
-from trainer_client.together import fail_together, naming_rank
+from trainer_client.plans.distributed import is_distributed
+from trainer_client.plans.together import fail_together, naming_rank
 from trainer_client.errors import ArgumentTypeError, OutputRestoreError
 
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 from batch_planner.request import PlanRequest
 from trainer_client.errors import InvalidArgumentError
-from trainer_client.plan_source import SourcedPlan
+from trainer_client.service.plan_source import SourcedPlan
 
 log = logging.getLogger(__name__)
 
