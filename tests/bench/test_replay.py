@@ -259,6 +259,17 @@ def test_the_standin_answers_for_its_groups_and_records_what_the_ring_sends():
         CpGroupStandIn(2, 2)
 
 
+def test_the_standins_group_is_a_process_group_as_transformer_engine_requires():
+    """Transformer Engine's DotProductAttention counts a CP group's ranks only for a
+    torch.distributed.ProcessGroup (`isinstance(cp_group, dist_group_type)`) and runs anything else
+    as CP 1: a plain object as the group read past the rank's rows on the GPU."""
+    import torch.distributed as dist
+
+    group = CpGroupStandIn(16, 4)
+    assert isinstance(group, dist.ProcessGroup) and (group.size(), group.rank()) == (16, 4)
+    assert CpGroupStandIn(16, 4) is not group and repr(group) == "CpGroupStandIn(size=16, rank=4)"
+
+
 def test_a_planted_standin_that_reports_rank_zero_drops_the_half_kv_steps():
     padded = [4096, 1024]
     honest = ring_steps(4, 3, padded)

@@ -31,23 +31,20 @@ import torch.distributed as dist
 _PATCHED = ("get_world_size", "get_rank", "get_process_group_ranks", "isend", "irecv", "batch_isend_irecv", "P2POp")
 
 
-class CpGroupStandIn:
-    """A CP group of `size` ranks of which this process is rank `rank` (module docstring). Each
-    instance is its own group: Transformer Engine caches a group's rank by the group object."""
+class CpGroupStandIn(dist.ProcessGroup):
+    """A CP group of `size` ranks of which this process is rank `rank` (module docstring). A
+    `ProcessGroup` (its `size()` and `rank()` are the base class's), since Transformer Engine counts
+    a CP group's ranks only for a `ProcessGroup`: any other object runs as CP 1, and the ring's
+    rows then fall short of the group's cu_seqlens (the first GPU run read past them). Each instance
+    is its own group: Transformer Engine caches a group's rank by the group object."""
 
     def __init__(self, size: int, rank: int) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in a group of size {size}")
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
+        super().__init__(rank, size)
 
     def __repr__(self) -> str:
-        return f"CpGroupStandIn(size={self._size}, rank={self._rank})"
+        return f"CpGroupStandIn(size={self.size()}, rank={self.rank()})"
 
 
 @dataclass
