@@ -80,8 +80,9 @@ class _NoCoreAttention(torch.nn.Module):
 
 def packed_params(real: Sequence[int], padded: Sequence[int], cp_size: int, group):
     """Megatron-Core's PackedSeqParams of one CP group's micro-batch (whole sequences' cu_seqlens,
-    real and padded) with its dynamic CP size and group, as the drop-ins hand them to the model."""
-    from megatron.core.packed_seq_params import PackedSeqParams
+    real and padded) with its dynamic CP size and group: the drop-ins' own (`trainer_client.plans.megatron`)."""
+    from batch_planner.request import CpLayout
+    from trainer_client.plans.megatron import packed_seq_params
 
     def cumulative(values: Sequence[int]) -> torch.Tensor:
         out = [0]
@@ -89,12 +90,7 @@ def packed_params(real: Sequence[int], padded: Sequence[int], cp_size: int, grou
             out.append(out[-1] + n)
         return torch.tensor(out, dtype=torch.int32, device="cuda")
 
-    longest = max(padded)
-    return PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cumulative(real), cu_seqlens_kv=cumulative(real), cu_seqlens_q_padded=cumulative(padded),
-        cu_seqlens_kv_padded=cumulative(padded), max_seqlen_q=longest, max_seqlen_kv=longest, local_cp_size=cp_size,
-        cp_group=group, cp_partition_mode="zigzag",
-    )
+    return packed_seq_params(cumulative(real), cumulative(padded), max(padded), cp_size, group, CpLayout.ZIGZAG)
 
 
 def attention_inputs(heads: int, kv_heads: int, head_dim: int, real: Sequence[int], padded: Sequence[int], cp_size: int,
