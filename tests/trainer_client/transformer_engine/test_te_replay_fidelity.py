@@ -85,10 +85,9 @@ def _real_rank(rank: int) -> dict:
 def _replay_rank(rank: int) -> dict:
     """The replay's process: every rank of every group in turn, for each plant."""
     from bench.gpu.replay.in_process_peers import InProcessCpPeersStandIn
-    from bench.gpu.replay.kernels import attention_inputs
-    from tests.support.megatron_init import initialize_dpxcp_groups
+    from bench.gpu.replay.kernels import attention_inputs, init_world_of_one
 
-    initialize_dpxcp_groups(context_parallel_size=1)
+    init_world_of_one()  # as the replay runs: one process, parallel_state without dynamic CP (it wants an even world)
     attention = _attention(1)
     out: dict = {}
     with InProcessCpPeersStandIn():
