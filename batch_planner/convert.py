@@ -13,6 +13,7 @@ from google.protobuf.message import Message as ProtoMessage
 
 from batch_planner.cost_spec import COEFFICIENT_NAMES, CostModel, CostModelSpec, spec_from_mapping
 from batch_planner.errors import InvalidRequestError
+from batch_planner.precision import Precision
 from batch_planner.plan import CandidateSummary, GroupColumns, MicroBatch, MicroBatches, Plan, PlanStatistics, new_cp_group
 from batch_planner.request import CapacityBound, CpLayout, PaddingRule, PlanningOptions, PlanRequest, SchedulerKind
 from batch_planner.substitute import SubstituteReason, Substitution
@@ -36,6 +37,8 @@ LAYOUT_TO_PROTO = {CpLayout.ZIGZAG: pb.CP_LAYOUT_ZIGZAG, CpLayout.CONTIGUOUS: pb
 LAYOUT_FROM_PROTO = {**{v: k for k, v in LAYOUT_TO_PROTO.items()}, pb.CP_LAYOUT_UNSPECIFIED: CpLayout.ZIGZAG}
 PADDING_TO_PROTO = {rule: pb.PaddingRule.Value(f"PADDING_RULE_{rule.name}") for rule in PaddingRule}
 PADDING_FROM_PROTO = {**{v: k for k, v in PADDING_TO_PROTO.items()}, pb.PADDING_RULE_UNSPECIFIED: PaddingRule.MEGATRON_CORE}
+PRECISION_TO_PROTO = {precision: pb.Precision.Value(f"PRECISION_{precision.name}") for precision in Precision}
+PRECISION_FROM_PROTO = {**{v: k for k, v in PRECISION_TO_PROTO.items()}, pb.PRECISION_UNSPECIFIED: Precision.BF16}
 BOUND_TO_PROTO = {
     CapacityBound.PER_SAMPLE: pb.CAPACITY_BOUND_PER_SAMPLE,
     CapacityBound.PER_RANK_SUM: pb.CAPACITY_BOUND_PER_RANK_SUM,
@@ -74,6 +77,9 @@ def request_from_proto(message: pb.PlanRequest) -> PlanRequest:
     if message.padding not in PADDING_FROM_PROTO:
         allowed = ", ".join(pb.PaddingRule.Name(v) for v in PADDING_TO_PROTO.values())
         raise InvalidRequestError(f"padding: {message.padding} is unknown; allowed: {allowed}", field="padding")
+    if message.precision not in PRECISION_FROM_PROTO:
+        allowed = ", ".join(pb.Precision.Name(v) for v in PRECISION_TO_PROTO.values())
+        raise InvalidRequestError(f"precision: {message.precision} is unknown; allowed: {allowed}", field="precision")
     options = {f.name: _read(message, f) for f in _OPTIONS}
     return PlanRequest(
         sequence_lengths=tuple(message.sequence_lengths[:]),  # one list, not id by id
@@ -142,6 +148,7 @@ _TO_PROTO: dict[str, Callable[[Any], Any]] = {
     "scheduler": SCHEDULER_TO_PROTO.__getitem__,
     "cp_layout": LAYOUT_TO_PROTO.__getitem__,
     "padding": PADDING_TO_PROTO.__getitem__,
+    "precision": PRECISION_TO_PROTO.__getitem__,
     "cost_model": cost_spec_to_proto,
     "auto_schedulers": lambda kinds: [SCHEDULER_TO_PROTO[k] for k in kinds],
 }
@@ -149,6 +156,7 @@ _FROM_PROTO: dict[str, Callable[[Any], Any]] = {
     "scheduler": SCHEDULER_FROM_PROTO.__getitem__,
     "cp_layout": LAYOUT_FROM_PROTO.__getitem__,
     "padding": PADDING_FROM_PROTO.__getitem__,
+    "precision": PRECISION_FROM_PROTO.__getitem__,
     "tensor_parallel_size": lambda value: value or 1,  # 0 is read as 1 (the proto's comment)
     "cost_model": cost_spec_from_proto,
     "auto_schedulers": lambda values: tuple(_scheduler_of(v, "auto_schedulers") for v in values),
@@ -171,10 +179,20 @@ _OPTIONS = fields(PlanningOptions)
 _PLACES = {f.name: tuple(f.metadata["proto"].split(".")) for f in _OPTIONS}  # each option's place, split once
 
 
+def _has_presence(places: tuple[str, ...]) -> bool:
+    descriptor = pb.PlanRequest.DESCRIPTOR
+    for part in places[:-1]:
+        descriptor = descriptor.fields_by_name[part].message_type
+    return descriptor.fields_by_name[places[-1]].has_presence
+
+
+_OPTIONAL = {name: _has_presence(places) for name, places in _PLACES.items()}  # which options can be unset
+
+
 def _read(message: pb.PlanRequest, f: Field) -> Any:
     holder, name = _proto_place(message, f)
-    if f.default is None and not holder.HasField(name):  # an optional field: unset is None, not 0
-        return None
+    if _OPTIONAL[f.name] and not holder.HasField(name):  # an optional field: unset is its default (None), not 0
+        return f.default
     return _FROM_PROTO.get(f.name, _same)(getattr(holder, name))
 
 
@@ -204,6 +222,8 @@ def plan_to_proto(plan: Plan, columns: bool = False) -> pb.PlanResponse:
         substitution=None if plan.substitution is None else _substitution_to_proto(plan.substitution),
         padding=PADDING_TO_PROTO[plan.padding],
         min_local_rows=plan.min_local_rows,
+        precision=PRECISION_TO_PROTO[plan.precision],
+        sequence_parallel=plan.sequence_parallel,
     )
 
 
@@ -278,6 +298,9 @@ def plan_from_proto(message: pb.PlanResponse) -> Plan:
         substitution=_substitution_from_proto(message.substitution) if message.HasField("substitution") else None,
         padding=PADDING_FROM_PROTO[message.padding],
         min_local_rows=message.min_local_rows if message.HasField("min_local_rows") else None,
+        # A server that does not know the fields sends neither: bf16, and sequence parallelism.
+        precision=PRECISION_FROM_PROTO.get(message.precision, Precision.BF16),
+        sequence_parallel=message.sequence_parallel if message.HasField("sequence_parallel") else True,
     )
 
 

@@ -24,6 +24,7 @@ CP terms that samples longer than one rank's budget force.
 
 from __future__ import annotations
 
+import math
 from itertools import pairwise
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -32,7 +33,7 @@ import numpy as np
 from batch_planner.columns import FLOAT_EXACT, INT64_EXACT, lengths_column, round_up, segment_sums
 from batch_planner.cost_spec import CostModel
 from batch_planner.lower_bound import step_lower_bound
-from batch_planner.padding import padding_multiple
+from batch_planner.padding import PlanPadding, padding_multiple, row_multiple_of
 from batch_planner.plan import GroupColumns, MicroBatch, PlanStatistics
 from batch_planner.request import CapacityBound, PlanRequest
 
@@ -164,9 +165,12 @@ def static_cp_step_cost(request: PlanRequest, model: CostModel) -> float:
     lengths = lengths_column(request.sequence_lengths, cp, request.tensor_parallel_size)
     starts = pack_starts(lengths, request.max_seqlen_per_dp_cp_rank * cp)
     offsets = np.asarray([*starts, len(lengths)], dtype=np.int64)
-    padded = segment_sums(round_up(lengths, padding_multiple(cp, request.tensor_parallel_size, request.cp_layout, request.padding)), offsets)
+    multiple = padding_multiple(cp, request.tensor_parallel_size, request.cp_layout, request.padding)
+    padded = segment_sums(round_up(lengths, multiple), offsets)
     if request.min_local_rows is not None:  # verl's top-up of each pack's buffer
         padded = np.maximum(padded, cp * request.min_local_rows)
+    if (rows := row_multiple_of(request)) > 1:  # the precision's top-up of each pack's buffer
+        padded = round_up(padded, math.lcm(multiple, cp * rows))
     features = unit_features(padded, segment_sums(lengths * lengths, offsets), cp, 1)  # one pass per pack
     return _slowest_replica(_price_columns(model, features), request.data_parallel_size)
 
@@ -209,7 +213,19 @@ def plan_statistics(
         balance_efficiency=lower_bound / predicted if predicted > 0 else 1.0,
         static_cp_step_cost=static,
         predicted_speedup_over_static_cp=static / predicted if predicted > 0 else 1.0,
+        alignment_padding_tokens=alignment_padding_tokens(columns, request, packed),
     )
+
+
+def alignment_padding_tokens(columns: GroupColumns, request: PlanRequest, packed: bool) -> int:
+    """Of the groups' padded tokens, those the precision's alignment added: their padded tokens
+    less the layout's padding alone of the same groups."""
+    if row_multiple_of(request) == 1 or not columns.sizes:
+        return 0
+    ids = columns.sample_id_column
+    ids = np.asarray(columns.sample_ids, dtype=np.int64) if ids is None else ids
+    _, layout_only = PlanPadding.for_request(request, packed).without_alignment().group_tokens(ids, columns.sample_offsets, columns.sizes)
+    return sum(columns.padded_tokens) - sum(layout_only)
 
 
 def cp_size_mix(columns: GroupColumns) -> tuple[tuple[int, int, int], ...]:

@@ -15,6 +15,7 @@ import numpy as np
 from batch_planner.columns import INT64_EXACT, lengths_column, run_offsets, segment_sums
 from batch_planner.errors import InvariantViolationError
 from batch_planner.padding import PlanPadding
+from batch_planner.precision import Precision
 from batch_planner.request import CapacityBound, CpLayout, PaddingRule, PlanRequest, SchedulerKind
 from batch_planner.substitute import Substitution
 
@@ -76,6 +77,8 @@ class PlanStatistics:
     balance_efficiency: float
     static_cp_step_cost: float
     predicted_speedup_over_static_cp: float
+    # Of padded_tokens, what the precision's alignment added (batch_planner/precision.py).
+    alignment_padding_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,9 @@ class Plan:
     # The padding its padded tokens count (the request's): applying the plan pads the same way.
     padding: PaddingRule = PaddingRule.MEGATRON_CORE
     min_local_rows: int | None = None
+    # The precision its passes were padded for, and whether the trainer runs sequence parallelism.
+    precision: Precision = Precision.BF16
+    sequence_parallel: bool = True
 
     def sample_cp_sizes(self) -> dict[int, int]:
         """Sample id -> the local CP size it runs with."""

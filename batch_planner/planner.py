@@ -19,7 +19,7 @@ from batch_planner.errors import BatchNotPlannableError, InvariantViolationError
 from batch_planner.identity import plan_id
 from batch_planner.padding import PlanPadding
 from batch_planner.plan import Plan, check_plan_invariants, micro_batches_from_assignment
-from batch_planner.request import PlanRequest, SchedulerKind
+from batch_planner.request import CapacityBound, PlanRequest, SchedulerKind
 from batch_planner.schedulers import SCHEDULER_SPECS, megatron_core_version, run_scheduler, valid_cp_sizes
 from batch_planner.substitute import SUBSTITUTE_SCHEDULER, SubstituteReason, Substitution, UpstreamPlanInvalid
 from batch_planner.validation import RequestLimits, validate_request
@@ -118,7 +118,8 @@ def substitute_cp_size(request: PlanRequest) -> int:
 def _plan_validated(request: PlanRequest, cost_model: CostModel, implementation: SchedulerImplementation | None) -> Plan:
     spec = SCHEDULER_SPECS[request.scheduler]
     assignment = run_scheduler(request, implementation)
-    micro_batches, columns = micro_batches_from_assignment(assignment, PlanPadding.for_request(request))
+    packed = spec.capacity_bound is CapacityBound.PER_RANK_SUM
+    micro_batches, columns = micro_batches_from_assignment(assignment, PlanPadding.for_request(request, packed))
     plan = Plan(
         plan_id=plan_id(request, megatron_core_version(), scheduler_class=spec.qualified_name),
         scheduler=request.scheduler,
@@ -131,6 +132,8 @@ def _plan_validated(request: PlanRequest, cost_model: CostModel, implementation:
         micro_batches=micro_batches,
         padding=request.padding,
         min_local_rows=request.min_local_rows,
+        precision=request.precision,
+        sequence_parallel=request.sequence_parallel,
     )
     try:
         check_plan_invariants(

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Sequence, get_args, get_type_h
 from pydantic import Field
 
 from batch_planner.cost_spec import CostModelSpec
+from batch_planner.precision import Precision
 
 
 class SchedulerKind(str, Enum):
@@ -87,6 +88,12 @@ class PlanningOptions:
     # verl's padding only: every rank of a packed CP group holds at least this many rows (a kernel's
     # window); the group's last sequence is padded up to it.
     min_local_rows: Count | None = _option(None, "min_local_rows")
+    # The precision the trainer's linear layers run in (batch_planner/precision.py): FP8 and MXFP8
+    # need each rank's rows in a pass to be a multiple of 8, 32 or 128, and each pass is padded so.
+    precision: Precision = _option(Precision.BF16, "precision")
+    # Whether the trainer runs sequence parallelism: each TP rank's linear layers then see 1/TP of
+    # a rank's rows, and those must be the precision's multiple (no effect in bf16).
+    sequence_parallel: bool = _option(True, "sequence_parallel")
     # Smallest CP size dynamic CP may give a sample (a group size Megatron-Core builds).
     min_cp_size: Count | None = _option(None, "min_cp_size")
     # Cap on sequences packed into one micro-batch (static packing).

@@ -28,6 +28,7 @@ from pydantic.dataclasses import dataclass
 from batch_planner.cp_groups import is_power_of_two, largest_power_of_two_group, megatron_cp_group_sizes
 from batch_planner.domain import layout_refusal, per_batch
 from batch_planner.errors import InvalidRequestError
+from batch_planner.precision import Precision
 from batch_planner.request import PaddingRule, PlanRequest, SchedulerKind, option_bounds
 from batch_planner.schedulers import require_scheduler
 
@@ -222,6 +223,9 @@ def _reject_unsupported_options(request: PlanRequest) -> None:
                 f"got {request.min_cp_size}; allowed: a CP group size Megatron-Core builds over "
                 f"DPxCP = {request.dp_cp_size} ranks: {', '.join(map(str, buildable))}",
             )
+    if request.precision is not Precision.BF16 and request.padding is PaddingRule.VERL:
+        _reject("precision", f"got {request.precision.value} with padding verl; verl's dynamic CP runs bf16 only (its docs: no FP8), and the "
+                "plan pads for verl's engine: allowed with padding verl: bf16")
     if request.min_local_rows is not None:
         if request.padding is not PaddingRule.VERL:
             _reject("min_local_rows", f"got {request.min_local_rows} with padding {request.padding.value}; only verl's padding tops groups "

@@ -33,6 +33,15 @@ class CapacityBound(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CAPACITY_BOUND_PER_SAMPLE: _ClassVar[CapacityBound]
     CAPACITY_BOUND_PER_RANK_SUM: _ClassVar[CapacityBound]
 
+class Precision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRECISION_UNSPECIFIED: _ClassVar[Precision]
+    PRECISION_BF16: _ClassVar[Precision]
+    PRECISION_FP8_DELAYED: _ClassVar[Precision]
+    PRECISION_FP8_CURRENT: _ClassVar[Precision]
+    PRECISION_FP8_BLOCK: _ClassVar[Precision]
+    PRECISION_MXFP8: _ClassVar[Precision]
+
 class PlanForm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PLAN_FORM_MICRO_BATCHES: _ClassVar[PlanForm]
@@ -58,6 +67,12 @@ PADDING_RULE_VERL: PaddingRule
 CAPACITY_BOUND_UNSPECIFIED: CapacityBound
 CAPACITY_BOUND_PER_SAMPLE: CapacityBound
 CAPACITY_BOUND_PER_RANK_SUM: CapacityBound
+PRECISION_UNSPECIFIED: Precision
+PRECISION_BF16: Precision
+PRECISION_FP8_DELAYED: Precision
+PRECISION_FP8_CURRENT: Precision
+PRECISION_FP8_BLOCK: Precision
+PRECISION_MXFP8: Precision
 PLAN_FORM_MICRO_BATCHES: PlanForm
 PLAN_FORM_COLUMNS: PlanForm
 SUBSTITUTE_REASON_UNSPECIFIED: SubstituteReason
@@ -76,7 +91,7 @@ class ParallelLayout(_message.Message):
     def __init__(self, data_parallel_size: _Optional[int] = ..., context_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("sequence_lengths", "layout", "max_seqlen_per_dp_cp_rank", "scheduler", "cp_layout", "min_cp_size", "max_seqs_per_micro_batch", "micro_batch_group_size", "job", "cost_model", "auto_schedulers", "plan_form", "padding", "min_local_rows")
+    __slots__ = ("sequence_lengths", "layout", "max_seqlen_per_dp_cp_rank", "scheduler", "cp_layout", "min_cp_size", "max_seqs_per_micro_batch", "micro_batch_group_size", "job", "cost_model", "auto_schedulers", "plan_form", "padding", "min_local_rows", "precision", "sequence_parallel")
     SEQUENCE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQLEN_PER_DP_CP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +106,8 @@ class PlanRequest(_message.Message):
     PLAN_FORM_FIELD_NUMBER: _ClassVar[int]
     PADDING_FIELD_NUMBER: _ClassVar[int]
     MIN_LOCAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     sequence_lengths: _containers.RepeatedScalarFieldContainer[int]
     layout: ParallelLayout
     max_seqlen_per_dp_cp_rank: int
@@ -105,7 +122,9 @@ class PlanRequest(_message.Message):
     plan_form: PlanForm
     padding: PaddingRule
     min_local_rows: int
-    def __init__(self, sequence_lengths: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., max_seqlen_per_dp_cp_rank: _Optional[int] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., min_cp_size: _Optional[int] = ..., max_seqs_per_micro_batch: _Optional[int] = ..., micro_batch_group_size: _Optional[int] = ..., job: _Optional[str] = ..., cost_model: _Optional[_Union[CostModelSpec, _Mapping]] = ..., auto_schedulers: _Optional[_Iterable[_Union[Scheduler, str]]] = ..., plan_form: _Optional[_Union[PlanForm, str]] = ..., padding: _Optional[_Union[PaddingRule, str]] = ..., min_local_rows: _Optional[int] = ...) -> None: ...
+    precision: Precision
+    sequence_parallel: bool
+    def __init__(self, sequence_lengths: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., max_seqlen_per_dp_cp_rank: _Optional[int] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., min_cp_size: _Optional[int] = ..., max_seqs_per_micro_batch: _Optional[int] = ..., micro_batch_group_size: _Optional[int] = ..., job: _Optional[str] = ..., cost_model: _Optional[_Union[CostModelSpec, _Mapping]] = ..., auto_schedulers: _Optional[_Iterable[_Union[Scheduler, str]]] = ..., plan_form: _Optional[_Union[PlanForm, str]] = ..., padding: _Optional[_Union[PaddingRule, str]] = ..., min_local_rows: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., sequence_parallel: _Optional[bool] = ...) -> None: ...
 
 class CostModelSpec(_message.Message):
     __slots__ = ("preset", "coefficients", "model", "hardware")
@@ -216,7 +235,7 @@ class CpSizeCount(_message.Message):
     def __init__(self, cp_size: _Optional[int] = ..., samples: _Optional[int] = ..., real_tokens: _Optional[int] = ...) -> None: ...
 
 class PlanStatistics(_message.Message):
-    __slots__ = ("real_tokens", "padded_tokens", "padding_ratio", "micro_batch_count", "cp_size_mix", "predicted_step_cost", "lower_bound_cost", "balance_efficiency", "static_cp_step_cost", "predicted_speedup_over_static_cp")
+    __slots__ = ("real_tokens", "padded_tokens", "padding_ratio", "micro_batch_count", "cp_size_mix", "predicted_step_cost", "lower_bound_cost", "balance_efficiency", "static_cp_step_cost", "predicted_speedup_over_static_cp", "alignment_padding_tokens")
     REAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PADDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PADDING_RATIO_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +246,7 @@ class PlanStatistics(_message.Message):
     BALANCE_EFFICIENCY_FIELD_NUMBER: _ClassVar[int]
     STATIC_CP_STEP_COST_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_SPEEDUP_OVER_STATIC_CP_FIELD_NUMBER: _ClassVar[int]
+    ALIGNMENT_PADDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     real_tokens: int
     padded_tokens: int
     padding_ratio: float
@@ -237,10 +257,11 @@ class PlanStatistics(_message.Message):
     balance_efficiency: float
     static_cp_step_cost: float
     predicted_speedup_over_static_cp: float
-    def __init__(self, real_tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., padding_ratio: _Optional[float] = ..., micro_batch_count: _Optional[int] = ..., cp_size_mix: _Optional[_Iterable[_Union[CpSizeCount, _Mapping]]] = ..., predicted_step_cost: _Optional[float] = ..., lower_bound_cost: _Optional[float] = ..., balance_efficiency: _Optional[float] = ..., static_cp_step_cost: _Optional[float] = ..., predicted_speedup_over_static_cp: _Optional[float] = ...) -> None: ...
+    alignment_padding_tokens: int
+    def __init__(self, real_tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., padding_ratio: _Optional[float] = ..., micro_batch_count: _Optional[int] = ..., cp_size_mix: _Optional[_Iterable[_Union[CpSizeCount, _Mapping]]] = ..., predicted_step_cost: _Optional[float] = ..., lower_bound_cost: _Optional[float] = ..., balance_efficiency: _Optional[float] = ..., static_cp_step_cost: _Optional[float] = ..., predicted_speedup_over_static_cp: _Optional[float] = ..., alignment_padding_tokens: _Optional[int] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("plan_id", "scheduler", "scheduler_class", "megatron_core_version", "micro_batches", "statistics", "capacity_bound", "dp_cp_size", "cp_layout", "tensor_parallel_size", "candidates", "columns", "substitution", "padding", "min_local_rows")
+    __slots__ = ("plan_id", "scheduler", "scheduler_class", "megatron_core_version", "micro_batches", "statistics", "capacity_bound", "dp_cp_size", "cp_layout", "tensor_parallel_size", "candidates", "columns", "substitution", "padding", "min_local_rows", "precision", "sequence_parallel")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_CLASS_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +277,8 @@ class PlanResponse(_message.Message):
     SUBSTITUTION_FIELD_NUMBER: _ClassVar[int]
     PADDING_FIELD_NUMBER: _ClassVar[int]
     MIN_LOCAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     scheduler: Scheduler
     scheduler_class: str
@@ -271,7 +294,9 @@ class PlanResponse(_message.Message):
     substitution: Substitution
     padding: PaddingRule
     min_local_rows: int
-    def __init__(self, plan_id: _Optional[str] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., scheduler_class: _Optional[str] = ..., megatron_core_version: _Optional[str] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., statistics: _Optional[_Union[PlanStatistics, _Mapping]] = ..., capacity_bound: _Optional[_Union[CapacityBound, str]] = ..., dp_cp_size: _Optional[int] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., tensor_parallel_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., columns: _Optional[_Union[PlanColumns, _Mapping]] = ..., substitution: _Optional[_Union[Substitution, _Mapping]] = ..., padding: _Optional[_Union[PaddingRule, str]] = ..., min_local_rows: _Optional[int] = ...) -> None: ...
+    precision: Precision
+    sequence_parallel: bool
+    def __init__(self, plan_id: _Optional[str] = ..., scheduler: _Optional[_Union[Scheduler, str]] = ..., scheduler_class: _Optional[str] = ..., megatron_core_version: _Optional[str] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., statistics: _Optional[_Union[PlanStatistics, _Mapping]] = ..., capacity_bound: _Optional[_Union[CapacityBound, str]] = ..., dp_cp_size: _Optional[int] = ..., cp_layout: _Optional[_Union[CpLayout, str]] = ..., tensor_parallel_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., columns: _Optional[_Union[PlanColumns, _Mapping]] = ..., substitution: _Optional[_Union[Substitution, _Mapping]] = ..., padding: _Optional[_Union[PaddingRule, str]] = ..., min_local_rows: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., sequence_parallel: _Optional[bool] = ...) -> None: ...
 
 class Substitution(_message.Message):
     __slots__ = ("requested", "reason", "detail")

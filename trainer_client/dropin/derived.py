@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final
 
+from batch_planner.precision import Precision
 from batch_planner.request import CpLayout, PaddingRule, SchedulerKind
 from trainer_client.errors import ConfigError
 
@@ -21,7 +22,7 @@ class NotFixed:
 
 
 NOT_FIXED: Final = NotFixed()
-_ENUMS = {"scheduler": SchedulerKind, "padding": PaddingRule, "cp_layout": CpLayout}
+_ENUMS = {"scheduler": SchedulerKind, "padding": PaddingRule, "cp_layout": CpLayout, "precision": Precision}
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,10 @@ class DerivedSettings:
     max_seqs_per_micro_batch: int | None | NotFixed = NOT_FIXED
     # Micro-batches per virtual pipeline stage group (`microbatch_group_size_per_vp_stage` under VPP).
     micro_batch_group_size: int | None | NotFixed = NOT_FIXED
+    # The precision the trainer's linear layers run in (FP8's recipe), which each pass is padded for.
+    precision: Precision | NotFixed = NOT_FIXED
+    # Whether the trainer runs sequence parallelism (its TP ranks each take 1/TP of a rank's rows).
+    sequence_parallel: bool | NotFixed = NOT_FIXED
 
     def __post_init__(self) -> None:
         for name, kind in _ENUMS.items():

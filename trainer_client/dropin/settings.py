@@ -8,6 +8,7 @@ import logging
 import os
 from typing import Any
 
+from batch_planner.precision import MEGATRON_FP8_RECIPES, Precision
 from batch_planner.request import PaddingRule, SchedulerKind
 from trainer_client.dropin.derived import DerivedSettings
 from trainer_client.errors import ArgumentTypeError
@@ -65,6 +66,22 @@ def given_planner_settings(planner: PlannerClientConfig | dict | None) -> dict[s
     return dict(section)
 
 
+def megatron_precision(config: Any) -> Precision:
+    """The precision a Megatron-Core model config runs its linear layers in: bf16 without `fp8`, else
+    its `fp8_recipe` (Megatron-Core's default, delayed, when unset). A recipe the planner has no
+    alignment for (a custom quantizer factory) is a ConfigError naming the ones it has."""
+    if getattr(config, "fp8", None) is None:
+        return Precision.BF16
+    recipe = getattr(config, "fp8_recipe", None)
+    recipe = getattr(recipe, "value", recipe) or "delayed"
+    if recipe not in MEGATRON_FP8_RECIPES:
+        raise ConfigError(
+            f"fp8_recipe: {recipe!r} with fp8={config.fp8!r} has no row alignment in the planner; allowed with dynamic CP: "
+            f"{', '.join(MEGATRON_FP8_RECIPES)} (batch_planner/precision.py)"
+        )
+    return MEGATRON_FP8_RECIPES[recipe]
+
+
 def planner_settings_of(config: Any, scheduler: SchedulerKind, cp_size: int) -> DerivedSettings:
     """The planner settings a Megatron-Core model config fixes (the Megatron-LM and Bridge drop-ins'
     derived settings, for `planner_config`): its sizes, the scheduler the trainer runs, and
@@ -76,6 +93,8 @@ def planner_settings_of(config: Any, scheduler: SchedulerKind, cp_size: int) -> 
         scheduler=scheduler,
         padding=PaddingRule.MEGATRON_CORE,
         min_local_rows=None,
+        precision=megatron_precision(config),
+        sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
     )
     if getattr(config, "cp_partition_mode", None) is not None:
         # The layout Megatron-Core cuts and reads the shards in (dev build; 0.19 reads zigzag only):

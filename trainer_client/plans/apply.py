@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from batch_planner.padding import group_padded_lengths
+from batch_planner.padding import group_padded_lengths, row_multiple_of
 from batch_planner.plan import CpGroup, Plan
 from batch_planner.request import CapacityBound, CpLayout
 from batch_planner.shards import padded_unit_shard
@@ -126,7 +126,8 @@ class _Unit:
         sample_ids: tuple[int, ...], process_group: Any,
     ) -> "_Unit":
         lengths = tuple(batch.lengths[i] for i in sample_ids)
-        padded = tuple(group_padded_lengths(lengths, group.size, plan.tensor_parallel_size, plan.cp_layout, plan.padding, plan.min_local_rows))
+        padded = tuple(group_padded_lengths(lengths, group.size, plan.tensor_parallel_size, plan.cp_layout, plan.padding, plan.min_local_rows,
+                                            row_multiple_of(plan)))
         layout = plan.cp_layout
         return cls(index, last, group, group.size, rank - group.first_rank, process_group, sample_ids, lengths, padded, layout).sharded()
 

@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 from batch_planner.convert import plan_from_proto, request_to_proto
 from batch_planner.errors import PlanningError
 from batch_planner.plan import MicroBatches, Plan, structure_problem
+from batch_planner.padding import PADDING_KEY_FIELDS, padding_key
 from batch_planner.exact.prepare import prepare
 from batch_planner.planner import plan_batch
 from batch_planner.request import PlanRequest
@@ -124,13 +125,13 @@ def _read(response: bytes, request: PlanRequest) -> Plan:
     problem = structure_problem(plan, request.num_samples, request.dp_cp_size)
     if problem is not None:
         raise ServiceFailedError(MALFORMED_RESPONSE, f"its plan cannot be applied to this batch: {problem}")
-    # The plan pads as the trainer's engine does (a server that predates an option answers without it).
-    asked = (request.cp_layout, request.tensor_parallel_size, request.padding, request.min_local_rows)
-    got = (plan.cp_layout, plan.tensor_parallel_size, plan.padding, plan.min_local_rows)
+    # The plan pads as the trainer's engine does (a server that predates an option answers without
+    # it: padding, min_local_rows, precision), so the plan is made in process instead.
+    asked, got = padding_key(request), padding_key(plan)
     if got != asked:
         raise ServiceFailedError(
             MALFORMED_RESPONSE,
-            f"its plan pads for (cp_layout, tensor_parallel_size, padding, min_local_rows) = {tuple(_shown(v) for v in got)}, "
+            f"its plan pads for ({', '.join(PADDING_KEY_FIELDS)}) = {tuple(_shown(v) for v in got)}, "
             f"the request asked for {tuple(_shown(v) for v in asked)}",
         )
     if isinstance(plan.micro_batches, MicroBatches):

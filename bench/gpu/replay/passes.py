@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from batch_planner.padding import group_padded_lengths
+from batch_planner.padding import group_padded_lengths, row_multiple_of
 from batch_planner.plan import Plan
 from batch_planner.request import CapacityBound
 
@@ -58,7 +58,9 @@ def plan_passes(plan: Plan, lengths: Sequence[int]) -> list[list[GroupWork]]:
             real = [lengths[i] for i in group.sample_ids]
             if not real:
                 continue
-            padded = group_padded_lengths(real, group.size, t, plan.cp_layout, plan.padding, plan.min_local_rows)
+            rule = (group.size, t, plan.cp_layout, plan.padding, plan.min_local_rows, row_multiple_of(plan))
+            # one pass's buffer: the group's samples packed, or each sample alone
+            padded = group_padded_lengths(real, *rule) if packed else [group_padded_lengths([n], *rule)[0] for n in real]
             if sum(padded) != group.padded_tokens:
                 raise ValueError(f"group at rank {group.first_rank}: padded {sum(padded)} tokens, the plan says {group.padded_tokens}")
             if packed:
