@@ -181,6 +181,7 @@ def lower_bound(request: PlanRequest, model: CostModel) -> float | None:
     lengths = np.asarray(request.sequence_lengths, dtype=np.int64)
     doublings = np.maximum(0, np.ceil(np.log2(lengths / request.max_seqlen_per_dp_cp_rank)).astype(np.int64))
     cp = 2**doublings  # BalancedCPScheduler.gpus_needed: max(1, 2 ** ceil(log2(L / budget)))
+    # A pass and at least one ring step: the bound counts the fewest (c - 1 >= 1), as lower_bound.py does.
     fixed = model.seconds_per_pass + np.where(cp > 1, model.cp_seconds_per_micro_batch, 0.0)
     terms = (
         model.seconds_per_token * lengths

@@ -11,7 +11,12 @@ For a sample of real length L, padded length P, on a CP group of size c, one ran
 and each forward+backward pass over a group costs a fixed
 
     pass term       seconds_per_pass                                 (every c, CP1 included)
-    CP fixed term   cp_seconds_per_micro_batch                       (c > 1 only)
+    CP fixed term   cp_seconds_per_micro_batch * (c - 1)             (per ring step; 0 at c = 1)
+
+The CP fixed term is a fixed cost per step of Transformer Engine's THD ring, c - 1 steps a pass: the
+replay on an H100 (docs/gpu-replay.md) measured about 0.5 ms of launches and corrections per step
+and layer forward, whatever the rows, so a pass over CP 16 pays 15 of them. (Before the replay, on
+the toy engine's two GPUs, it was one per CP pass: c - 1 = 1 there.)
 
 Both fixed terms are paid once per pass: once per sample under hybrid CP (each sample of a group is
 its own pass), once per micro-batch (pack) under the packing schedulers and in the static-CP
@@ -46,7 +51,7 @@ def unit_features(padded_tokens: Any, attention_units: Any, cp_size: Any, passes
         seconds_per_attention_token_pair  L^2 / c
         cp_seconds_per_token              P (c - 1) / c        (0 at c = 1)
         seconds_per_pass                  passes
-        cp_seconds_per_micro_batch        passes               (0 at c = 1)
+        cp_seconds_per_micro_batch        passes (c - 1)       (ring steps; 0 at c = 1)
 
     in the order of CostModel's fields (cost_spec.COEFFICIENT_NAMES). `price` is the dot product
     with the coefficients; the planner prices plans with it and the trainer's calibration
@@ -55,12 +60,11 @@ def unit_features(padded_tokens: Any, attention_units: Any, cp_size: Any, passes
 
     The arguments may also be numpy columns (batch_planner/columns.py), one value per group: the
     same operations then run element by element (x * 1.0 is float(x); the CP terms vanish at c = 1
-    as (c - 1) and c > 1 are 0), so a group's features are the same bits either way."""
-    cp = cp_size > 1
+    as (c - 1) is 0), so a group's features are the same bits either way."""
     return {
         "seconds_per_token": padded_tokens / cp_size,
         "seconds_per_attention_token_pair": attention_units * 1.0 / cp_size,
-        "cp_seconds_per_micro_batch": passes * cp * 1.0,
+        "cp_seconds_per_micro_batch": passes * (cp_size - 1) * 1.0,
         "cp_seconds_per_token": padded_tokens * (cp_size - 1) / cp_size,
         "seconds_per_pass": passes * 1.0,
     }

@@ -20,7 +20,7 @@ fitting seconds by hand. All counts are for the whole model on one rank of a TP 
                                        (KV bytes = 2 * kv_heads * head_dim * bytes_per_value; the
                                         ring sends K,V forward, and K,V plus dK,dV backward: 3x)
     seconds_per_pass                 = seconds_per_pass_base + layers * seconds_per_layer_pass
-    cp_seconds_per_micro_batch       = layers * cp_seconds_per_layer_pass
+    cp_seconds_per_micro_batch       = layers * cp_seconds_per_layer_pass    (per ring step)
 
 Active parameters of one layer: Q and O projections (hidden x heads*head_dim each), K and V
 (hidden x kv_heads*head_dim each), and the MLP: 3 (gated, SwiGLU) or 2 matrices of hidden x FFN

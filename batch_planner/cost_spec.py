@@ -46,20 +46,22 @@ def _within(low: float, high: float, doc: str) -> Any:
 
 @dataclass(frozen=True, config=_DATA)
 class CostModel:
-    """Coefficients in seconds. Defaults: the toy engine's (TOY_ENGINE_COEFFICIENTS, the preset
-    `h200-bench-calibrated`), fitted to three runs on 2x H200 of a 4-layer, 2048-wide bf16 decoder
-    whose CP was PyTorch's ring attention (docs/gpu-benchmark.md). They are to give way to the
-    replay's fit (REPLAY_PRESETS, docs/gpu-replay.md) once it has run. Absolute seconds scale with
-    the model; the ratios between the terms are what rank plans. The field order is the order of a
-    feature vector (`COEFFICIENT_NAMES`, batch_planner.cost.unit_features)."""
+    """Coefficients in seconds. Defaults: the replay's fit of Llama-3-8B at TP 1 on an H100
+    (REPLAY_PRESETS["llama3-8b-h100"]: Transformer Engine's kernels measured on one H100, the links
+    modeled; docs/gpu-replay.md), what a request that names no cost model is priced with. Absolute
+    seconds scale with the model; the ratios between the terms are what rank plans, so a job with
+    another model should name its preset or send its own fit. The toy engine's coefficients, the
+    defaults before the replay, are TOY_ENGINE_COEFFICIENTS (preset `h200-bench-calibrated`). The
+    field order is the order of a feature vector (`COEFFICIENT_NAMES`, batch_planner.cost.unit_features)."""
 
-    seconds_per_token: Annotated[Seconds, Field(description="cost model: seconds per (padded) token per rank")] = 2.22e-6
-    seconds_per_attention_token_pair: Annotated[Seconds, Field(description="cost model: seconds per L^2 attention unit per rank")] = 8.7e-11
-    cp_seconds_per_micro_batch: Annotated[Seconds, Field(description="cost model: fixed seconds per forward pass over a CP group > 1")] = 1.1e-2
-    cp_seconds_per_token: Annotated[Seconds, Field(description="cost model: CP communication seconds per token")] = 0.0
+    seconds_per_token: Annotated[Seconds, Field(description="cost model: seconds per (padded) token per rank")] = 6.827e-05
+    seconds_per_attention_token_pair: Annotated[Seconds, Field(description="cost model: seconds per L^2 attention unit per rank")] = 1.386e-09
+    cp_seconds_per_micro_batch: Annotated[Seconds, Field(
+        description="cost model: fixed seconds per ring step of a pass over a CP group (c - 1 steps a pass; the name predates the ring)")] = 0.03449
+    cp_seconds_per_token: Annotated[Seconds, Field(description="cost model: CP communication seconds per token")] = 3.151e-06
     seconds_per_pass: Annotated[
         Seconds, Field(description="cost model: fixed seconds per forward+backward pass over any group (CP1 included)")
-    ] = 1.8e-3
+    ] = 0.1154
 
 
 COEFFICIENT_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(CostModel))
@@ -158,7 +160,7 @@ class HardwareProfile:
     cp_exposed_fraction: Annotated[Number, _within(0.0, 1.0, "part of the CP traffic time not hidden behind attention")]
     seconds_per_layer_pass: Annotated[Number, _within(0.0, 0.1, "fixed seconds per layer and forward+backward pass")]
     seconds_per_pass_base: Annotated[Number, _within(0.0, 10.0, "fixed seconds per pass independent of the layer count")]
-    cp_seconds_per_layer_pass: Annotated[Number, _within(0.0, 1.0, "extra fixed seconds per layer and pass over a CP group (c > 1)")]
+    cp_seconds_per_layer_pass: Annotated[Number, _within(0.0, 1.0, "extra fixed seconds per layer and ring step of a pass over a CP group (c - 1 steps)")]
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], prefix: str = HARDWARE_FIELD) -> HardwareProfile:
@@ -191,9 +193,6 @@ MODEL_PROFILES: dict[str, ModelProfile] = {
 # layer's fitted per-token and per-L^2 terms imply. The fixed costs come from the 2x H200 benchmark's
 # fit of a 4-layer stack (docs/gpu-benchmark.md: 1.8 ms per pass, 11 ms per CP pass, over 4 layers).
 # cp_exposed_fraction 0.1 is assumed: that fit could not tell a per-token CP term from zero.
-# The H100 profile is the H200's with the same fractions, NOT measured (no H100 was lent): its lower
-# memory bandwidth (3.35 against 4.8 TB/s) slows the memory-bound part (norms, activations), so
-# expect its real per-token term a few percent higher.
 _HOPPER = HardwareProfile(
     peak_bf16_flops=989.4e12,
     sustained_fraction=0.56,
@@ -204,7 +203,22 @@ _HOPPER = HardwareProfile(
     seconds_per_pass_base=0.0,
     cp_seconds_per_layer_pass=2.75e-3,
 )
-HARDWARE_PROFILES: dict[str, HardwareProfile] = {"h200": _HOPPER, "h100": _HOPPER}
+# The H100's: calibrated from the replay's Llama-3-8B fit (docs/gpu-benchmark-data/replay/hardware.json,
+# `cost_derivation.hardware_from_fit`), so a model without a replay preset derives from Transformer
+# Engine's kernels. It derives Llama-3-8B's fit exactly; for Llama-3-70B at TP 8 and Qwen3-30B-A3B it
+# lands 9-37% and up to 2.4x off their own fits (hardware.json; docs/gpu-replay.md), which is why
+# those two ship their fits as presets. The H200 keeps the profile above (no H200 replay yet).
+_H100_REPLAY = HardwareProfile(
+    peak_bf16_flops=989.4e12,
+    sustained_fraction=0.6666,
+    attention_sustained_fraction=0.6691,
+    cp_bandwidth_bytes_per_second=124.8e9,
+    cp_exposed_fraction=1.0,
+    seconds_per_layer_pass=3.606e-3,
+    seconds_per_pass_base=0.0,
+    cp_seconds_per_layer_pass=1.078e-3,
+)
+HARDWARE_PROFILES: dict[str, HardwareProfile] = {"h200": _HOPPER, "h100": _H100_REPLAY}
 
 # The toy engine's coefficients, the defaults before the replay (history, docs/gpu-benchmark.md): three
 # runs on 2x H200 of a 4-layer, 2048-wide decoder whose CP was PyTorch's ring attention, one ring call
@@ -230,9 +244,21 @@ class ReplayPreset:
 
 # "<model>-<gpu>": the replay's fits, as bench/gpu/replay/report.py writes them to
 # docs/gpu-benchmark-data/replay/fitted.json (tests/batch_planner/test_cost_profiles.py holds these to
-# that file). Empty until the replay has run on a GPU; a name here takes the place of the derived
-# preset of the same name.
-REPLAY_PRESETS: dict[str, ReplayPreset] = {}
+# that file): Transformer Engine 2.20's kernels on one H100 at each model's production shapes, the
+# links modeled. A name here takes the place of the derived preset of the same name.
+REPLAY_PRESETS: dict[str, ReplayPreset] = {
+    "llama3-8b-h100": ReplayPreset(1, CostModel(
+        seconds_per_token=6.827e-05, seconds_per_attention_token_pair=1.386e-09, cp_seconds_per_micro_batch=0.03449,
+        cp_seconds_per_token=3.151e-06, seconds_per_pass=0.1154)),
+    "llama3-70b-h100": ReplayPreset(8, CostModel(
+        seconds_per_token=8.648e-05, seconds_per_attention_token_pair=1.183e-09, cp_seconds_per_micro_batch=0.1066,
+        cp_seconds_per_token=4.763e-07, seconds_per_pass=0.3754)),
+    "qwen3-30b-a3b-h100": ReplayPreset(1, CostModel(
+        seconds_per_token=1.168e-05, seconds_per_attention_token_pair=2.248e-09, cp_seconds_per_micro_batch=0.04543,
+        cp_seconds_per_token=2.562e-06, seconds_per_pass=1.576)),
+}
+# What a request that names no cost model gets: CostModel()'s defaults, this preset.
+DEFAULT_PRESET = "llama3-8b-h100"
 
 
 def preset_names() -> tuple[str, ...]:

@@ -9,8 +9,8 @@ The step is the sum over micro-batches of the slowest rank's time. Two bounds, t
   CP-traffic terms, padding included), plus the pass terms no plan avoids: `seconds_per_pass` for
   every rank pass (packed: one per rank and micro-batch of the fewest micro-batches; per sample:
   also one per sample on every rank of the smallest group it fits), `cp_seconds_per_micro_batch`
-  for every pass over a CP group that samples longer than one rank's budget, or ranks left
-  without a sample of their own, force;
+  (one ring step, the fewest a CP pass has) for every pass over a CP group that samples longer
+  than one rank's budget, or ranks left without a sample of their own, force;
 - **single**: the micro-batch holding a sample lasts at least that sample's own pass on one rank
   of its group, and every other micro-batch at least one pass.
 
@@ -219,7 +219,7 @@ class _Work:
 
 def _pass_seconds(model: CostModel, sizes: np.ndarray) -> np.ndarray:
     """(k,): one pass's fixed seconds on one rank of a group of each size."""
-    return model.seconds_per_pass + np.where(sizes > 1, model.cp_seconds_per_micro_batch, 0.0)
+    return model.seconds_per_pass + model.cp_seconds_per_micro_batch * (sizes - 1)  # a pass and its c - 1 ring steps
 
 
 def _cheapest(values: list[np.ndarray], fits: list[np.ndarray]) -> np.ndarray:

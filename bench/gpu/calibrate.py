@@ -29,7 +29,7 @@ from dataclasses import asdict
 import numpy as np
 
 from batch_planner.cost import static_cp_step_cost, unit_features
-from batch_planner.cost_spec import COEFFICIENT_NAMES, CostModel
+from batch_planner.cost_spec import COEFFICIENT_NAMES, TOY_ENGINE_COEFFICIENTS, CostModel
 from batch_planner.plan import CpGroup
 from batch_planner.padding import padded_length
 from batch_planner.request import CpLayout, PlanRequest
@@ -88,7 +88,7 @@ def micro_batch_rows(results: dict, batches: list[dict]) -> list[dict]:
 
 
 def fit(rows: list[dict]) -> CostModel:
-    result = fit_cost_model(np.array([r["features"] for r in rows]), np.array([r["seconds"] for r in rows]), CostModel(), len(COEFFICIENT_NAMES))
+    result = fit_cost_model(np.array([r["features"] for r in rows]), np.array([r["seconds"] for r in rows]), TOY_ENGINE_COEFFICIENTS, len(COEFFICIENT_NAMES))
     if result.model is None:
         raise SystemExit(f"the fit refused these timings: {result.result} ({result.reason})")
     return result.model

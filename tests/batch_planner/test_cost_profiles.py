@@ -52,14 +52,20 @@ def test_every_preset_is_finite_and_prices_work(name: str) -> None:
     assert model.seconds_per_pass > 0 and model.cp_seconds_per_micro_batch > 0
 
 
-def test_calibrated_preset_is_todays_default() -> None:
-    assert cost_model_for_preset(CALIBRATED_PRESET) == CostModel()
+def test_the_default_is_the_replays_llama3_8b_fit_and_the_toy_engine_stays_a_preset() -> None:
+    from batch_planner.cost_spec import DEFAULT_PRESET, REPLAY_PRESETS, TOY_ENGINE_COEFFICIENTS
+
+    assert DEFAULT_PRESET == "llama3-8b-h100" and REPLAY_PRESETS[DEFAULT_PRESET].tensor_parallel_size == 1
+    assert cost_model_for_preset(DEFAULT_PRESET) == CostModel() == REPLAY_PRESETS[DEFAULT_PRESET].coefficients
+    assert cost_model_for_preset(CALIBRATED_PRESET) == TOY_ENGINE_COEFFICIENTS != CostModel()
 
 
 def test_bench_stack_derived_agrees_with_its_two_gpu_calibration() -> None:
     """Two independent measurements of one model: the derived bench-4l-2048 (one-GPU layer
-    timings) and the 2x H200 plan fit behind CostModel()'s defaults."""
-    derived, calibrated = cost_model_for_preset("bench-4l-2048-h200"), CostModel()
+    timings) and the 2x H200 plan fit of the toy engine (the defaults before the replay)."""
+    from batch_planner.cost_spec import TOY_ENGINE_COEFFICIENTS
+
+    derived, calibrated = cost_model_for_preset("bench-4l-2048-h200"), TOY_ENGINE_COEFFICIENTS
     assert derived.seconds_per_token == pytest.approx(calibrated.seconds_per_token, rel=0.05)
     assert derived.seconds_per_attention_token_pair == pytest.approx(
         calibrated.seconds_per_attention_token_pair, rel=0.2
@@ -73,8 +79,10 @@ def test_bigger_models_cost_more() -> None:
     assert large.seconds_per_token > 5 * small.seconds_per_token
     assert large.seconds_per_attention_token_pair > small.seconds_per_attention_token_pair
     assert large.seconds_per_pass > small.seconds_per_pass
-    # The issue's scale check: the 32-layer 8B is ~30x the calibrated 4-layer default per token.
-    assert 25 < small.seconds_per_token / CostModel().seconds_per_token < 40
+    # The issue's scale check: the 32-layer 8B is ~30x the toy engine's calibrated 4-layer stack per token.
+    from batch_planner.cost_spec import TOY_ENGINE_COEFFICIENTS
+
+    assert 25 < small.seconds_per_token / TOY_ENGINE_COEFFICIENTS.seconds_per_token < 40
 
 
 def test_more_kv_heads_more_cp_traffic() -> None:

@@ -414,14 +414,14 @@ def test_a_long_sample_on_a_static_cp_group_bounds_the_step_by_its_own_pass():
     model = _model(seconds_per_token=1e-6, seconds_per_attention_token_pair=1e-9, seconds_per_pass=1e-3, cp_seconds_per_micro_batch=1e-2)
     request = PlanRequest.of((4000,) + (10,) * 7, 2, 4, 1000, scheduler=SchedulerKind.STATIC_PACKING)
     bound = _bound(request, model)
-    own = (1e-6 * 4000 + 1e-9 * 4000**2) / 4 + 1e-3 + 1e-2
+    own = (1e-6 * 4000 + 1e-9 * 4000**2) / 4 + 1e-3 + 3 * 1e-2  # CP4: three ring steps
     assert bound.single == pytest.approx(own, rel=1e-12)
     assert bound.cost == bound.single > bound.even
     reached = _priced(request, CapacityBound.PER_RANK_SUM, [[(4, [0]), (4, list(range(1, 8)))]], model)
     assert reached == pytest.approx(bound.cost, rel=1e-12)
     # A second micro-batch is forced (11,000 tokens, 8,000 a micro-batch): one more pass, on CP4.
     longer = request.replace(sequence_lengths=(4000,) + (1000,) * 7)
-    assert _bound(longer, model).single == pytest.approx(own + 1e-3 + 1e-2, rel=1e-12)
+    assert _bound(longer, model).single == pytest.approx(own + 1e-3 + 3 * 1e-2, rel=1e-12)
 
 
 def test_the_bound_prices_a_sample_as_the_cost_model_does():
