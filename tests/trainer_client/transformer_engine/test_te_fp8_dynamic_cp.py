@@ -95,7 +95,7 @@ def fp8_rank(jobs: list[str], engine: str, steps: int, rank: int) -> dict:
     stand_in_for_pipeline_calls_on_cpu()  # each a no-op where CUDA is (the GPU tests)
     stand_in_for_te_partitioning_on_cpu()
     parallel_state.initialize_model_parallel(context_parallel_size=2, dynamic_context_parallel=True)
-    out: dict = {"rank": rank, "dp_cp_rank": parallel_state.get_data_parallel_rank(with_context_parallel=True)}
+    out: dict = {"rank": rank, "dp_cp_rank": parallel_state.get_data_parallel_rank(with_context_parallel=True), **_versions()}
     for job in jobs:
         how, _, recipe = job.partition(":")
         if how in RECIPES or how == "rotated":
@@ -104,6 +104,16 @@ def fp8_rank(jobs: list[str], engine: str, steps: int, rank: int) -> dict:
         else:
             out[job] = _unaligned_step(_model(engine, RECIPES[recipe]), how)
     return out
+
+
+def _versions() -> dict:
+    """What ran: the GPU and Transformer Engine's version (None on the CPU)."""
+    try:
+        import transformer_engine
+    except Exception:  # noqa: BLE001 - none here (the CPU), or one that cannot load: nothing to record
+        return {"device": None, "transformer_engine": None}
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "transformer_engine": getattr(transformer_engine, "__version__", None)}
 
 
 def _reference(samples, solo_group, device) -> list:
