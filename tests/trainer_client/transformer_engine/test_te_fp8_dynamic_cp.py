@@ -15,18 +15,19 @@ block for delayed), with the amax reduction group of DP x CP; the test records e
 layer's `fp8` flag and recipe after the steps, and the runs below without the alignment show
 Transformer Engine's FP8 checks refusing the rows, which no bf16 GEMM asks for.
 
-- With the alignment (`runs`): two steps per recipe; the loss summed over the ranks and every
-  parameter's gradient summed over DP x CP equal the same model, same recipe, over each whole
-  sample alone at CP1 (padded to 16 rows, loss mask 0: FP8 takes no other), within the FP8
-  tolerance (support.py: FP8_TOLERANCE for gradients, FP8_LOSS_TOLERANCE for the loss). The
-  precondition, from each step's plan (batch_planner.padding): the layout's padding alone would
-  leave some rank's rows not a multiple of 16, the plan's leaves none, and the micro-batches the
-  drop-in hands out hold the plan's rows.
-- Without it (`unaligned`): the same step planned for bf16 (the drop-in's `megatron_precision`
-  answering bf16 while the model runs FP8): Transformer Engine raises its FP8 dimension error
-  (ValueError from `assert_dim_for_fp8_exec` for rows not a multiple of 8, RuntimeError from
-  cuBLASLt's "Leading dimension requirement on A for FP8 GEMM" for 8 mod 16) in the first pass whose
-  rows are not a multiple of 16, and in no earlier one; recorded with the message.
+- With the alignment (runs "aligned-current", "aligned-delayed"): two steps per recipe; the loss
+  summed over the ranks and every parameter's gradient summed over DP x CP equal the same model,
+  same recipe, over each whole sample alone at CP1 (padded to 16 rows, loss mask 0: FP8 takes no
+  other), within the FP8 tolerance (support.py: FP8_TOLERANCE for gradients, FP8_LOSS_TOLERANCE
+  for the loss). The precondition, from each step's plan (batch_planner.padding): the layout's
+  padding alone would leave some rank's rows not a multiple of 16, the plan's leaves none, and the
+  micro-batches the drop-in hands out hold the plan's rows.
+- Without it (runs "bf16-plan-current", "bf16-plan-delayed"): the same step planned for bf16 (the
+  drop-in's `megatron_precision` answering bf16 while the model runs FP8): Transformer Engine
+  raises its FP8 dimension error (ValueError from `assert_dim_for_fp8_exec` for rows not a
+  multiple of 8, RuntimeError from cuBLASLt's "Leading dimension requirement on A for FP8 GEMM"
+  for 8 mod 16) in the first pass whose rows are not a multiple of 16, and in no earlier one;
+  recorded with the message.
 - Planted, and caught: the row rule off by one multiple (`ROW_RULES` giving 8 for current scaling,
   half of what the H100 needs): the plan's rows are multiples of 8, Transformer Engine's Python
   check passes, and cuBLASLt refuses the weight-gradient GEMM; and TE's partitioned indices asked
@@ -34,10 +35,11 @@ Transformer Engine's FP8 checks refusing the rows, which no bf16 GEMM asks for.
   tolerance.
 
 A pass that fails stops every rank after it (each pass runs alone, then the ranks agree whether any
-failed): the failing pass's rows are the same on every rank of its CP group, so its ranks fail at the
-same GEMM before any exchange of that pass; delayed scaling also reduces amax over every rank in
-every pass, so its run without the alignment asks that the first failing pass hold the same rows on
-every rank (tests/support/rank_rows.first_failure_is_shared), and reports it otherwise.
+failed; each run in ranks of its own): the failing pass's rows are the same on every rank of its
+CP group, so its ranks fail at the same GEMM before any exchange of that pass; delayed scaling also
+reduces amax over every rank in every pass, so its run without the alignment asks that the first
+failing pass hold the same rows on every rank (tests/support/rank_rows.first_failure_is_shared),
+and reports it otherwise.
 
     GPU_REPORT_DIR=$OUT scripts/gpu/run-tests tests/trainer_client/transformer_engine/test_te_fp8_dynamic_cp.py -q
 """
@@ -266,11 +268,12 @@ def _unaligned_step(models, how: str) -> dict:
     return record
 
 
-# Each run of ranks, its jobs (fp8_rank) and its deadline: the aligned steps, then each run without
-# the alignment in ranks of its own (a failed pass leaves nothing behind), which import Transformer
-# Engine and run one pass or a few.
+# Each run of ranks, its jobs (fp8_rank) and its deadline: each recipe's aligned steps, then each run
+# without the alignment, each in ranks of its own (a failed pass or run leaves nothing behind for the
+# next); the runs without the alignment import Transformer Engine and run a pass or a few.
 RUNS = {
-    "aligned": (["current", "delayed", "rotated"], DEADLINE_SECONDS),
+    "aligned-current": (["current", "rotated"], DEADLINE_SECONDS),
+    "aligned-delayed": (["delayed"], DEADLINE_SECONDS),  # its own ranks: delayed scaling reduces amax over gloo
     "bf16-plan-current": (["bf16-plan:current"], 150),
     "bf16-plan-delayed": (["bf16-plan:delayed"], 150),
     "half-current": (["half:current"], 150),
@@ -307,7 +310,7 @@ def _no_raise(per_rank: list[dict]) -> None:
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_fp8_steps_of_aligned_plans_train_as_whole_samples(runs, recipe):
-    per_rank = runs("aligned")
+    per_rank = runs(f"aligned-{recipe}")
     _no_raise(per_rank)
     for r in per_rank:
         assert len(r[recipe]) == STEPS, r
@@ -363,7 +366,7 @@ def test_planted_half_the_row_multiple_is_refused_by_cublaslt(runs):
 
 
 def test_cp_shards_rotated_by_one_rank_miss_the_fp8_tolerance(runs):
-    per_rank = runs("aligned")
+    per_rank = runs("aligned-current")
     _no_raise(per_rank)
     for r in per_rank:  # the step's loss sums hundreds of tokens' errors, which partly cancel: the gradients tell
         assert all(step["gradients"] > FP8_TOLERANCE for step in r["rotated"]), r["rotated"]
