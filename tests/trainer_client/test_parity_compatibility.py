@@ -75,8 +75,6 @@ REFUSED = [
     ("multimodal flag", lambda: dict(model_config={"is_multimodal": True}), ("model", "is_multimodal"), "text-only"),
     ("multimodal batch", lambda: dict(batch=batch(pixel_values=torch.zeros(len(LENGTHS), 3))), ("batch", "batch field"), "multimodal"),
     ("distillation", lambda: dict(engine_config={"distillation": {"teacher": "big"}}), ("engine", "distillation"), "disable it"),
-    ("fp8 engine", lambda: dict(engine_config={"fp8": "e4m3"}), ("engine", "fp8"), "null"),
-    ("fp8 transformer", lambda: dict(transformer_config=transformer(fp8="hybrid")), ("transformer", "fp8"), "fp8=None"),
     ("megatron fsdp", lambda: dict(engine_config={"use_megatron_fsdp": True}), ("engine", "use_megatron_fsdp"), "DDP"),
     ("no per-token loss", lambda: dict(transformer_config=transformer(calculate_per_token_loss=False)),
      ("transformer", "calculate_per_token_loss"), "calculate_per_token_loss=True"),

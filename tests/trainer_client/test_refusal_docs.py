@@ -28,7 +28,7 @@ def test_the_docs_hold_the_whole_table_and_bridges_own():
 def test_the_check_fails_on_a_drifted_table_and_the_writer_mends_it(tmp_path, capsys):
     page = tmp_path / "trainer-client.md"
     shutil.copy(DOCS / "trainer-client.md", page)
-    page.write_text(page.read_text().replace("| engine `fp8` | set |", "| engine `fp8` | unset |"))
+    page.write_text(page.read_text().replace("| engine `use_remove_padding` | false |", "| engine `use_remove_padding` | true |"))
     assert refusal_docs.main(["--check", "--docs", str(tmp_path)]) == 1
     assert "trainer-client.md: its refusal table drifted" in capsys.readouterr().err
     assert refusal_docs.main(["--docs", str(tmp_path)]) == 0

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
+from batch_planner.padding import group_padded_lengths, row_multiple_of
+from batch_planner.plan import Plan
 from batch_planner.request import SchedulerKind
 from trainer_client.plans import megatron as mcore
 from trainer_client.refusals.compatibility import MEGATRON_SCHEDULER_NAMES, Changed, check
@@ -53,13 +55,14 @@ class PackingDropIn:
         step = self.last_step = self.planner.next_step({SOURCE: {"num_microbatches": changed}})
         device = model_device()
         dynamic = self.scheduler is SchedulerKind.DYNAMIC_CP
-        lengths = {"original_seq_len": step.layout.original, "padded_seq_len": step.layout.padded}
+        padded = plan_padded_lengths(step.plan, step.layout.padded)
+        lengths = {"original_seq_len": step.layout.original, "padded_seq_len": padded}
         samples = {
-            i: {**{k: v.to(device) for k, v in fields.items()}, **{k: torch.tensor([v[i]], device=device) for k, v in lengths.items()}}
+            i: {**{k: v.to(device) for k, v in topped_up(fields, padded[i] - step.layout.padded[i]).items()},
+                **{k: torch.tensor([v[i]], device=device) for k, v in lengths.items()}}
             for i, fields in step.samples.items()
         }
         packed = mcore.build_packed_microbatches(samples, step.sample_id_groups, self.groups.dp_cp.rank(), device, dynamic)
-        padded = step.layout.padded
         sums = [len(step.sample_id_groups), float(sum(padded)), float(sum(p * p for p in padded))]
         count, total, squares = mcore.broadcast_scalars(sums, self.groups.tp, data_device(self.groups.tp))
         iterator = mcore.create_packed_data_iterator(packed, self.groups.tp, self.config, dynamic, self.stage.vpp_needs_data)
@@ -80,6 +83,41 @@ class PackingDropIn:
 
     def close(self) -> None:
         self.planner.close()
+
+
+def plan_padded_lengths(plan: Plan, lengths: Sequence[int]) -> list[int]:
+    """Each sample's length in its pass's buffer as the plan pads it, from the dataset's padded
+    `lengths` (global ids): with a precision that needs each rank's rows a multiple of something
+    (FP8), `group_padded_lengths` of each CP group's samples, whose last sequence is topped up
+    (batch_planner/padding.py), as the seam's units pad them (trainer_client/plans/apply.py);
+    otherwise `lengths` themselves, which Megatron-Core's packing takes as the dataset gives them."""
+    multiple = row_multiple_of(plan)
+    out = list(lengths)
+    if multiple == 1:
+        return out
+    for micro_batch in plan.micro_batches:
+        for group in micro_batch.cp_groups:
+            ids = group.sample_ids
+            padded = group_padded_lengths([lengths[i] for i in ids], group.size, plan.tensor_parallel_size, plan.cp_layout,
+                                          plan.padding, plan.min_local_rows, multiple)
+            for i, length in zip(ids, padded):
+                out[i] = length
+    return out
+
+
+def topped_up(fields: dict[str, torch.Tensor], extra: int) -> dict[str, torch.Tensor]:
+    """A sample's per-token fields with `extra` padding rows after its own: zeros (token 0, label
+    0, loss mask 0), and positions that go on counting."""
+    if extra <= 0:
+        return fields
+    out = {}
+    for name, value in fields.items():
+        if name == "position_ids" and value.dim() == 1:
+            tail = value[-1] + 1 + torch.arange(extra, dtype=value.dtype, device=value.device)
+        else:
+            tail = value.new_zeros((extra, *value.shape[1:]))
+        out[name] = torch.cat([value, tail])
+    return out
 
 
 # The wrappers in use, one per wrapped iterator, until close_wrapped, the end of a closing_wrapped()

@@ -411,7 +411,6 @@ _engine, _model, _transformer, _planner = (partial(Place, source) for source in 
 _THD_CP = "the plan runs CP groups on packed THD input, which only Transformer Engine's attention takes; "
 _NO_CUDA_GRAPHS = "Megatron-Core does not support CUDA graphs with dynamic CP; "
 _NOT_VALUE_MODEL = "value (critic) models are not supported; run the critic with static CP"
-_FP8 = "FP8 is not supported with dynamic CP; "
 
 RULES: tuple[Rule, ...] = (
     Rule(_engine("use_remove_padding"), "false",
@@ -421,7 +420,6 @@ RULES: tuple[Rule, ...] = (
     Rule(_engine("use_megatron_fsdp"), "true",
          "Megatron-Core's dynamic CP does not support Megatron FSDP; use DDP or the distributed optimizer (Bridge "
          "copies dist.use_megatron_fsdp to ddp later: leave both False)", is_set, setting="use_megatron_fsdp"),
-    Rule(_engine("fp8"), "set", _FP8 + "set fp8 to null", is_set),
     Rule(_model("is_value_model"), "true", _NOT_VALUE_MODEL, is_set),
     Rule(_model("vision_config"), "set", "multimodal models are not supported; use a text-only model or static CP",
          is_set, read=_vision),
@@ -429,8 +427,6 @@ RULES: tuple[Rule, ...] = (
     Rule(_transformer("calculate_per_token_loss"), "false",
          "Megatron-Core requires a per-token loss with dynamic CP (micro-batches hold different token "
          "counts); set calculate_per_token_loss=True", lambda v, _: not v, default=False),
-    # (fp8_param needs fp8, so this refuses FP8 parameters too.)
-    Rule(_transformer("fp8"), "set", _FP8 + "set fp8=None (and fp8_param=False)", lambda v, _: v is not None),
     Rule(_transformer("enable_cuda_graph"), "true", _NO_CUDA_GRAPHS + "set enable_cuda_graph=False", is_set),
     Rule(_transformer("external_cuda_graph"), "true", _NO_CUDA_GRAPHS + "set external_cuda_graph=False", is_set),
     Rule(_transformer("cuda_graph_impl"), "not 'none'", _NO_CUDA_GRAPHS + "set cuda_graph_impl='none'",
