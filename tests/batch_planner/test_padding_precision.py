@@ -216,3 +216,24 @@ def test_the_restated_checks_refuse_what_the_h100_refused():
         assert "input of 4 rows" in transformer_engine_refusal(8, 2, True, precision)
     assert "MXFP8Quantizer" in transformer_engine_refusal(48, 1, False, Precision.MXFP8)
     assert transformer_engine_refusal(6, 1, False, Precision.BF16) is None
+
+
+@pytest.mark.parametrize(("tp", "precision"), [(3, Precision.FP8_DELAYED), (6, Precision.FP8_CURRENT), (3, Precision.MXFP8)])
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_where_extend_last_pads_less_it_breaks_the_layouts_multiple(tp, precision, cp):
+    """The equivalence above needs N a multiple of 2 x TP. Without sequence parallelism at a TP that
+    is not a power of two (N = 16, or 32 for MXFP8, at TP 3 or 6) it is not: Megatron-Core rounds each
+    rank's rows up to N alone, so its extended last sequence is no longer a multiple of the layout's
+    2 x CP x TP (TP at CP1), which the planner keeps; the planner's buffer is then lcm(m, CP x N)."""
+    multiple = rank_row_multiple(precision, tp, False)
+    assert multiple % (2 * tp)
+    layout_only = group_padded_lengths([1], cp, tp, CpLayout.ZIGZAG)
+    ours = padded_pass([1], cp, tp, CpLayout.ZIGZAG, precision, False)
+    cu, _, target = packed_seq_params.extend_thd_padding_before_cp_slice(
+        torch.tensor(_cu(layout_only), dtype=torch.int32), max(layout_only), alignment=multiple, target_len=None, cp_size=cp,
+        cp_partition_mode="zigzag",
+    )
+    m = padding_multiple(cp, tp, CpLayout.ZIGZAG)
+    assert target == cp * multiple < sum(ours) == math.lcm(m, cp * multiple)
+    assert target % m and all(p % m == 0 for p in ours)
+    assert transformer_engine_refusal(target // cp, tp, False, precision) is None  # Transformer Engine would take its rows

@@ -88,6 +88,13 @@ REFUSED = [
         transformer_config=transformer(fp8="e4m3", tensor_model_parallel_size=4, sequence_parallel=False),
         planner_config=planner(precision="fp8_delayed", tensor_parallel_size=4, sequence_parallel=True)),
      ("planner config", "sequence_parallel"), "set sequence_parallel to the transformer's"),
+    ("mxfp8, TP 2, sequence parallelism differs from the planner's", lambda: dict(
+        transformer_config=transformer(fp8="e4m3", fp8_recipe="mxfp8", tensor_model_parallel_size=2, sequence_parallel=True),
+        planner_config=planner(precision="mxfp8", tensor_parallel_size=2, sequence_parallel=False)),
+     ("planner config", "sequence_parallel"), "32 under MXFP8"),
+    ("a planner config dict naming no precision", lambda: dict(transformer_config=transformer(fp8="e4m3"),
+                                                              planner_config={"precision": "fp8"}),
+     ("planner config", "precision"), "delayed -> fp8_delayed"),
     ("megatron fsdp", lambda: dict(engine_config={"use_megatron_fsdp": True}), ("engine", "use_megatron_fsdp"), "DDP"),
     ("no per-token loss", lambda: dict(transformer_config=transformer(calculate_per_token_loss=False)),
      ("transformer", "calculate_per_token_loss"), "calculate_per_token_loss=True"),

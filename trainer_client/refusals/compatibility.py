@@ -408,7 +408,11 @@ def model_precision(inputs: Inputs) -> Precision | None:
 
 def _precision_differs(value: Any, inputs: Inputs) -> bool:
     runs = model_precision(inputs)
-    return runs is not None and Precision(kind_name(value or "bf16")) is not runs
+    try:
+        asked = Precision(kind_name(value or "bf16"))
+    except ValueError:
+        return True  # no precision at all (a plain dict's): refused, naming it
+    return runs is not None and asked is not runs
 
 
 def _sequence_parallel_differs(value: Any, inputs: Inputs) -> bool:
@@ -469,8 +473,9 @@ RULES: tuple[Rule, ...] = (
          _PRECISION_FIX.format(what="planner config"), lambda v, i: _precision_differs(v, i), needs=("transformer",)),
     Rule(Place("plan", "precision"), "differs from the precision the transformer's fp8 and fp8_recipe run",
          _PRECISION_FIX.format(what="plan"), lambda v, i: _precision_differs(v, i), needs=("transformer",)),
-    Rule(_planner("sequence_parallel"), "differs from the transformer's sequence_parallel, with FP8, where that changes the rows' multiple (TP > 2)",
-         "under FP8 each TP rank's sequence-parallel shard must be a multiple of 8 rows (rank_row_multiple), so the plan pads "
+    Rule(_planner("sequence_parallel"), "differs from the transformer's sequence_parallel, with FP8, where that changes the rows' multiple "
+         "(FP8 at TP > 2, MXFP8 at TP > 1)",
+         "under FP8 each TP rank's sequence-parallel shard must be a multiple of 8 rows (32 under MXFP8; rank_row_multiple), so the plan pads "
          "for the model's sequence parallelism; set sequence_parallel to the transformer's in the planner config",
          lambda v, i: _sequence_parallel_differs(v, i), needs=("transformer",)),
     Rule(_transformer("enable_cuda_graph"), "true", _NO_CUDA_GRAPHS + "set enable_cuda_graph=False", is_set),
