@@ -237,3 +237,21 @@ def test_where_extend_last_pads_less_it_breaks_the_layouts_multiple(tp, precisio
     assert target == cp * multiple < sum(ours) == math.lcm(m, cp * multiple)
     assert target % m and all(p % m == 0 for p in ours)
     assert transformer_engine_refusal(target // cp, tp, False, precision) is None  # Transformer Engine would take its rows
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 2000).map(lambda k: 2 * k + 1), min_size=1, max_size=24), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2]),
+       st.booleans(), st.sampled_from(list(CpLayout)), st.sampled_from(list(Precision)))
+def test_the_static_cp_comparisons_packs_are_aligned_too(lengths, cp, tp, sp, layout, precision):
+    """The static-CP comparison (cost.static_cp_packs: one pass per pack) pads each pack's buffer as a
+    packed pass is padded: its rows pass Transformer Engine's checks, with the fewest tokens."""
+    from batch_planner.cost import static_cp_packs
+
+    request = PlanRequest.of(lengths, 2, cp, 4096, cp_layout=layout, tensor_parallel_size=tp, precision=precision, sequence_parallel=sp)
+    _, offsets, padded = static_cp_packs(request)
+    _, _, layout_only = static_cp_packs(request.replace(precision=Precision.BF16))
+    m, multiple = padding_multiple(cp, tp, layout), rank_row_multiple(precision, tp, sp)
+    for tokens, base in zip(padded.tolist(), layout_only.tolist()):
+        assert transformer_engine_refusal(tokens // cp, tp, sp, precision) is None and tokens % cp == 0
+        assert tokens - base == alignment_tokens(base, cp, m, multiple)
+    assert len(padded) == len(offsets) - 1
