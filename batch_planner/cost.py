@@ -166,6 +166,16 @@ def static_cp_step_cost(request: PlanRequest, model: CostModel) -> float:
     replicas meet only at the gradient all-reduce: the step is the slowest replica's sum.
     """
     cp = request.context_parallel_size
+    lengths, offsets, padded = static_cp_packs(request)
+    features = unit_features(padded, segment_sums(lengths * lengths, offsets), cp, 1)  # one pass per pack
+    return _slowest_replica(_price_columns(model, features), request.data_parallel_size)
+
+
+def static_cp_packs(request: PlanRequest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The static-CP comparison's packs (`static_cp_step_cost`): the lengths column, each pack's
+    offsets into it, and each pack's padded tokens (one pass per pack: the layout's padding, verl's
+    top-up, then the precision's)."""
+    cp = request.context_parallel_size
     lengths = lengths_column(request.sequence_lengths, cp, request.tensor_parallel_size)
     starts = pack_starts(lengths, request.max_seqlen_per_dp_cp_rank * cp)
     offsets = np.asarray([*starts, len(lengths)], dtype=np.int64)
@@ -175,8 +185,7 @@ def static_cp_step_cost(request: PlanRequest, model: CostModel) -> float:
         padded = np.maximum(padded, cp * request.min_local_rows)
     if (rows := row_multiple_of(request)) > 1:  # the precision's top-up of each pack's buffer
         padded = round_up(padded, math.lcm(multiple, cp * rows))
-    features = unit_features(padded, segment_sums(lengths * lengths, offsets), cp, 1)  # one pass per pack
-    return _slowest_replica(_price_columns(model, features), request.data_parallel_size)
+    return lengths, offsets, padded
 
 
 def _slowest_replica(pack_seconds: np.ndarray, dp: int) -> float:

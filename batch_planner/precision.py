@@ -1,7 +1,8 @@
 """The precision a trainer's GEMMs run in, and what it needs of every rank's rows in every pass.
 
 Transformer Engine's FP8 GEMMs refuse an input whose leading dimensions do not multiply to a
-multiple of 8; MXFP8 and block scaling quantize the rows in blocks. Under dynamic CP a rank's rows in
+multiple of 8, and cuBLASLt a GEMM whose rows are not a multiple of 16; MXFP8 quantizes the rows in
+blocks of 32. Under dynamic CP a rank's rows in
 a pass are its group's padded tokens divided by the group's CP size: any multiple of 2 x TP, not of
 what FP8 needs. The planner pads each pass's buffer until they are (batch_planner/padding.py,
 `group_padded_lengths`); this module says how far, and from where each rule comes (`ROW_RULES`).

@@ -1,6 +1,7 @@
 """The planner's Prometheus metrics (served on their own HTTP port).
 
-Labels stay bounded: scheduler (3 values), code (gRPC status names), training_job (bounded by
+Labels stay bounded: scheduler (3 values), code (gRPC status names), precision (the proto's
+Precision values), training_job (bounded by
 --max-job-labels; later jobs are counted under training_job="other"). Not `job`: that is
 Prometheus's own target label, and a clash would rename ours to exported_job.
 """
@@ -67,6 +68,12 @@ class PlannerMetrics:
         self.padding_tokens = Counter(
             "batch_planner_padding_tokens_total", "Padding tokens the plans served add (padded minus real).",
             ["scheduler", "training_job"], registry=r,
+        )
+        self.alignment_padding_tokens = Counter(
+            "batch_planner_alignment_padding_tokens_total",
+            "Of the padding tokens, those the precision's row alignment adds (FP8: every rank's rows of a pass a multiple "
+            "of what its GEMMs take), by precision (bf16 adds none and is not counted).",
+            ["scheduler", "precision", "training_job"], registry=r,
         )
         self.planned_samples = Counter(
             "batch_planner_planned_samples_total", "Samples in the plans served, by the CP size they got.",

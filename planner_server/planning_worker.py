@@ -66,6 +66,7 @@ class WorkerResult:
     # The substitute was served (batch_planner/substitute.py): the scheduler asked for, and why.
     substituted_for: str = ""
     substitute_reason: str = ""
+    precision: str = ""  # the plan's precision (Precision's value), when OK: a bounded metric label
 
 
 def request_digest(request_bytes: bytes) -> str:
@@ -167,7 +168,7 @@ def plan_parsed(
     if substitution is not None:
         log.warning("request %s: %s", parsed.about.request_digest, substitution.describe())
     return WorkerResult(ErrorCode.OK, response, about=parsed.about, plan_id=plan.plan_id, scheduler_seconds=elapsed,
-                        statistics=plan.statistics, planning_seconds=planning_seconds,
+                        statistics=plan.statistics, planning_seconds=planning_seconds, precision=plan.precision.value,
                         substituted_for=substitution.requested.value if substitution else "",
                         substitute_reason=substitution.reason.value if substitution else "",
                         **_auto_fields(plan.candidates))

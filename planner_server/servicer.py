@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError
 from batch_planner.convert import JOB_METADATA_KEY, SCHEDULER_TO_PROTO, cost_model_to_proto
 from batch_planner.cost_spec import preset_names
 from batch_planner.errors import ErrorCode, InvalidRequestError, PlanningError
+from batch_planner.precision import Precision
 from batch_planner.request import SchedulerKind
 from batch_planner.exact.verified import exact_path_status
 from batch_planner.schedulers import discover_schedulers, megatron_core_version
@@ -119,6 +120,8 @@ class PlannerServicer:
         stats = result.statistics
         series(m.planned_tokens, scheduler, job).inc(stats.real_tokens)
         series(m.padding_tokens, scheduler, job).inc(stats.padded_tokens - stats.real_tokens)
+        if result.precision and result.precision != Precision.BF16.value:  # what FP8's row alignment added of it
+            series(m.alignment_padding_tokens, scheduler, result.precision, job).inc(stats.alignment_padding_tokens)
         series(m.micro_batches, scheduler).inc(stats.micro_batch_count)
         for cp_size, samples, _ in stats.cp_size_mix:
             series(m.planned_samples, scheduler, str(cp_size)).inc(samples)

@@ -98,15 +98,24 @@ def test_every_shard_is_the_one_megatron_core_cuts(unit):
     if rule is PaddingRule.MEGATRON_CORE or refused_by_the_table(layout, tp, min_local_rows) is not None:
         min_local_rows = None
     padded = group_padded_lengths(lengths, cp, tp, layout, rule, min_local_rows)
-    starts = _cu(padded)
     for rank in range(cp):
-        ours = [starts[r.index] + row for r in padded_unit_shard(padded, cp, rank, layout) for row in range(r.start, r.stop)]
-        if cp == 1:
-            assert ours == list(range(sum(padded)))  # Megatron-Core slices nothing at CP1
-            continue
-        segments, local_rows = routes._build_thd_layout_segments(starts, cp, rank, layout.value)
-        theirs = [row for start, count, _ in sorted(segments, key=lambda s: s[2]) for row in range(start, start + count)]
-        assert ours == theirs and len(ours) == local_rows, (unit, padded, rank)
+        assert our_shard_rows(padded, cp, rank, layout) == megatron_core_shard_rows(padded, cp, rank, layout), (unit, padded, rank)
+
+
+def our_shard_rows(padded: list[int], cp: int, rank: int, layout: CpLayout) -> list[int]:
+    """The buffer's rows rank `rank` of `cp` holds, in order, as batch_planner/shards.py cuts them."""
+    starts = _cu(padded)
+    return [starts[r.index] + row for r in padded_unit_shard(padded, cp, rank, layout) for row in range(r.start, r.stop)]
+
+
+def megatron_core_shard_rows(padded: list[int], cp: int, rank: int, layout: CpLayout) -> list[int]:
+    """The same, as Megatron-Core's own layout code cuts them (`_build_thd_layout_segments`); all rows at CP1."""
+    if cp == 1:
+        return list(range(sum(padded)))  # Megatron-Core slices nothing at CP1
+    segments, local_rows = routes._build_thd_layout_segments(_cu(padded), cp, rank, layout.value)
+    rows = [row for start, count, _ in sorted(segments, key=lambda s: s[2]) for row in range(start, start + count)]
+    assert len(rows) == local_rows
+    return rows
 
 
 def test_the_planted_contiguous_padding_of_cp_times_tp_is_one_megatron_core_refuses():

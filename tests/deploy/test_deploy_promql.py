@@ -20,6 +20,7 @@ METRIC_NAME = re.compile(r"\bbatch_planner_[a-zA-Z0-9_]+\b")
 # What docs/design.md (Metrics) asks the dashboard to show, by the metrics each needs.
 REQUIRED_DASHBOARD_METRICS = {
     "batch_planner_padding_tokens_total", "batch_planner_client_padding_tokens_total",  # padding waste
+    "batch_planner_alignment_padding_tokens_total",  # of it, FP8's row alignment
     "batch_planner_client_tokens_total", "batch_planner_client_tokens_per_second",  # tokens per second
     "batch_planner_plan_latency_seconds_bucket",  # plan latency p50/p99
     "batch_planner_requests_total",  # requests and errors by code

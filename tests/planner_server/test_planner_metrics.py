@@ -71,6 +71,31 @@ def test_counters_move_by_known_amounts(fresh_planner):
     assert info and "hybrid_cp" in info[0].labels["schedulers"] and info[0].labels["megatron_core_version"]
 
 
+def test_the_alignment_padding_is_counted_by_precision(fresh_planner):
+    """FP8's row alignment: of the padding counted, what the precision added (PlanStatistics'
+    alignment_padding_tokens), labelled with the plan's precision; a bf16 plan adds no series."""
+    from batch_planner.precision import Precision
+
+    lengths = tuple(sample_lengths("long_tail_16k", 64, seed=3))
+    fp8 = PlanRequest.of(lengths, 4, 2, 4096, tensor_parallel_size=2, precision=Precision.FP8_BLOCK, job="metrics-fp8")
+    bf16 = PlanRequest.of(lengths, 4, 2, 4096, tensor_parallel_size=2, job="metrics-bf16")
+    before = scrape(fresh_planner.metrics_url)
+    with grpc.insecure_channel(fresh_planner.address) as channel:
+        stub = planner_pb2_grpc.BatchPlannerStub(channel)
+        plans = [plan_from_proto(stub.Plan(request_to_proto(fp8), timeout=60)) for _ in range(2)]
+        plain = plan_from_proto(stub.Plan(request_to_proto(bf16), timeout=60))
+    after = scrape(fresh_planner.metrics_url)
+    name = "batch_planner_alignment_padding_tokens_total"
+    aligned = plans[0].statistics.alignment_padding_tokens
+    assert plans[0].precision is Precision.FP8_BLOCK and aligned > 0
+    assert sample_value(after, name, precision="fp8_block", training_job="metrics-fp8") - sample_value(
+        before, name, precision="fp8_block", training_job="metrics-fp8") == 2 * aligned
+    padding = sample_value(after, "batch_planner_padding_tokens_total", training_job="metrics-fp8")
+    assert padding >= 2 * aligned  # a part of the padding counted
+    assert plain.statistics.alignment_padding_tokens == 0
+    assert 'training_job="metrics-bf16"' not in "\n".join(line for line in after.splitlines() if line.startswith(name))
+
+
 def test_exposition_passes_promtool(fresh_planner):
     promtool = find_tool("promtool")
     text = scrape(fresh_planner.metrics_url)

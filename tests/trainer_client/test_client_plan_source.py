@@ -5,7 +5,8 @@ or out of range) fails like the call: the step is planned in-process and counted
 `malformed_response`, or with fallback off raises PlannerUnavailableError, which the broadcast hands
 to every rank; it never reaches `apply`, where one rank would fail alone or a sample go untrained.
 The service is a stand-in of the test's own on loopback (`UnreadableAnswerPlanner`): the real
-server never sends such answers."""
+server never sends such answers. An older server (`PredatesPrecisionPlanner`: the real planning path
+without the fields it does not know) answers an FP8 request with a bf16 plan: planned in-process too."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from batch_planner.convert import plan_to_proto
 from batch_planner.planner import plan_batch
+from batch_planner.precision import Precision
 from batch_planner.request import PlanRequest
 from batch_planner.v1 import planner_pb2 as pb
 from trainer_client.service.config import PlannerClientConfig
@@ -114,3 +116,85 @@ def test_the_real_plans_answer_from_the_same_stand_in_is_used_as_sent():
     finally:
         source.close()
         planner.server.stop(None)
+
+
+class PredatesPrecisionPlanner:
+    """A server on loopback that predates `precision` and `sequence_parallel`: the real planning path
+    (planner_server/planning_worker.py's plan_request_bytes: parse, plan_batch, the response) run on
+    the request as an older server reads it, the fields it does not know dropped (protobuf keeps them
+    as unknown fields, which an older server never reads), and answered without them."""
+
+    def __init__(self):
+        import time
+
+        from planner_server.config import ServerConfig
+        from planner_server.planning_worker import plan_request_bytes
+
+        config = ServerConfig()
+        self.asked: list[pb.PlanRequest] = []
+
+        def plan(request_bytes, context):
+            self.asked.append(pb.PlanRequest.FromString(request_bytes))
+            message = pb.PlanRequest.FromString(request_bytes)
+            message.ClearField("precision")
+            message.ClearField("sequence_parallel")
+            result = plan_request_bytes(message.SerializeToString(), time.time() + 30, config.limits, config.cost_model)
+            answer = pb.PlanResponse.FromString(result.response)
+            answer.ClearField("precision")
+            answer.ClearField("sequence_parallel")
+            return answer.SerializeToString()
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(2))
+        handler = grpc.unary_unary_rpc_method_handler(plan)
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("batch_planner.v1.BatchPlanner", {"Plan": handler}),))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+
+@pytest.fixture
+def predates_precision():
+    planner = PredatesPrecisionPlanner()
+    yield planner
+    planner.server.stop(None)
+
+
+FP8_REQUEST = PlanRequest.of((4095, 2047, 1023, 511, 509, 255, 127, 63), 4, 2, 4096, job="plan-source", precision=Precision.FP8_DELAYED,
+                             tensor_parallel_size=2)
+
+
+def test_a_server_that_predates_precision_gets_an_fp8_step_planned_in_process_and_counted(predates_precision):
+    source = _source(predates_precision, fallback=True)
+    try:
+        sourced = source.plan(FP8_REQUEST)
+        assert predates_precision.asked and predates_precision.asked[0].precision == pb.PRECISION_FP8_DELAYED  # it was asked
+        assert sourced.source == FALLBACK and sourced.plan == plan_batch(FP8_REQUEST)
+        assert sourced.plan.precision is Precision.FP8_DELAYED and sourced.plan.statistics.alignment_padding_tokens > 0
+        counted = source.metrics.registry.get_sample_value(
+            "batch_planner_client_fallbacks_total", {"training_job": "plan-source", "reason": MALFORMED_RESPONSE},
+        )
+        assert counted == 1
+    finally:
+        source.close()
+
+
+def test_with_fallback_off_a_server_that_predates_precision_raises_naming_the_precision(predates_precision):
+    source = _source(predates_precision, fallback=False)
+    try:
+        with pytest.raises(PlannerUnavailableError, match=r"malformed_response.*plan pads for .*precision.*bf16.*fp8_delayed"):
+            source.plan(FP8_REQUEST)
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_a_server_that_predates_precision_serves_bf16_steps_as_before(predates_precision, sequence_parallel):
+    """Its plan reads back as bf16 with sequence parallelism (the fields' defaults), which pads as a bf16
+    request does whatever its sequence parallelism: used as sent."""
+    request = PlanRequest.of(REQUEST.sequence_lengths, 4, 2, 4096, job="plan-source", sequence_parallel=sequence_parallel)
+    source = _source(predates_precision, fallback=False)
+    try:
+        sourced = source.plan(request)
+        assert sourced.source == SERVICE and sourced.plan.precision is Precision.BF16 and sourced.plan.sequence_parallel is True
+        assert sourced.plan.micro_batches == plan_batch(request).micro_batches
+    finally:
+        source.close()

@@ -15,6 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from batch_planner.planner import plan_batch
+from batch_planner.precision import Precision
 from batch_planner.request import PlanRequest, SchedulerKind
 from tests.support.megatron_builds import best_local_scheduler
 from trainer_client import BatchPlannerClient, PlannerClientConfig
@@ -75,6 +76,25 @@ REFUSED = [
     ("multimodal flag", lambda: dict(model_config={"is_multimodal": True}), ("model", "is_multimodal"), "text-only"),
     ("multimodal batch", lambda: dict(batch=batch(pixel_values=torch.zeros(len(LENGTHS), 3))), ("batch", "batch field"), "multimodal"),
     ("distillation", lambda: dict(engine_config={"distillation": {"teacher": "big"}}), ("engine", "distillation"), "disable it"),
+    ("fp8 engine (verl's)", lambda: dict(engine_config={"fp8": "e4m3"}), ("engine", "fp8"), "null"),
+    ("fp8 transformer, planner config in bf16", lambda: dict(transformer_config=transformer(fp8="hybrid"), planner_config=planner()),
+     ("planner config", "precision"), "delayed -> fp8_delayed"),
+    ("fp8 transformer, plan in bf16", lambda: dict(transformer_config=transformer(fp8="e4m3", fp8_recipe="tensorwise"), plan=hybrid_plan()),
+     ("plan", "precision"), "tensorwise -> fp8_current"),
+    ("fp8 custom recipe", lambda: dict(transformer_config=SimpleNamespace(fp8="e4m3", fp8_recipe="custom", calculate_per_token_loss=True)),
+     ("transformer", "fp8_recipe"), "delayed, tensorwise, blockwise, mxfp8"),
+    ("nvfp4", lambda: dict(transformer_config=transformer(fp4="e2m1")), ("transformer", "fp4"), "fp4=None"),
+    ("fp8, TP 4, sequence parallelism differs from the planner's", lambda: dict(
+        transformer_config=transformer(fp8="e4m3", tensor_model_parallel_size=4, sequence_parallel=False),
+        planner_config=planner(precision="fp8_delayed", tensor_parallel_size=4, sequence_parallel=True)),
+     ("planner config", "sequence_parallel"), "set sequence_parallel to the transformer's"),
+    ("mxfp8, TP 2, sequence parallelism differs from the planner's", lambda: dict(
+        transformer_config=transformer(fp8="e4m3", fp8_recipe="mxfp8", tensor_model_parallel_size=2, sequence_parallel=True),
+        planner_config=planner(precision="mxfp8", tensor_parallel_size=2, sequence_parallel=False)),
+     ("planner config", "sequence_parallel"), "32 under MXFP8"),
+    ("a planner config dict naming no precision", lambda: dict(transformer_config=transformer(fp8="e4m3"),
+                                                              planner_config={"precision": "fp8"}),
+     ("planner config", "precision"), "delayed -> fp8_delayed"),
     ("megatron fsdp", lambda: dict(engine_config={"use_megatron_fsdp": True}), ("engine", "use_megatron_fsdp"), "DDP"),
     ("no per-token loss", lambda: dict(transformer_config=transformer(calculate_per_token_loss=False)),
      ("transformer", "calculate_per_token_loss"), "calculate_per_token_loss=True"),
@@ -193,6 +213,13 @@ ACCEPTED = [
     ("MoE alltoall + router replay unfused, dynamic CP", lambda: dict(transformer_config=transformer(
         num_moe_experts=4, moe_token_dispatcher_type="alltoall", moe_enable_routing_replay=True), planner_config=planner(**DYNAMIC))),
     ("MoE allgather on hybrid CP", lambda: dict(transformer_config=transformer(num_moe_experts=4), planner_config=planner(scheduler=SchedulerKind.HYBRID_CP))),
+    ("fp8 transformer, planner config and plan padded for it", lambda: dict(
+        transformer_config=transformer(fp8="e4m3", fp8_recipe="blockwise", tensor_model_parallel_size=2, sequence_parallel=True),
+        planner_config=planner(precision="fp8_block", tensor_parallel_size=2),
+        plan=plan_batch(PlanRequest.of(LENGTHS, 4, 1, 1024, precision=Precision.FP8_BLOCK, tensor_parallel_size=2)))),
+    ("fp8 with TP 2: sequence parallelism changes no multiple (8 x 2 = 16 either way)", lambda: dict(
+        transformer_config=transformer(fp8="e4m3", tensor_model_parallel_size=2, sequence_parallel=False),
+        planner_config=planner(precision="fp8_delayed", tensor_parallel_size=2, sequence_parallel=True))),
     ("MLA zigzag on dynamic CP", lambda: dict(transformer_config=transformer(multi_latent_attention=True), planner_config=planner(**DYNAMIC))),
     ("VPP with matching group size on a VPP-aware Megatron-Core", lambda: dict(
         transformer_config=transformer(**VPP), planner_config=planner(micro_batch_group_size=4, **DYNAMIC),

@@ -16,7 +16,7 @@ from batch_planner.plan import CpGroup, Plan
 from batch_planner.request import CapacityBound, CpLayout
 from batch_planner.shards import padded_unit_shard
 from trainer_client.plans.batch import BatchMismatchError, GlobalBatch, JaggedField, unbind_batch
-from trainer_client.errors import InvalidArgumentError
+from trainer_client.errors import InvalidArgumentError, UnrunnablePlanError
 from trainer_client.plans.megatron import CpGroupResolver, packed_seq_params
 from trainer_client.plans.micro_batch import RankMicroBatch
 
@@ -126,8 +126,10 @@ class _Unit:
         sample_ids: tuple[int, ...], process_group: Any,
     ) -> "_Unit":
         lengths = tuple(batch.lengths[i] for i in sample_ids)
+        multiple = row_multiple_of(plan)
         padded = tuple(group_padded_lengths(lengths, group.size, plan.tensor_parallel_size, plan.cp_layout, plan.padding, plan.min_local_rows,
-                                            row_multiple_of(plan)))
+                                            multiple))
+        _check_rows(plan, index, group, sample_ids, padded, multiple)
         layout = plan.cp_layout
         return cls(index, last, group, group.size, rank - group.first_rank, process_group, sample_ids, lengths, padded, layout).sharded()
 
@@ -200,6 +202,22 @@ class _Unit:
         for start, stop in self.padding_runs:
             mask[start:stop] = False
         return mask
+
+
+def _check_rows(plan: Plan, index: int, group: CpGroup, sample_ids: tuple[int, ...], padded: tuple[int, ...], multiple: int) -> None:
+    """A bug guard at the boundary: every rank's rows of a pass must be what the plan's precision takes
+    (`row_multiple_of`; Transformer Engine's FP8 GEMMs refuse others deep inside the step)."""
+    total = sum(padded)
+    if total % group.size == 0 and (total // group.size) % multiple == 0:
+        return
+    rows = total / group.size if total % group.size else total // group.size
+    raise UnrunnablePlanError(
+        "rows", rows,
+        f"micro-batch {index}'s pass of samples {list(sample_ids)} on CP group {list(group.ranks)} gives each rank {rows} rows "
+        f"({total} padded tokens over {group.size} ranks), not a multiple of {multiple}, which precision {plan.precision.value} "
+        f"needs at tensor_parallel_size={plan.tensor_parallel_size}, sequence_parallel={plan.sequence_parallel} "
+        "(batch_planner/precision.py); the padding is wrong: please report it",
+    )
 
 
 def shard_padding_mask(lengths: Sequence[int], padded: Sequence[int], cp_size: int, cp_rank: int, layout: CpLayout) -> torch.Tensor:

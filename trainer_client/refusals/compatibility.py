@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import cache, cached_property, partial
 from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence
 
+from batch_planner.precision import MEGATRON_FP8_RECIPES, Precision, rank_row_multiple
 from batch_planner.request import CpLayout, SchedulerKind
 from trainer_client.errors import ConfigError, InvalidArgumentError, UnsupportedCombinationError, UsageError
 
@@ -397,6 +398,31 @@ def kind_name(value: Any) -> Any:
     return getattr(value, "value", value)
 
 
+def model_precision(inputs: Inputs) -> Precision | None:
+    """The precision the transformer config's fp8 and fp8_recipe run (None: a recipe the planner has no
+    alignment for, which the fp8_recipe row refuses)."""
+    if inputs.tc("fp8") is None:
+        return Precision.BF16
+    return MEGATRON_FP8_RECIPES.get(kind_name(inputs.tc("fp8_recipe") or "delayed"))
+
+
+def _precision_differs(value: Any, inputs: Inputs) -> bool:
+    runs = model_precision(inputs)
+    try:
+        asked = Precision(kind_name(value or "bf16"))
+    except ValueError:
+        return True  # no precision at all (a plain dict's): refused, naming it
+    return runs is not None and asked is not runs
+
+
+def _sequence_parallel_differs(value: Any, inputs: Inputs) -> bool:
+    runs = model_precision(inputs)
+    if runs is None or runs is Precision.BF16 or value is None:
+        return False
+    model = bool(inputs.tc("sequence_parallel", False))
+    return rank_row_multiple(runs, inputs.tp, bool(value)) != rank_row_multiple(runs, inputs.tp, model)
+
+
 def packing_scheduler_name(model: Any) -> Any:
     """The packing scheduler a Megatron-Core model config names (`dynamic_context_parallel=True` says
     default_dynamic_cp); only for a build that has the field (a release has neither)."""
@@ -411,6 +437,10 @@ _engine, _model, _transformer, _planner = (partial(Place, source) for source in 
 _THD_CP = "the plan runs CP groups on packed THD input, which only Transformer Engine's attention takes; "
 _NO_CUDA_GRAPHS = "Megatron-Core does not support CUDA graphs with dynamic CP; "
 _NOT_VALUE_MODEL = "value (critic) models are not supported; run the critic with static CP"
+_PRECISION_FIX = ("the {what} pads each pass's rows for its precision, which must be the one the model runs (bf16 without fp8; "
+                  "fp8_recipe " + ", ".join(f"{name} -> {p.value}" for name, p in MEGATRON_FP8_RECIPES.items()) + "), else "
+                  "Transformer Engine's FP8 GEMMs refuse the rows; set precision to it in the planner config (the Megatron-LM "
+                  "and Bridge drop-ins derive it)")
 
 RULES: tuple[Rule, ...] = (
     Rule(_engine("use_remove_padding"), "false",
@@ -420,6 +450,9 @@ RULES: tuple[Rule, ...] = (
     Rule(_engine("use_megatron_fsdp"), "true",
          "Megatron-Core's dynamic CP does not support Megatron FSDP; use DDP or the distributed optimizer (Bridge "
          "copies dist.use_megatron_fsdp to ddp later: leave both False)", is_set, setting="use_megatron_fsdp"),
+    # The engine config is verl's (the reference PR's), whose dynamic CP runs bf16 only (verl's docs: no
+    # FP8); the Megatron-LM and Bridge drop-ins hand no engine config and run FP8 (the `precision` rows).
+    Rule(_engine("fp8"), "set", "verl's engine runs dynamic CP in bf16 only (verl's docs: no FP8); set fp8 to null", is_set),
     Rule(_model("is_value_model"), "true", _NOT_VALUE_MODEL, is_set),
     Rule(_model("vision_config"), "set", "multimodal models are not supported; use a text-only model or static CP",
          is_set, read=_vision),
@@ -427,6 +460,24 @@ RULES: tuple[Rule, ...] = (
     Rule(_transformer("calculate_per_token_loss"), "false",
          "Megatron-Core requires a per-token loss with dynamic CP (micro-batches hold different token "
          "counts); set calculate_per_token_loss=True", lambda v, _: not v, default=False),
+    # FP8 runs with dynamic CP where every pass is padded for it (batch_planner/precision.py): the plan
+    # must be made for the precision the model runs (the Megatron drop-ins derive it), and the recipe
+    # must be one the planner aligns rows for. NVFP4 has no alignment in the planner.
+    Rule(_transformer("fp8_recipe"), "'custom' (or another recipe the planner has no row alignment for) with fp8 set",
+         "the planner pads each pass's rows for " + ", ".join(MEGATRON_FP8_RECIPES) + " only (batch_planner/precision.py); "
+         "use one of them, or fp8=None", lambda v, i: i.tc("fp8") is not None and kind_name(v or "delayed") not in MEGATRON_FP8_RECIPES),
+    Rule(_transformer("fp4"), "set (NVFP4)",
+         "the planner has no row alignment for NVFP4 (not measured: its GEMMs' row multiples are unknown to the planner), so a "
+         "plan's passes would reach Transformer Engine unaligned; set fp4=None (FP8 recipes are supported)", lambda v, _: v is not None),
+    Rule(_planner("precision"), "differs from the precision the transformer's fp8 and fp8_recipe run",
+         _PRECISION_FIX.format(what="planner config"), lambda v, i: _precision_differs(v, i), needs=("transformer",)),
+    Rule(Place("plan", "precision"), "differs from the precision the transformer's fp8 and fp8_recipe run",
+         _PRECISION_FIX.format(what="plan"), lambda v, i: _precision_differs(v, i), needs=("transformer",)),
+    Rule(_planner("sequence_parallel"), "differs from the transformer's sequence_parallel, with FP8, where that changes the rows' multiple "
+         "(FP8 at TP > 2, MXFP8 at TP > 1)",
+         "under FP8 each TP rank's sequence-parallel shard must be a multiple of 8 rows (32 under MXFP8; rank_row_multiple), so the plan pads "
+         "for the model's sequence parallelism; set sequence_parallel to the transformer's in the planner config",
+         lambda v, i: _sequence_parallel_differs(v, i), needs=("transformer",)),
     Rule(_transformer("enable_cuda_graph"), "true", _NO_CUDA_GRAPHS + "set enable_cuda_graph=False", is_set),
     Rule(_transformer("external_cuda_graph"), "true", _NO_CUDA_GRAPHS + "set external_cuda_graph=False", is_set),
     Rule(_transformer("cuda_graph_impl"), "not 'none'", _NO_CUDA_GRAPHS + "set cuda_graph_impl='none'",

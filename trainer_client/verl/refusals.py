@@ -5,6 +5,7 @@ with each step's plan (the plans it cannot run). Registered with the drop-in
 
 from __future__ import annotations
 
+from batch_planner.precision import Precision
 from batch_planner.request import SchedulerKind
 from trainer_client.refusals.compatibility import Inputs, Place, Rule, TableSource, kind_name
 from trainer_client.errors import UnrunnablePlanError
@@ -32,7 +33,22 @@ def _unaligned_group(inputs: Inputs) -> str | None:
                  f"first rank {g.first_rank}" for g in groups), None)
 
 
+# verl's dynamic CP runs bf16 only (verl's docs: no FP8 with dynamic CP), and the drop-in runs what verl
+# runs (its plans pad for verl's engine): FP8, which the planner pads for with Megatron-LM and Bridge,
+# stays refused here.
+_NO_FP8 = ("verl's dynamic CP runs bf16 only (verl's docs: no FP8), and verl's drop-in runs what verl runs; "
+           "the planner pads for FP8 with the Megatron-LM and Bridge drop-ins only: ")
+
+
+def _not_bf16(value, _) -> bool:
+    return value is not None and kind_name(value) != Precision.BF16.value
+
+
 ROWS = (
+    Rule(Place("planner config", "precision"), "not bf16", _NO_FP8 + "drop precision from the planner settings (or set bf16)",
+         _not_bf16, needs=(SOURCE,)),
+    Rule(Place("plan", "precision"), "not bf16", _NO_FP8 + "plan with precision bf16", _not_bf16, needs=(SOURCE,),
+         error=UnrunnablePlanError),
     Rule(Place("planner config", "scheduler"), "not dynamic_cp or auto", "verl's engine runs the dynamic-CP contract (docs/verl.md): "
          "set scheduler to dynamic_cp or auto",
          lambda v, _: kind_name(v) not in [k.value for k in (*VERL_SCHEDULERS, SchedulerKind.AUTO)], needs=(SOURCE,)),

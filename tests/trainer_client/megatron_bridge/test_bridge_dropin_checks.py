@@ -118,6 +118,30 @@ def test_settings_come_from_bridges_config():
     assert settings.planner.planner_endpoint == "127.0.0.1:1"
 
 
+def test_an_fp8_model_is_planned_for_its_recipe_and_not_refused():
+    """FP8 runs with the drop-in: the planner settings take the model's fp8_recipe and sequence
+    parallelism, the refusal table lets it through, and a planner precision that disagrees is
+    refused naming both."""
+    from batch_planner.precision import Precision
+    from trainer_client import ConfigError, UnsupportedCombinationError
+    from trainer_client.megatron_bridge import BridgeSettings
+    from trainer_client.megatron_bridge.settings import check_bridge_support
+
+    cfg = _config()
+    cfg.model.fp8, cfg.model.fp8_recipe = "e4m3", "tensorwise"
+    settings = BridgeSettings.of(cfg, {"planner_endpoint": "127.0.0.1:1"})
+    assert (settings.planner.precision, settings.planner.sequence_parallel) == (Precision.FP8_CURRENT, bool(cfg.model.sequence_parallel))
+    check_bridge_support(cfg, settings)
+    with pytest.raises(ConfigError, match="precision: the planner settings say 'bf16' but Megatron runs 'fp8_current'"):
+        BridgeSettings.of(cfg, {"precision": "bf16"})
+    cfg.model.fp8_recipe = "custom"
+    with pytest.raises(ConfigError, match="fp8_recipe: 'custom'.*allowed with dynamic CP: delayed, tensorwise, blockwise, mxfp8"):
+        BridgeSettings.of(cfg)
+    cfg.model.fp8, cfg.model.fp4 = None, "e2m1"
+    with pytest.raises(UnsupportedCombinationError, match="fp4='e2m1'.*no row alignment for NVFP4"):
+        check_bridge_support(cfg, BridgeSettings.of(cfg))
+
+
 def test_a_size_given_twice_must_agree():
     from trainer_client import ConfigError
     from trainer_client.megatron_bridge import BridgeSettings
