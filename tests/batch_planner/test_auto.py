@@ -90,8 +90,13 @@ def test_a_candidate_that_cannot_plan_is_listed_with_its_reason_and_never_served
 def test_the_cost_model_decides_the_winner():
     require_scheduler(SchedulerKind.DYNAMIC_CP)
     request = auto_request("long_tail_16k", 128, dp=4, cp=2, limit=8192)
-    cheap_cp = CostModel(cp_seconds_per_micro_batch=0.0, seconds_per_pass=0.0)
-    dear_cp = CostModel(cp_seconds_per_micro_batch=5.0, cp_seconds_per_token=1e-3)
+    # On the toy engine's coefficients (a 4-layer stack: per-token work small beside a CP cost of 5 s).
+    from dataclasses import replace
+
+    from batch_planner.cost_spec import TOY_ENGINE_COEFFICIENTS
+
+    cheap_cp = replace(TOY_ENGINE_COEFFICIENTS, cp_seconds_per_micro_batch=0.0, seconds_per_pass=0.0)
+    dear_cp = replace(TOY_ENGINE_COEFFICIENTS, cp_seconds_per_micro_batch=5.0, cp_seconds_per_token=1e-3)
     cheap, dear = (plan_batch(request.replace(cost_model=CostModelSpec(coefficients=m))) for m in (cheap_cp, dear_cp))
     assert served(cheap).name != served(dear).name
     # Dear CP: as few samples on CP > 1 as the budget allows (those longer than 8,192 tokens).

@@ -237,6 +237,12 @@ def _unaligned_step(models, how: str) -> dict:
     with ExitStack() as patches:
         if how == "bf16-plan":  # the model runs FP8; the drop-in plans as if it ran bf16
             patches.enter_context(mock.patch.object(settings, "megatron_precision", lambda config: Precision.BF16))
+            # The refusal table refuses such a plan before the first step (its precision rows,
+            # tests/trainer_client/test_precision_refusals.py); lifted here to show what Transformer
+            # Engine itself does with it.
+            import trainer_client.refusals.compatibility as compatibility
+
+            patches.enter_context(mock.patch.object(compatibility, "_precision_differs", lambda value, inputs: False))
         else:  # planted: half the multiple the H100 needs
             planted = {p: RowRule(shard=8, gemm=8) for p in (Precision.FP8_CURRENT, Precision.FP8_DELAYED)}
             patches.enter_context(mock.patch.dict(precision.ROW_RULES, planted))
