@@ -29,7 +29,6 @@ CP terms that samples longer than one rank's budget force.
 
 from __future__ import annotations
 
-import math
 from itertools import pairwise
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -38,7 +37,7 @@ import numpy as np
 from batch_planner.columns import FLOAT_EXACT, INT64_EXACT, lengths_column, round_up, segment_sums
 from batch_planner.cost_spec import CostModel
 from batch_planner.lower_bound import step_lower_bound
-from batch_planner.padding import PlanPadding, padding_multiple, row_multiple_of
+from batch_planner.padding import PlanPadding, padding_multiple, pass_multiple, row_multiple_of
 from batch_planner.plan import GroupColumns, MicroBatch, PlanStatistics
 from batch_planner.request import CapacityBound, PlanRequest
 
@@ -184,7 +183,7 @@ def static_cp_packs(request: PlanRequest) -> tuple[np.ndarray, np.ndarray, np.nd
     if request.min_local_rows is not None:  # verl's top-up of each pack's buffer
         padded = np.maximum(padded, cp * request.min_local_rows)
     if (rows := row_multiple_of(request)) > 1:  # the precision's top-up of each pack's buffer
-        padded = round_up(padded, math.lcm(multiple, cp * rows))
+        padded = round_up(padded, pass_multiple(multiple, cp, rows))
     return lengths, offsets, padded
 
 

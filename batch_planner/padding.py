@@ -56,7 +56,14 @@ def alignment_tokens(buffer_tokens: int, cp_size: int, multiple: int, row_multip
     that keep every sequence a multiple of `multiple` (its layout's rule) and make the buffer a
     multiple of cp_size x row_multiple. Topping up one sequence by them spends no more than any
     other way of padding (a padding-only segment would have to be a multiple of `multiple` too)."""
-    return _round_up(buffer_tokens, math.lcm(multiple, cp_size * row_multiple)) - buffer_tokens
+    return _round_up(buffer_tokens, pass_multiple(multiple, cp_size, row_multiple)) - buffer_tokens
+
+
+def pass_multiple(multiple: int, cp_size: int, row_multiple: int) -> int:
+    """What one pass's buffer on `cp_size` ranks is padded to a multiple of: its sequences'
+    `multiple` (the layout's) and `cp_size` x `row_multiple` rows (the precision's): the one home of
+    the rule that `alignment_tokens`, `PlanPadding` and the static-CP estimate apply."""
+    return math.lcm(multiple, cp_size * row_multiple)
 
 
 def row_multiple_of(options) -> int:
@@ -125,7 +132,7 @@ class PlanPadding:
         if found is None:
             found = padding_multiple(cp_size, self._tensor_parallel_size, self._cp_layout, self._rule)
             if not self._packed and self._row_multiple > 1:
-                found = math.lcm(found, cp_size * self._row_multiple)
+                found = pass_multiple(found, cp_size, self._row_multiple)
             self._multiples[cp_size] = found
         return found
 
@@ -145,7 +152,7 @@ class PlanPadding:
             floor = np.asarray(sizes, dtype=padded.dtype) * self._min_local_rows
             padded = np.where(np.diff(offsets) > 0, np.maximum(padded, floor), padded)
         if self._packed and self._row_multiple > 1:  # the precision's top-up of each group's buffer
-            unit = {size: math.lcm(multiple_of[size], size * self._row_multiple) for size in multiple_of}
+            unit = {size: pass_multiple(multiple_of[size], size, self._row_multiple) for size in multiple_of}
             units = np.asarray(list(map(unit.__getitem__, sizes)), dtype=padded.dtype)
             padded = round_up(padded, units)
         return real, padded.tolist()
