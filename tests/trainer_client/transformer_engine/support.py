@@ -20,26 +20,37 @@ losses of the largest one, each parameter's gradient as the norm of its differen
 shard rotated by one rank of its CP group, whose gradients must miss by far more.
 
 The FP8 tolerance (test_te_fp8_dynamic_cp.py: Megatron-Core's FP8 with Transformer Engine's
-per-tensor recipes, format "hybrid"). Both runs quantize every linear layer's inputs: activations
-and weights to E4M3 (4 significant bits: a rounding moves a value by up to 2^-4 of itself),
-output gradients to E5M2 (3 bits: 2^-3). Each tensor is scaled before it is rounded, by its own
-amax (current scaling) or by an amax history (delayed scaling), and a packed pass's tensors hold
-other rows than a whole sample's, so the two runs scale them differently and round each value at
-a different place of its grid: they differ by about u x sqrt(2/3) for a rounding of up to u (the
-difference of two independent roundings, each uniform within +-u), 0.051 in E4M3 and 0.10 in
-E5M2, at every value. Counted as bf16's are (each rounding's whole bound, added) they would allow
-more than the values themselves; but a tensor's relative L2 difference is the rms of thousands of
-independent roundings, and independent differences add in quadrature. Between the loss and the
-first layer's QKV weight gradient lie about 8 such roundings in E4M3 (the inputs of the four
-linear layers of each of two layers; the weights are the same tensors in both runs, rounded alike
-under current scaling) and 8 in E5M2 (each linear layer's output gradient, and its own):
-sqrt(8 x 0.051^2 + 8 x 0.10^2) = 0.32 if each passed on undamped (norms and residual connections
-damp them), below FP8_TOLERANCE = 2^-1 for gradients. The loss takes the forward's roundings only
-(sqrt(8) x 0.051 = 0.14 of a token's loss) and sums hundreds of tokens whose differences are
-independent: FP8_LOSS_TOLERANCE = 2^-4 leaves it a factor of ten. The planted shard rotated by one
-rank moved the bf16 run's gradients by 1.3 and 1.8 of their norm on the H100
-(docs/gpu-benchmark-data/transformer-engine/megatron_lm_dropin-dp2-cp2.json), and FP8's noise
-does not shrink that; a plan padded for bf16 does not run at all (Transformer Engine refuses it).
+per-tensor recipes, format "hybrid"). Both FP8 runs, the plan's and the whole samples', quantize
+every linear layer's inputs: activations and weights to E4M3 (4 significant bits: a rounding moves
+a value by up to 2^-4 of itself), output gradients to E5M2 (3 bits: 2^-3). Each tensor is scaled
+by its own amax (current scaling) or by an amax history (delayed scaling) before it is rounded, and
+a packed pass's tensors hold other rows than a whole sample's, so the two runs round each value at
+another place of its grid: their errors are two draws of FP8's error on the same values, not one
+error shared.
+
+A bound on their difference from the formats alone does not hold for every parameter, as the first
+run on the H100 showed (2026-12-07, docs/gpu-benchmark.md, "FP8"): the loss agreed to 0.4%, but
+the first layer's norm weights' gradients differed by 0.75 of their norm (current scaling) and by
+1.22, then 0.37 (delayed scaling, its first and second step), above the 2^-1 this module had
+derived from about 8 roundings of each format adding in quadrature (0.32). That derivation took a
+gradient's error relative to the values it sums; a norm weight's gradient sums, over every row,
+products of both signs that mostly cancel, so the same roundings are a far larger share of the sum
+than of its terms, by a factor the formats do not set (the data does).
+
+So the FP8 test measures FP8's own error and holds dynamic CP to it: both FP8 runs against the
+same whole samples in bf16 (Megatron-Core's FP8 context left out, the same weights), over every
+parameter's gradient together (the relative L2 of the whole gradient). The plan's FP8 run may be
+at most FP8_ERROR_RATIO = 2 times as far from bf16 as the whole samples' FP8 run, plus
+FP8_ERROR_FLOOR = 2^-6 (bf16's own rounding between the runs, 0.045-0.055 of the worst parameter's
+norm above, far less over the whole gradient): two draws of one error over tens of thousands of
+values differ by far less than a factor of 2, and an error that dynamic CP adds (a shard on the
+wrong rank, a padding row that trains) is not FP8's and is not bounded by it. The planted shard
+rotated by one rank moved the bf16 run's gradients by 1.3 and 1.8 of their norm on the H100
+(docs/gpu-benchmark-data/transformer-engine/megatron_lm_dropin-dp2-cp2.json). The loss takes the
+forward's roundings only (sqrt(8) x 0.051 = 0.14 of a token's loss, the 8 E4M3 roundings in
+quadrature) and sums hundreds of tokens whose differences are independent: FP8_LOSS_TOLERANCE =
+2^-4 of the whole samples' FP8 loss leaves it a factor of ten (0.4% measured). A plan padded for
+bf16 does not run at all (Transformer Engine refuses it).
 """
 
 from __future__ import annotations
@@ -51,7 +62,8 @@ import pytest
 import torch
 
 TOLERANCE = 2.0**-4
-FP8_TOLERANCE = 2.0**-1  # gradients, under FP8 (module docstring)
+FP8_ERROR_RATIO = 2.0  # the plan's FP8 gradient error over the whole samples' (both against bf16; module docstring)
+FP8_ERROR_FLOOR = 2.0**-6  # added to the bound: bf16's own share
 FP8_LOSS_TOLERANCE = 2.0**-4  # the step's loss, under FP8
 REPORT_DIR_ENV = "GPU_REPORT_DIR"  # where each test writes what it measured (scripts/gpu/run-tests sets it)
 DEADLINE_SECONDS = 240  # per run of ranks: they import torch, Megatron-Core and Transformer Engine (about 15 s), then run a few steps
