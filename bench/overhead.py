@@ -222,7 +222,6 @@ def decompose_small(runs: int, bare: BareGrpc) -> list[list[str]]:
     pool = PlanningPool(1, 4, limits, model)  # inline off: every request on the worker
     inline_pool = PlanningPool(0, 4, limits, model, inline=inline)  # no worker: only inline requests
     servicer = PlannerServicer(config, inline_pool, PlannerMetrics())
-    servicer.ready.set()  # as the server does once warm
     rows: dict[str, list[float]] = {name: [] for name in _DECOMPOSITION}
     try:
         pool.warm_up()

@@ -1,9 +1,11 @@
 """The planner server: gRPC (Plan, GetCapabilities, health, reflection), worker pool, metrics.
 
-Life cycle: health NOT_SERVING while workers import Megatron-Core and plan a warm-up batch (a
-Plan call is answered UNAVAILABLE at once, so that the client tries another replica), then
-SERVING. On SIGTERM/SIGINT: health NOT_SERVING, new RPCs refused, in-flight ones get up to
-`drain_seconds` to finish, then the workers stop and the process exits.
+Life cycle: the probe port's health says NOT_SERVING while the workers import Megatron-Core and
+plan a warm-up batch; the gRPC port is not bound until then, so a connection to a replica warming
+up is refused by the kernel and gRPC's round-robin uses the other replicas, with no call sent to
+this one (a container restarted in place keeps its address in the name). Then the port opens and
+health says SERVING. On SIGTERM/SIGINT: health NOT_SERVING, new RPCs refused, in-flight ones get up
+to `drain_seconds` to finish, then the workers stop and the process exits.
 """
 
 from __future__ import annotations
@@ -113,6 +115,9 @@ class PlannerServer:
         self.probe_port: int | None = None
         self._stopped = threading.Event()
         self._stopping = threading.Lock()  # held by the one drain; a second stop waits for it
+        # Orders opening the port against the drain: a SIGTERM during the warm-up means the port never opens.
+        self._lifecycle = threading.Lock()
+        self._draining = False
 
     def start(self) -> None:
         config = self.config
@@ -158,24 +163,14 @@ class PlannerServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server
         )
-        address = f"{config.host}:{config.port}"
-        credentials = server_credentials(config)
-        if credentials is None:
-            self.port = self.grpc_server.add_insecure_port(address)
-        else:
-            self.port = self.grpc_server.add_secure_port(address, credentials)
-        if self.port == 0:
-            raise RuntimeError(f"could not listen on {address}")
-        self.grpc_server.start()
+        credentials = server_credentials(config)  # read now: a bad certificate fails before the warm-up
         self._start_metrics()
         log.info(
-            "listening on %s (%s), probes on %s (plaintext, health only), %d planning workers, warming up "
-            "Megatron-Core %s", self.port, "TLS" if credentials else "plaintext", self.probe_port, workers,
-            megatron_core_version(),
+            "probes on %s (plaintext, health only), %d planning workers, warming up Megatron-Core %s; port %s (%s) "
+            "opens once warm", self.probe_port, workers, megatron_core_version(), config.port,
+            "TLS" if credentials else "plaintext",
         )
         self.pool.warm_up()
-        if self._stopped.is_set():
-            return  # SIGTERM while warming up: the drain has already stopped everything
         available = [k.value for k, a in discover_schedulers().items() if a.available]
         for kind, availability in discover_schedulers().items():
             self.metrics.scheduler_available.labels(kind.value).set(1 if availability.available else 0)
@@ -197,12 +192,27 @@ class PlannerServer:
                 "schedulers": ",".join(available),
             }
         )
-        self.servicer.ready.set()
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        with self._lifecycle:
+            if self._draining:
+                return  # SIGTERM while warming up: the port never opens, the drain stops the rest
+            self._open_port(credentials)
+            self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "SERVING on port %s (metrics port %s); probe port %s; schedulers available: %s",
             self.port, self.metrics_port, self.probe_port, ", ".join(available) or "none",
         )
+
+    def _open_port(self, credentials: grpc.ServerCredentials | None) -> None:
+        """Binds the gRPC port and starts serving on it: only once warm, so that no call (nor any
+        connection) reaches a replica that cannot plan yet."""
+        address = f"{self.config.host}:{self.config.port}"
+        if credentials is None:
+            self.port = self.grpc_server.add_insecure_port(address)
+        else:
+            self.port = self.grpc_server.add_secure_port(address, credentials)
+        if self.port == 0:
+            raise RuntimeError(f"could not listen on {address}")
+        self.grpc_server.start()
 
     def _start_probes(self) -> None:
         """A plaintext listener with the health service only, for the kubelet's gRPC probes: they
@@ -244,9 +254,11 @@ class PlannerServer:
     def _drain(self, grace: float) -> None:
         log.info("draining: NOT_SERVING, in-flight requests get up to %.1f s", grace)
         deadline = time.monotonic() + grace
-        if self.servicer is not None:
-            self.servicer.draining.set()
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        with self._lifecycle:
+            self._draining = True
+            if self.servicer is not None:
+                self.servicer.draining.set()
+            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         # Keep accepting while the admitted plans finish: a new Plan gets the servicer's clear
         # UNAVAILABLE ("retry on another replica"), which clients retry, rather than the
         # CANCELLED a stopping gRPC server gives calls that arrive during its grace period.

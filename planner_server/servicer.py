@@ -46,9 +46,6 @@ class PlannerServicer:
         self.pool = pool
         self.metrics = metrics
         self.rates = PlanRates()
-        # Set once the workers have warmed up (health SERVING): until then the port accepts (the
-        # health service answers on it), and a Plan call is refused at once, not held.
-        self.ready = threading.Event()
         # Set when the drain starts, before health goes NOT_SERVING: a request that arrives after
         # a client saw NOT_SERVING, but before gRPC stops accepting, is refused too.
         self.draining = threading.Event()
@@ -57,7 +54,7 @@ class PlannerServicer:
     def plan(self, request_bytes: bytes, context: grpc.ServicerContext) -> bytes:
         started = time.perf_counter()
         try:
-            self._refuse_unless_ready()
+            self._refuse_if_draining()
             result = self._plan(request_bytes, context)
         except Exception as exc:  # noqa: BLE001 - every failure is answered with its status, never a crash
             result = failure(exc)
@@ -69,13 +66,12 @@ class PlannerServicer:
             abort(context, result.code, result.message)
         return result.response
 
-    def _refuse_unless_ready(self) -> None:
-        """A replica that cannot plan yet, or any more, answers at once with UNAVAILABLE, which
-        the client retries on another replica, rather than hold the call."""
+    def _refuse_if_draining(self) -> None:
+        """A replica that will not plan any more answers at once with UNAVAILABLE, which the client
+        retries on another replica, rather than hold the call. (One warming up gets no call: the
+        server opens its port once warm.)"""
         if self.draining.is_set():
             raise PlanningError("planner is shutting down; retry on another replica", code=ErrorCode.UNAVAILABLE)
-        if not self.ready.is_set():
-            raise PlanningError("planner is warming up; retry on another replica", code=ErrorCode.UNAVAILABLE)
 
     def _plan(self, request_bytes: bytes, context: grpc.ServicerContext) -> WorkerResult:
         remaining = context.time_remaining()

@@ -10,6 +10,9 @@ bound of 2 (so at most 4 requests in flight):
 - the forkserver killed under load: its workers plan on, every request gets its plan, and a new
   forkserver is started beside them; a storm of worker kills: answers are plans or UNAVAILABLE
   (retryable), never INTERNAL, and the pool recovers;
+- the gRPC port opens only once the workers are warm (a connection made earlier is refused, so a
+  replica restarted on its address gets no call it cannot plan); SIGTERM during the warm-up exits 0
+  without a traceback;
 - SIGTERM drains: in-flight requests complete OK, new ones are refused, health goes NOT_SERVING,
   and the process exits 0, within --drain-seconds even with abandoned plans about; a terminal's
   Ctrl-C followed by SIGTERM drains once, with no traceback. The tests that stop a server run last
@@ -23,8 +26,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -34,6 +39,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from batch_planner.distributions import sample_lengths
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
+from planner_server import __version__
+from tests.support.launch import free_port
 from tests.support.planner_process import PlannerProcess, start_planner
 from tests.support.reliability_support import (
     assert_plan_well_formed,
@@ -41,6 +48,7 @@ from tests.support.reliability_support import (
     health_status,
     metric,
     planning_worker_pids,
+    sample_value,
     wait_for_metric,
     wait_until,
 )
@@ -248,6 +256,46 @@ def test_a_storm_of_worker_kills_answers_unrelated_requests_with_plans_or_unavai
     wait_for_metric(server, "batch_planner_live_workers", lambda v: v == WORKERS, "the replacements running")
     assert timed_plan(stub, slow_request(1))[0] == "OK"
     assert health_status(channel) == "SERVING"
+
+
+def test_the_port_opens_only_once_the_workers_are_warm():
+    """Whenever a connection to the gRPC port succeeded, the warm-up had ended: the metrics page
+    (served from before the warm-up) already showed the build info set after it."""
+    port, metrics_port = free_port(), free_port()
+    server = start_planner("--metrics-port", str(metrics_port), workers=1, port=port, wait_serving=False)
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    refused = 0
+    try:
+        while True:
+            assert server.proc.poll() is None, server.log
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=10).close()
+                break
+            except ConnectionRefusedError:
+                refused += 1
+                time.sleep(0.01)
+        with urllib.request.urlopen(url, timeout=10) as page:
+            built = sample_value(page.read().decode(), "batch_planner_info", version=__version__)
+        assert built == 1, f"the port accepted a connection before the warm-up ended ({refused} refused before)"
+        with grpc.insecure_channel(server.address) as channel:  # and the first call is planned
+            lengths = [4096, 100, 7]
+            request = pb.PlanRequest(sequence_lengths=lengths, layout=pb.ParallelLayout(data_parallel_size=4, context_parallel_size=1),
+                                     max_seqlen_per_dp_cp_rank=4096, scheduler=pb.SCHEDULER_HYBRID_CP)
+            assert_plan_well_formed(planner_pb2_grpc.BatchPlannerStub(channel).Plan(request, timeout=60), lengths, 4)
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_sigterm_during_the_warm_up_exits_0_without_a_traceback():
+    port = free_port()
+    server = start_planner(workers=1, port=port, wait_serving=False)
+    try:
+        wait_until(lambda: "warming up" in server.log, 120, "the server warming up")
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0, server.log
+        assert server.log.count("draining:") == 1 and "Traceback" not in server.log, server.log
+    finally:
+        server.stop(signal.SIGKILL)
 
 
 def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(server):

@@ -8,7 +8,7 @@ while, in separate cases:
 
 - one replica is SIGKILLed (its address stays in the name, as a node that vanished);
 - one replica is SIGKILLed and started again on the same address (a container restart: the port
-  accepts while the workers warm up);
+  opens once the workers are warm, so no call reaches it before: none is answered UNAVAILABLE);
 - all three are rolled one at a time onto new addresses, as a Deployment with maxSurge 1 and
   maxUnavailable 0 does: the new pod ready, in the name, then the old one out and SIGTERMed;
 - one replica's forkserver is killed under the trainer's load.
@@ -267,10 +267,11 @@ def test_a_replica_restarted_in_place_is_not_noticed(cluster, tmp_path):
     def restart_in_place(trainer: Trainer) -> None:
         host = "127.0.0.2"
         cluster.replicas[host].stop(signal.SIGKILL)  # the container dies; the pod keeps its address
-        restarted = cluster.replicas[host] = cluster.start(host)  # its port accepts before it is warm
+        restarted = cluster.replicas[host] = cluster.start(host)  # its port opens once it is warm
         wait_until(lambda: _served(restarted) > 0, WAIT_S, "the restarted replica planning the trainer's steps again")
 
-    run_case(cluster, tmp_path, "restart in place", restart_in_place)
+    summary = run_case(cluster, tmp_path, "restart in place", restart_in_place)
+    assert summary["answered_unavailable"] == 0, summary  # no call reached the replica while it warmed up
 
 
 @pytest.mark.slow

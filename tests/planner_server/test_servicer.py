@@ -47,10 +47,8 @@ class Pool:
         raise self.error
 
 
-def status(pool_error: BaseException, draining: bool = False, ready: bool = True, **context) -> tuple:
+def status(pool_error: BaseException, draining: bool = False, **context) -> tuple:
     servicer = PlannerServicer(ServerConfig(violations_dir=""), Pool(pool_error), PlannerMetrics())  # type: ignore[arg-type]
-    if ready:
-        servicer.ready.set()  # the server sets it once its workers have warmed up
     if draining:
         servicer.draining.set()
     with pytest.raises(Aborted) as aborted:
@@ -77,13 +75,6 @@ def test_a_caller_gone_is_cancelled_not_timed_out():
 def test_a_draining_server_answers_unavailable_without_planning():
     code, message = status(AssertionError("the pool was asked"), draining=True)
     assert code == grpc.StatusCode.UNAVAILABLE and "shutting down; retry on another replica" in message
-
-
-def test_a_server_warming_up_answers_unavailable_without_planning():
-    """The port accepts before the workers are warm (a container restarted on its address): a Plan
-    call is not held until they are, it is sent to another replica."""
-    code, message = status(AssertionError("the pool was asked"), ready=False)
-    assert code == grpc.StatusCode.UNAVAILABLE and "warming up; retry on another replica" in message
 
 
 def test_a_metadata_job_name_that_is_not_one_is_invalid_argument():

@@ -72,10 +72,11 @@ def planner_env(without_release_overlay: bool = False, root: Path = ROOT) -> dic
 
 def start_planner(
     *args: str, workers: int = 2, port: int = 0, timeout: float = 180.0, without_release_overlay: bool = False,
-    root: Path = ROOT, extra_env: dict[str, str] | None = None,
+    root: Path = ROOT, extra_env: dict[str, str] | None = None, wait_serving: bool = True,
 ) -> PlannerProcess:
     """Starts `python -m planner_server` (the code of `root`, with `extra_env` added to its
-    environment) and waits until it reports SERVING."""
+    environment) and waits until it reports SERVING. `wait_serving=False`: returns at once (`port`
+    must then be given; `metrics_port` and `probe_port` are unknown, None)."""
     cmd = [sys.executable, "-m", "planner_server", "--host", "127.0.0.1", "--port", str(port),
            "--metrics-port", "0", "--probe-port", "0", "--workers", str(workers), *args]
     proc = subprocess.Popen(
@@ -98,6 +99,10 @@ def start_planner(
         closed.set()
 
     threading.Thread(target=pump, daemon=True).start()
+    hosts = [cmd[i + 1] for i, arg in enumerate(cmd[:-1]) if arg == "--host"]  # the last one wins
+    if not wait_serving:
+        assert port, "wait_serving=False needs the port"
+        return PlannerProcess(proc, port, None, host=hosts[-1], log_lines=lines, output_closed=closed)
     deadline = time.monotonic() + timeout
     while not ready.wait(0.2):
         if time.monotonic() > deadline:
@@ -107,7 +112,6 @@ def start_planner(
         proc.wait(10)
         raise RuntimeError(f"planner exited with {proc.returncode}:\n" + "\n".join(lines[-30:]))
     metrics, probe = found["metrics"], found["probe"]
-    hosts = [cmd[i + 1] for i, arg in enumerate(cmd[:-1]) if arg == "--host"]  # the last one wins
     return PlannerProcess(
         proc, int(found["port"]), None if metrics == "None" else int(metrics),
         probe_port=None if probe in (None, "None") else int(probe), host=hosts[-1], log_lines=lines, output_closed=closed,
