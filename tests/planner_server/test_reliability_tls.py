@@ -203,7 +203,14 @@ def test_readiness_passes_only_once_the_server_is_serving(pki):
                                          if (m := re.search(r"probes on (\d+)", line))), None), 120, "the probe port")
         seen = []
         while not seen or seen[-1][0] != "SERVING":
-            status = probe_status(probe)
+            try:
+                status = probe_status(probe)
+            except grpc.RpcError as error:
+                # A probe unanswered within its timeout fails, as the kubelet's does: on a busy
+                # machine the warm-up's imports and compiles hold the GIL for seconds at a time.
+                if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                status = "timed out"
             seen.append((status, any("SERVING on port" in line for line in list(lines))))
         # Whenever readiness said SERVING, the server had already said so itself.
         assert all(logged for status, logged in seen if status == "SERVING"), seen
