@@ -29,9 +29,14 @@ def run_ranks(fn, args: tuple, nprocs: int, deadline_seconds: float, *, start_me
     import pytest
     import torch.multiprocessing as mp
 
-    # Imported here so that forked ranks inherit them instead of importing them again.
+    # Imported here so that forked ranks inherit them instead of importing them again; the compiled
+    # exact path's kernels too (numba and the kernels: a few seconds of CPU in every rank whose
+    # trainer client starts its in-process fallback, otherwise).
     from megatron.core import parallel_state  # noqa: F401
     import trainer_client  # noqa: F401
+    from batch_planner.exact.prepare import prepare
+
+    prepare(always=True)
 
     context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method=start_method or fork_or_spawn())
     deadline = time.monotonic() + deadline_seconds
