@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.support.dropin_support import MAX_SEQLEN_PER_RANK, global_subsamples, local_packed_batch, megatron_config
-from tests.support.launch import init_gloo, read_rank_results, run_ranks, write_rank_result
+from tests.support.launch import fork_or_spawn, init_gloo, read_rank_results, run_ranks, write_rank_result
 
 STEPS = 3
 # Static packing splits every sample over the static CP group only (max_seqlen x CP = 2,048 tokens
@@ -225,7 +225,7 @@ def _non_first_tp_rank() -> dict:
 
 
 def _run(world: int, tp: int, cp: int, tmp_path, planner, full: bool) -> list[dict]:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(fork_or_spawn())
     stop_requested, stopped = ctx.Event(), ctx.Event()
 
     def stop_the_planner() -> None:  # every rank has planned with it: the rest is planned in process
@@ -233,8 +233,7 @@ def _run(world: int, tp: int, cp: int, tmp_path, planner, full: bool) -> list[di
         stopped.set()
 
     args = (world, str(tmp_path / "store"), planner.address, str(tmp_path), tp, cp, stop_requested, stopped, full)
-    # Spawned, not forked: each rank imports Megatron-Core afresh (what this test has always done).
-    run_ranks(_rank, args, world, deadline_seconds=1200, start_method="spawn", on_event=(stop_requested, stop_the_planner))
+    run_ranks(_rank, args, world, deadline_seconds=1200, on_event=(stop_requested, stop_the_planner))
     return read_rank_results(tmp_path, world)
 
 
