@@ -6,7 +6,9 @@ Real: Bridge's ConfigContainer (real sub-configs), `_initialize_distributed`, `i
 `GlobalState` and timers, `optim.setup_optimizer` (Megatron-Core's `get_megatron_optimizer` and
 Bridge's scheduler), `train_step`, `evaluate`, `gpt_step.forward_step`, `masked_next_token_loss`;
 Megatron-Core's GPTModel, DistributedDataParallel, `finalize_model_grads`, parallel_state and
-`forward_backward_no_pipelining`.
+`forward_backward_no_pipelining`. On a CPU the loss is Megatron-Core's unfused vocab-parallel cross
+entropy, as the GPU-only fusions are off (Bridge's default fuses it with torch.compile, which
+compiles C++ with Inductor in every rank here).
 
 CPU stand-ins, each named as such, for what needs CUDA here:
 - `tests.support.megatron_init`'s stand-ins for `torch.cuda.current_device` / `synchronize` (group
@@ -154,6 +156,9 @@ def bridge_config(tp: int, cp: int, world: int, pp: int = 1, vpp: int | None = N
         position_embedding_type=position_embedding_type(), share_embeddings_and_output_weights=False,
         bf16=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+        # Bridge's default fuses the loss with torch.compile: on a CPU, Inductor compiles C++ in every
+        # rank (~20 s of CPU each); there, Megatron-Core's unfused vocab-parallel cross entropy.
+        cross_entropy_loss_fusion=torch.cuda.is_available(),
         init_method_std=INIT_STD,
     )
     model_fields.update(overrides.pop("model", {}))

@@ -39,6 +39,15 @@ MIN_CP = {"dp2_cp2": None, "tp2_cp2": 2, "dp3_cp2": None, "dp4_contiguous": None
 MODEL = {"dp4_contiguous": {"cp_partition_mode": "contiguous"}}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def bridge_imported_before_the_ranks_fork():
+    """Bridge's modules that the ranks run, imported in this process: the forked ranks inherit them
+    (each rank importing them itself costs ~14 s of CPU)."""
+    from megatron.bridge.models import gpt_provider  # noqa: F401
+    from megatron.bridge.training import config, eval, gpt_step, initialize, optim, state, train  # noqa: F401
+    import trainer_client.megatron_bridge  # noqa: F401
+
+
 def _rank(rank: int, *args) -> None:
     with ranks.CudaDeviceRequestsOnCpu():
         _train_and_evaluate(rank, *args)
