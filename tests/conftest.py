@@ -15,6 +15,17 @@ def planner() -> PlannerProcess:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def other_planner() -> PlannerProcess:
+    """A second real planner process (1 worker) on loopback, shared by the session: for the tests
+    that compare plans across two server processes, and for the metrics tests, which count what
+    their own requests move (before and after, never from zero). Each start costs two imports of
+    Megatron-Core (the server's and its forkserver's). Ends with a clean drain (exit status 0)."""
+    server = start_planner(workers=1)
+    yield server
+    assert server.stop() == 0, server.log
+
+
 @pytest.fixture()
 def stub(planner: PlannerProcess):
     with grpc.insecure_channel(planner.address) as channel:

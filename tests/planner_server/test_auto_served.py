@@ -39,17 +39,10 @@ BAD_COST_MODELS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def second_planner():
-    server = start_planner(workers=1)
-    yield server
-    server.stop()
-
-
-def test_served_auto_plans_are_identical_across_servers_and_list_candidates(stub, second_planner):
+def test_served_auto_plans_are_identical_across_servers_and_list_candidates(stub, other_planner):
     message = request_to_proto(auto_request("bimodal", 128, dp=8, cp=2))
     first = stub.Plan(message, timeout=300)
-    with grpc.insecure_channel(second_planner.address) as channel:
+    with grpc.insecure_channel(other_planner.address) as channel:
         second = planner_pb2_grpc.BatchPlannerStub(channel).Plan(message, timeout=300)
     assert first.SerializeToString(deterministic=True) == second.SerializeToString(deterministic=True)
     assert first.scheduler != pb.SCHEDULER_AUTO and len(first.candidates) == 14  # 16 ranks: static CP 1-16

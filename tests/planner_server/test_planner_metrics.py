@@ -1,5 +1,7 @@
 """The planner's /metrics: valid Prometheus exposition, promtool-clean, and counters that move by
-exactly what known requests should add."""
+exactly what known requests should add. On the session's second planner (other_planner,
+tests/conftest.py): the tests that share it make synchronous calls only, none in flight between
+tests, so what a test counts between its before and after scrapes is its own requests'."""
 
 from __future__ import annotations
 
@@ -19,14 +21,6 @@ from batch_planner.v1 import planner_pb2_grpc
 from tests.support.deploy_tools import find_tool
 
 
-@pytest.fixture(scope="module")
-def fresh_planner():
-    """A planner of its own, so that no other test's requests move its counters."""
-    server = start_planner(workers=1)
-    yield server
-    server.stop()
-
-
 def scrape(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as response:
         return response.read().decode()
@@ -34,18 +28,18 @@ def scrape(url: str) -> str:
 
 
 
-def test_counters_move_by_known_amounts(fresh_planner):
-    before = scrape(fresh_planner.metrics_url)
+def test_counters_move_by_known_amounts(other_planner):
+    before = scrape(other_planner.metrics_url)
     lengths = tuple(sample_lengths("long_tail_16k", 128, seed=9))
     request = PlanRequest.of(lengths, 8, 2, 4096, tensor_parallel_size=2, job="metrics-test")
-    with grpc.insecure_channel(fresh_planner.address) as channel:
+    with grpc.insecure_channel(other_planner.address) as channel:
         stub = planner_pb2_grpc.BatchPlannerStub(channel)
         plans = [plan_from_proto(stub.Plan(request_to_proto(request), timeout=60)) for _ in range(3)]
         bad = request_to_proto(request)
         bad.sequence_lengths[0] = 0
         with pytest.raises(grpc.RpcError):
             stub.Plan(bad, timeout=30)
-    after = scrape(fresh_planner.metrics_url)
+    after = scrape(other_planner.metrics_url)
 
     def delta(name, **labels):
         return sample_value(after, name, **labels) - sample_value(before, name, **labels)
@@ -71,7 +65,7 @@ def test_counters_move_by_known_amounts(fresh_planner):
     assert info and "hybrid_cp" in info[0].labels["schedulers"] and info[0].labels["megatron_core_version"]
 
 
-def test_the_alignment_padding_is_counted_by_precision(fresh_planner):
+def test_the_alignment_padding_is_counted_by_precision(other_planner):
     """FP8's row alignment: of the padding counted, what the precision added (PlanStatistics'
     alignment_padding_tokens), labelled with the plan's precision; a bf16 plan adds no series."""
     from batch_planner.precision import Precision
@@ -79,12 +73,12 @@ def test_the_alignment_padding_is_counted_by_precision(fresh_planner):
     lengths = tuple(sample_lengths("long_tail_16k", 64, seed=3))
     fp8 = PlanRequest.of(lengths, 4, 2, 4096, tensor_parallel_size=2, precision=Precision.FP8_BLOCK, job="metrics-fp8")
     bf16 = PlanRequest.of(lengths, 4, 2, 4096, tensor_parallel_size=2, job="metrics-bf16")
-    before = scrape(fresh_planner.metrics_url)
-    with grpc.insecure_channel(fresh_planner.address) as channel:
+    before = scrape(other_planner.metrics_url)
+    with grpc.insecure_channel(other_planner.address) as channel:
         stub = planner_pb2_grpc.BatchPlannerStub(channel)
         plans = [plan_from_proto(stub.Plan(request_to_proto(fp8), timeout=60)) for _ in range(2)]
         plain = plan_from_proto(stub.Plan(request_to_proto(bf16), timeout=60))
-    after = scrape(fresh_planner.metrics_url)
+    after = scrape(other_planner.metrics_url)
     name = "batch_planner_alignment_padding_tokens_total"
     aligned = plans[0].statistics.alignment_padding_tokens
     assert plans[0].precision is Precision.FP8_BLOCK and aligned > 0
@@ -96,9 +90,9 @@ def test_the_alignment_padding_is_counted_by_precision(fresh_planner):
     assert 'training_job="metrics-bf16"' not in "\n".join(line for line in after.splitlines() if line.startswith(name))
 
 
-def test_exposition_passes_promtool(fresh_planner):
+def test_exposition_passes_promtool(other_planner):
     promtool = find_tool("promtool")
-    text = scrape(fresh_planner.metrics_url)
+    text = scrape(other_planner.metrics_url)
     assert "batch_planner_requests_total" in text
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -125,9 +119,9 @@ def test_a_series_looked_up_once_is_the_one_its_labels_name():
         "batch_planner_requests_total", {"scheduler": "dynamic_cp", "code": "OK", "training_job": "job"}) == 4
 
 
-def test_metrics_follow_prometheus_conventions(fresh_planner):
+def test_metrics_follow_prometheus_conventions(other_planner):
     """no `job` label of our own, the process collector, no _created series."""
-    text = scrape(fresh_planner.metrics_url)
+    text = scrape(other_planner.metrics_url)
     families = list(text_string_to_metric_families(text))
     names = {s.name for f in families for s in f.samples}
     assert {"process_resident_memory_bytes", "process_cpu_seconds_total", "python_info"} <= names
@@ -147,9 +141,9 @@ def _listening_addresses(port: int) -> set[str]:
     return found
 
 
-def test_metrics_port_binds_the_grpc_host_only(fresh_planner):
+def test_metrics_port_binds_the_grpc_host_only(other_planner):
     """with --host 127.0.0.1 /metrics listens on loopback, not on every interface."""
-    assert _listening_addresses(fresh_planner.metrics_port) == {"0100007F"}  # 127.0.0.1
+    assert _listening_addresses(other_planner.metrics_port) == {"0100007F"}  # 127.0.0.1
 
 
 def test_calls_grpc_refuses_past_its_concurrency_limit_are_counted():

@@ -16,7 +16,6 @@ from batch_planner.schedulers import valid_cp_sizes
 from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
 from tests.support.megatron_builds import require_scheduler
-from tests.support.planner_process import start_planner
 from tests.batch_planner.test_planner_core import megatron_dynamic_cp, megatron_hybrid_cp, rank_view
 
 
@@ -43,19 +42,15 @@ def test_served_plan_equals_megatron_core_in_process(stub, dp, cp, samples):
 DYNAMIC_CP_LAYOUTS = [(4, 2, 64), (32, 2, 512), (64, 4, 1024), (8, 2, 256), (12, 2, 384)]
 
 
-def test_served_dynamic_cp_plans_equal_megatron_core_across_two_servers(planner, stub):
+def test_served_dynamic_cp_plans_equal_megatron_core_across_two_servers(planner, stub, other_planner):
     require_scheduler(SchedulerKind.DYNAMIC_CP)
     requests = [
         PlanRequest.of(tuple(sample_lengths("lognormal_32k", n, seed=dp)), dp, cp, 8192, scheduler=SchedulerKind.DYNAMIC_CP)
         for dp, cp, n in DYNAMIC_CP_LAYOUTS
     ]
     first = [stub.Plan(request_to_proto(r), timeout=300) for r in requests]
-    other = start_planner(workers=1)
-    try:
-        with grpc.insecure_channel(other.address) as channel:
-            second = [planner_pb2_grpc.BatchPlannerStub(channel).Plan(request_to_proto(r), timeout=300) for r in requests]
-    finally:
-        assert other.stop() == 0
+    with grpc.insecure_channel(other_planner.address) as channel:
+        second = [planner_pb2_grpc.BatchPlannerStub(channel).Plan(request_to_proto(r), timeout=300) for r in requests]
     for request, a, b in zip(requests, first, second):
         plan = plan_from_proto(a)
         # Megatron-Core's own schedule, rank for rank, in every micro-batch.
@@ -85,16 +80,12 @@ def test_a_plan_asked_for_in_columns_is_the_plan_of_the_default_form(stub, sched
     assert plan_to_proto(plan).SerializeToString(deterministic=True) == default.SerializeToString(deterministic=True)
 
 
-def test_same_plan_across_calls_and_processes(planner, stub):
+def test_same_plan_across_calls_and_processes(planner, stub, other_planner):
     message = request_to_proto(long_tail_request(8, 4, 256, seed=5))
     first = stub.Plan(message, timeout=60)
     assert stub.Plan(message, timeout=60) == first
-    other = start_planner(workers=1)
-    try:
-        with grpc.insecure_channel(other.address) as channel:
-            second = planner_pb2_grpc.BatchPlannerStub(channel).Plan(message, timeout=60)
-    finally:
-        assert other.stop() == 0
+    with grpc.insecure_channel(other_planner.address) as channel:
+        second = planner_pb2_grpc.BatchPlannerStub(channel).Plan(message, timeout=60)
     assert second.plan_id == first.plan_id
     assert second.SerializeToString(deterministic=True) == first.SerializeToString(deterministic=True)
 
