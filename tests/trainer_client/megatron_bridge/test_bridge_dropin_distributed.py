@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections import Counter
 
 import pytest
@@ -22,7 +23,7 @@ import pytest
 from tests.trainer_client.megatron_bridge import dropin_ranks as ranks
 from tests.support.launch import read_rank_results, run_ranks, write_rank_result
 from tests.support.planner_process import start_planner
-from tests.support.reliability_support import assert_requests_of_plans, client_counts
+from tests.support.reliability_support import assert_requests_of_plans, client_counts, metric
 
 pytestmark = pytest.mark.attention  # CI prints these tests' time (tests/conftest.py)
 
@@ -48,13 +49,41 @@ def bridge_imported_before_the_ranks_fork():
     import trainer_client.megatron_bridge  # noqa: F401
 
 
+@pytest.fixture(scope="module")
+def running_planner():
+    """One planner for the tests that leave theirs running: the pipeline tests, and on the release
+    the dynamic-CP tests (they stop theirs only where the trainer plans dynamic CP in process once
+    it is gone: the dev build). Each start costs two imports of Megatron-Core. Every test names a
+    job of its own and reads its own job's request-log lines only (`_asked`)."""
+    planner = start_planner(workers=1, without_release_overlay=True)
+    yield planner
+    planner.stop()
+
+
+def _asked(planner, job: str, done) -> Counter:
+    """The Plan requests of `job` the planner answered OK (its request log), by plan id. A planner
+    that was stopped has logged them all once its output ended; one still running logs each
+    after counting it in its metrics, and the lines reach this process a moment after the answers
+    reach the ranks: read once every request its metrics count is in the log and `done(found)`
+    holds, or after 60 s as they are (the caller's assertions say what is missing)."""
+    pattern = re.compile(rf"\bplan plan_id=(\S+) .*\btraining_job={re.escape(job)} .*status=OK")
+    deadline = time.monotonic() + 60
+    while True:
+        running = planner.proc.poll() is None
+        counted = metric(planner, "batch_planner_requests_total", code="OK", training_job=job) if running else 0.0
+        found = Counter(pattern.findall(planner.log))
+        if (sum(found.values()) >= counted and done(found)) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
 def _rank(rank: int, *args) -> None:
     with ranks.CudaDeviceRequestsOnCpu():
         _train_and_evaluate(rank, *args)
 
 
 def _train_and_evaluate(rank: int, world: int, store_path: str, out_dir: str, tp: int, cp: int, min_cp: int | None, endpoint: str,
-                        planner_pid: int, port: int, model: dict) -> None:
+                        planner_pid: int, port: int, model: dict, job: str) -> None:
     import torch.distributed as dist
 
     model_overrides = {"min_dynamic_context_parallel_size": min_cp} if min_cp and ranks._has_dynamic_cp() else {}
@@ -75,7 +104,7 @@ def _train_and_evaluate(rank: int, world: int, store_path: str, out_dir: str, tp
     from trainer_client.plans.apply import micro_batches_for_rank
     from trainer_client.megatron_bridge import active, enable
 
-    planner = {"planner_endpoint": endpoint, "deadline_seconds": 20.0, "fallback_cooldown_seconds": 0.0}
+    planner = {"planner_endpoint": endpoint, "deadline_seconds": 20.0, "fallback_cooldown_seconds": 0.0, "job": job}
     assert enable(cfg, planner=planner)
     dp_rank, dp = pgs.dp.rank(), pgs.dp.size()
     source = ranks.CountingIterator(dp_rank, STEPS + 2)  # more data than the steps run
@@ -135,18 +164,22 @@ def _train_and_evaluate(rank: int, world: int, store_path: str, out_dir: str, tp
 
 @pytest.mark.timeout(DEADLINE_SECONDS + 120)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_dynamic_cp_through_bridge_train_step(layout, tmp_path):
+def test_dynamic_cp_through_bridge_train_step(layout, tmp_path, request):
     tp, cp, world = LAYOUTS[layout]
     if layout in MODEL and not ranks._has_dynamic_cp():
         pytest.skip("the contiguous layout needs the dev build's cp_partition_mode (0.19 reads every CP shard as zigzag)")
-    planner = start_planner(workers=1, without_release_overlay=True)
+    stops = _trainer_has_dynamic_cp()  # rank 0 kills the planner after the first step (a planner of its own)
+    planner = start_planner(workers=1, without_release_overlay=True) if stops else request.getfixturevalue("running_planner")
+    job = f"bridge-{layout}"
     try:
         run_ranks(_rank, (world, str(tmp_path / "store"), str(tmp_path), tp, cp, MIN_CP[layout], planner.address,
-                          planner.proc.pid, planner.port, MODEL.get(layout, {})),
+                          planner.proc.pid, planner.port, MODEL.get(layout, {}), job),
                   world, DEADLINE_SECONDS)
     finally:
-        planner.stop()
-    assert planner.output_closed.wait(60), "the planner's output did not end"  # every request's log line read
+        if stops:
+            planner.stop()
+    if stops:
+        assert planner.output_closed.wait(60), "the planner's output did not end"  # every request's log line read
     results = read_rank_results(tmp_path, world)
     for rank, result in enumerate(results):
         for step, record in enumerate(result["steps"]):
@@ -174,10 +207,11 @@ def test_dynamic_cp_through_bridge_train_step(layout, tmp_path):
     # The planner's request log: each plan asked for once (without the sharing, once per TP rank),
     # plus one answer for each call sent again (a busy machine's hedge), every step served by the
     # service among them.
-    asked = Counter(re.findall(r"\bplan plan_id=(\S+) .*status=OK", planner.log))
+    served = {r["plan_id"] for r in results[0]["steps"] if r["source"] == "service"}
+    asked = _asked(planner, job, lambda found: served <= set(found))
     assert asked, planner.log
     assert_requests_of_plans(sum(asked.values()), len(asked), sum(r["sent_again"] for r in results))
-    assert {r["plan_id"] for r in results[0]["steps"] if r["source"] == "service"} <= set(asked), (asked, results[0]["steps"])
+    assert served <= set(asked), (asked, results[0]["steps"])
     assert [r["asks"] for result in results for r in result["steps"]] == [rank == 0 for rank in range(world) for _ in range(STEPS)]
     for rank, result in enumerate(results):
         if result["dp_cp_ranks"][0] == rank:  # leads its DPxCP group
@@ -227,6 +261,10 @@ def _check_every_sample_once(results: list[dict]) -> None:
 PIPELINE_STEPS = 2
 
 
+def _pipeline_job(vpp: int | None, mtp: int | None) -> str:
+    return f"bridge-pipeline-vpp{vpp or 1}-mtp{mtp or 0}"
+
+
 def _pipeline_rank(rank: int, *args) -> None:
     with ranks.CudaDeviceRequestsOnCpu():
         _train_pipeline(rank, *args)
@@ -251,7 +289,7 @@ def _train_pipeline(rank: int, world: int, store_path: str, out_dir: str, endpoi
     from trainer_client.plans.apply import micro_batches_for_rank
     from trainer_client.megatron_bridge import active, disable, enable
 
-    assert enable(cfg, planner={"planner_endpoint": endpoint, "deadline_seconds": 20.0, "job": f"bridge-pipeline-{vpp}"})
+    assert enable(cfg, planner={"planner_endpoint": endpoint, "deadline_seconds": 20.0, "job": _pipeline_job(vpp, mtp)})
     dp_rank, dp = pgs.dp.rank(), pgs.dp.size()
     data = RerunDataIterator(ranks.CountingIterator(dp_rank, PIPELINE_STEPS + 1))
     fbf = bridge_train.get_forward_backward_func(pp_size=2, vp_size=vpp)
@@ -280,7 +318,7 @@ def _train_pipeline(rank: int, world: int, store_path: str, out_dir: str, endpoi
 
 @pytest.mark.timeout(DEADLINE_SECONDS + 120)
 @pytest.mark.parametrize("vpp,mtp", [(None, None), (2, None), (None, 1)], ids=["pp2", "pp2-vpp2", "pp2-mtp"])
-def test_pipeline_stages_through_bridge_train_step(tmp_path, vpp, mtp):
+def test_pipeline_stages_through_bridge_train_step(tmp_path, vpp, mtp, running_planner):
     """Every stage trains the planned micro-batches; the last stage's loss equals the pipeline over
     whole samples at CP1 (the attention stand-in with RoPE: a wrong CP group, chunk or position
     changes it; learned positions on 0.19); the stages hold one plan a step, and each stage's DPxCP
@@ -296,12 +334,8 @@ def test_pipeline_stages_through_bridge_train_step(tmp_path, vpp, mtp):
     if mtp and not _trainer_has_dynamic_cp():
         pytest.skip("0.19 rolls MTP's packed input over the static CP group: the refusal table refuses MTP there")
     world = 8
-    planner = start_planner(workers=1, without_release_overlay=True)
-    try:
-        run_ranks(_pipeline_rank, (world, str(tmp_path / "store"), str(tmp_path), planner.address, vpp, mtp), world, DEADLINE_SECONDS)
-    finally:
-        planner.stop()
-    assert planner.output_closed.wait(60), "the planner's output did not end"
+    planner = running_planner
+    run_ranks(_pipeline_rank, (world, str(tmp_path / "store"), str(tmp_path), planner.address, vpp, mtp), world, DEADLINE_SECONDS)
     results = read_rank_results(tmp_path, world)
     assert sorted(r["stage"] for r in results) == [0] * 4 + [1] * 4
     for rank, result in enumerate(results):
@@ -323,8 +357,8 @@ def test_pipeline_stages_through_bridge_train_step(tmp_path, vpp, mtp):
         for rank, result in enumerate(results):
             leads = result["dp_cp_ranks"][0] == rank
             assert result["steps"][step]["source"] == ("service" if leads else None), (rank, result["stage"], step, result["steps"][step]["source"])
-    asked = Counter(re.findall(r"\bplan plan_id=(\S+) .*status=OK", planner.log))
     # Each stage's DPxCP group asked once a step, the step read ahead after the last one included,
     # plus one answer for each call sent again (a busy machine's hedge).
+    asked = _asked(planner, _pipeline_job(vpp, mtp), lambda found: len(found) >= PIPELINE_STEPS + 1)
     assert len(asked) == PIPELINE_STEPS + 1 and min(asked.values()) >= 2, asked
     assert_requests_of_plans(sum(asked.values()), 2 * (PIPELINE_STEPS + 1), sum(r["sent_again"] for r in results))
