@@ -18,10 +18,12 @@ def planner() -> PlannerProcess:
 @pytest.fixture(scope="session")
 def other_planner() -> PlannerProcess:
     """A second real planner process (1 worker) on loopback, shared by the session: for the tests
-    that compare plans across two server processes, and for the metrics tests, which count what
-    their own requests move (before and after, never from zero). Each start costs two imports of
-    Megatron-Core (the server's and its forkserver's). Ends with a clean drain (exit status 0)."""
-    server = start_planner(workers=1)
+    that compare plans across two server processes, for the metrics tests, which count what their
+    own requests move (before and after, never from zero), and for the JSON request log's test,
+    which reads its own job's lines (it logs in JSON; `planner` in text). Each start costs two
+    imports of Megatron-Core (the server's and its forkserver's). Ends with a clean drain (exit
+    status 0)."""
+    server = start_planner("--log-format", "json", workers=1)
     yield server
     assert server.stop() == 0, server.log
 

@@ -4,7 +4,6 @@ invariant kept for an operator, bounded."""
 from __future__ import annotations
 
 import json
-import signal
 
 import grpc
 import pytest
@@ -14,7 +13,6 @@ from batch_planner.v1 import planner_pb2 as pb
 from batch_planner.v1 import planner_pb2_grpc
 from planner_server.planning_worker import About, WorkerResult, request_digest
 from planner_server.request_log import ViolationDump
-from tests.support.planner_process import start_planner
 from tests.support.reliability_support import wait_until
 
 REQUEST = pb.PlanRequest(
@@ -26,35 +24,30 @@ REQUEST = pb.PlanRequest(
 )
 
 
-@pytest.fixture(scope="module")
-def json_planner():
-    server = start_planner("--log-format", "json", workers=1)
-    yield server
-    server.stop(signal.SIGKILL)
-
-
 def request_lines(server) -> list[dict]:
+    """The server's request log lines of this test's job (the session's other_planner logs in JSON
+    and serves other tests too)."""
     lines = []
     for line in list(server.log_lines):
         try:
             entry = json.loads(line)
         except ValueError:
             continue
-        if entry.get("logger") == "planner_server.requests":
+        if entry.get("logger") == "planner_server.requests" and entry.get("training_job") == REQUEST.job:
             lines.append(entry)
     return lines
 
 
-def test_each_request_gets_one_json_log_line_with_its_fields(json_planner):
+def test_each_request_gets_one_json_log_line_with_its_fields(other_planner):
     bad = pb.PlanRequest()
     bad.CopyFrom(REQUEST)
     bad.sequence_lengths[0] = 0
-    with grpc.insecure_channel(json_planner.address) as channel:
+    with grpc.insecure_channel(other_planner.address) as channel:
         stub = planner_pb2_grpc.BatchPlannerStub(channel)
         response = stub.Plan(REQUEST, timeout=60)
         with pytest.raises(grpc.RpcError):
             stub.Plan(bad, timeout=60)
-    lines = wait_until(lambda: len(request_lines(json_planner)) >= 2 and request_lines(json_planner), 30,
+    lines = wait_until(lambda: len(request_lines(other_planner)) >= 2 and request_lines(other_planner), 30,
                        "two request log lines")
     assert len(lines) == 2
     ok, refused = lines
