@@ -310,14 +310,25 @@ def serve(config: ServerConfig) -> None:
                   config.drain_seconds, DRAIN_MARGIN_SECONDS)
         _exit_now(1)
 
+    started = threading.Event()  # start() returned: the main thread goes on to wait() and exits
+
+    def drain() -> None:
+        server.stop()
+        if not started.is_set():
+            # SIGTERM during the warm-up: the port never opened, nothing was planned, but the main
+            # thread is still in the warm-up (an import or a compile, which nothing interrupts).
+            log.info("exiting during the warm-up")
+            _exit_now(0)
+
     def on_signal(signum, _frame):
         log.info("received %s", signal.Signals(signum).name)
         threading.Thread(target=watchdog, name="drain-watchdog", daemon=True).start()
-        threading.Thread(target=server.stop, name="drain", daemon=True).start()
+        threading.Thread(target=drain, name="drain", daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
+    started.set()
     server.wait()
     stuck = server.pool.inline_running if server.pool is not None else 0
     if stuck:
