@@ -7,15 +7,6 @@ from batch_planner.v1 import planner_pb2_grpc
 from tests.support.planner_process import PlannerProcess, start_planner
 
 
-def pytest_configure(config) -> None:
-    # Registered here, not in pyproject.toml: ./dev test's lanes (run_suite) select by it.
-    config.addinivalue_line(
-        "markers",
-        "alone: its assertions hold on the machine's cores, not beside another test run: ./dev test runs it after its two "
-        "lanes, with nothing beside it",
-    )
-
-
 @pytest.fixture(scope="session")
 def planner() -> PlannerProcess:
     """One real planner server (2 worker processes) on loopback, shared by the session."""
